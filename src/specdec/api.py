@@ -1,0 +1,144 @@
+"""``specdec.load``: checkpoints (or already-loaded ``transformers`` objects) -> an ``Engine``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.drafters.base import Drafter
+from specdec.drafters.model import ModelDrafter
+from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.engine import Engine, Observer
+from specdec.errors import InvalidRequestError, ModelLoadError, VocabMismatchError
+from specdec.policy import Policy, make_policy
+from specdec.runtime import load_runner, resolve_device, resolve_dtype
+from specdec.runtime.base import ModelRunner
+from specdec.runtime.hf import HFRunner, check_checkpoint_dir
+
+DEFAULT_MODELS = Path(__file__).resolve().parent / "models"
+
+
+def default_target() -> Path:
+    return DEFAULT_MODELS / "target"
+
+
+def default_draft() -> Path:
+    return DEFAULT_MODELS / "draft"
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as e:
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from e
+
+
+def has_tokenizer(path: Path) -> bool:
+    return any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"))
+
+
+def check_same_vocab(target_tok: Any, draft_tok: Any, target_name: str, draft_name: str) -> None:
+    """Refuse a draft whose tokenizer maps any string to a different id than the target's."""
+    tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
+    if len(tv) != len(dv):
+        raise VocabMismatchError(
+            f"draft {draft_name} and target {target_name} do not share a vocabulary: "
+            f"{len(dv)} tokens vs {len(tv)} tokens"
+        )
+    for token, tid in tv.items():
+        if dv.get(token) != tid:
+            raise VocabMismatchError(
+                f"draft {draft_name} and target {target_name} do not share a vocabulary: "
+                f"token {token!r} is id {tid} in the target but {dv.get(token)} in the draft"
+            )
+
+
+def load(
+    target: str | Path | Any | None = None,
+    draft: str | Path | Any | None = None,
+    *,
+    tokenizer: Any = None,
+    prompt_lookup: bool = False,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype | None = "auto",
+    draft_dtype: str | torch.dtype | None = None,
+    runtime: str = "auto",
+    policy: str | Policy = "fixed",
+    tau: int = 4,
+    observers: list[Observer] | None = None,
+    trust_remote_code: bool = False,
+) -> Engine:
+    """Build an engine.
+
+    ``target``/``draft``: checkpoint directories, or loaded ``transformers`` models (then pass
+    ``tokenizer``). With no target, the shipped default pair is used (its draft included, unless
+    ``prompt_lookup``). ``policy``/``tau``: the default for requests that do not choose their own.
+    """
+    dev = resolve_device(device)
+    dt = resolve_dtype(dtype, dev)
+    ddt = resolve_dtype(draft_dtype, dev) if draft_dtype is not None else dt
+    if target is None:
+        target = default_target()
+        if draft is None and not prompt_lookup:
+            draft = default_draft()
+    if draft is not None and prompt_lookup:
+        raise InvalidRequestError("choose either a draft model or prompt lookup, not both", "draft")
+
+    target_runner, target_tok = _load_model(target, tokenizer, runtime, dev, dt, trust_remote_code, "target")
+    drafter: Drafter | None = None
+    max_context = target_runner.max_context
+    if draft is not None:
+        draft_runner, draft_tok = _load_model(draft, None, runtime, dev, ddt, trust_remote_code, "draft",
+                                              tokenizer_fallback=target_tok)
+        if draft_tok is not target_tok:
+            check_same_vocab(target_tok, draft_tok, target_runner.name, draft_runner.name)
+        elif min(draft_runner.vocab_size, target_runner.vocab_size) < len(target_tok):
+            raise VocabMismatchError(
+                f"draft {draft_runner.name} and target {target_runner.name} do not share a vocabulary: "
+                f"{draft_runner.vocab_size} vs {target_runner.vocab_size} output rows for a {len(target_tok)}-token "
+                "tokenizer (the draft has no tokenizer of its own)"
+            )
+        drafter = ModelDrafter(draft_runner, target_runner.vocab_size)
+        max_context = min(max_context, draft_runner.max_context)
+    elif prompt_lookup:
+        drafter = PromptLookupDrafter(target_runner.vocab_size, target_runner.device)
+
+    chosen = policy if isinstance(policy, Policy) else (
+        make_policy("fixed", tau=tau if drafter else 0) if policy == "fixed" else make_policy(policy)
+    )
+    return Engine(target_runner, target_tok, drafter, chosen, observers or [], max_context=max_context)
+
+
+def _load_model(
+    spec: str | Path | Any,
+    tokenizer: Any,
+    runtime: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    trust_remote_code: bool,
+    role: str,
+    tokenizer_fallback: Any = None,
+) -> tuple[ModelRunner, Any]:
+    if isinstance(spec, (str, Path)):
+        path = check_checkpoint_dir(spec)
+        runner = load_runner(path, runtime=runtime, device=device, dtype=dtype,
+                             **({"trust_remote_code": True} if trust_remote_code else {}))
+        if tokenizer is None:
+            if has_tokenizer(path):
+                tokenizer = load_tokenizer(path)
+            elif tokenizer_fallback is not None:
+                tokenizer = tokenizer_fallback
+            else:
+                raise ModelLoadError(f"{role} checkpoint {path} has no tokenizer files (tokenizer.json, ...)")
+        return runner, tokenizer
+    if isinstance(spec, torch.nn.Module):
+        runner = HFRunner(spec.to(device), name=getattr(getattr(spec, "config", None), "_name_or_path", "") or f"<{role} model>")
+        tok = tokenizer if tokenizer is not None else tokenizer_fallback
+        if tok is None:
+            raise InvalidRequestError(f"pass tokenizer= when the {role} is a loaded model object", "tokenizer")
+        return runner, tok
+    raise InvalidRequestError(f"{role} must be a checkpoint directory or a transformers model, got {type(spec).__name__}", role)

@@ -1,0 +1,63 @@
+"""Options shared by every command that loads models, parsed into one settings object."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdec.engine import Engine
+
+
+@dataclass
+class ModelSettings:
+    target: Path | None
+    draft: Path | None
+    prompt_lookup: bool
+    no_draft: bool
+    device: str
+    dtype: str
+    draft_dtype: str | None
+    runtime: str
+    policy: str
+    tau: int
+    trust_remote_code: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ModelSettings:
+        return cls(
+            target=args.target, draft=args.draft, prompt_lookup=args.prompt_lookup, no_draft=args.no_draft,
+            device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype, runtime=args.runtime,
+            policy=args.policy, tau=args.tau, trust_remote_code=args.trust_remote_code,
+        )
+
+    def load(self, observers: list | None = None) -> Engine:
+        from specdec.api import default_draft, default_target, load
+
+        target, draft = self.target, self.draft
+        if target is None and draft is None and not (self.prompt_lookup or self.no_draft):
+            draft = default_draft()
+        if self.no_draft:
+            draft = None
+        drafting = draft is not None or self.prompt_lookup
+        return load(
+            target or default_target(), draft, prompt_lookup=self.prompt_lookup and not self.no_draft,
+            device=self.device, dtype=self.dtype, draft_dtype=self.draft_dtype, runtime=self.runtime,
+            policy=self.policy, tau=self.tau if drafting else 0, observers=observers,
+            trust_remote_code=self.trust_remote_code,
+        )
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("--target", type=Path, default=None, help="target checkpoint directory (default: the shipped pair)")
+    g.add_argument("--draft", type=Path, default=None, help="draft checkpoint directory sharing the target's tokenizer")
+    g.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup in the context (no draft model)")
+    g.add_argument("--no-draft", action="store_true", help="plain target decoding (with the default target)")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    g.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (auto: bf16 where the hardware has it)")
+    g.add_argument("--draft-dtype", default=None, help="dtype of the draft model (default: as --dtype)")
+    g.add_argument("--runtime", default="auto", help="auto, native or hf (auto: native for Llama-family checkpoints)")
+    g.add_argument("--policy", default="fixed", help="how τ is chosen each step (default: fixed)")
+    g.add_argument("--tau", type=int, default=4, help="draft tokens per step for the fixed policy (default: 4)")
+    g.add_argument("--trust-remote-code", action="store_true", help="allow checkpoints with custom Python code")

@@ -1,0 +1,65 @@
+"""``specdec generate PROMPT``: one completion, as text (with a stats line) or as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdec.commands.common import ModelSettings, add_model_args
+from specdec.engine import Observer
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate a completion with speculative decoding",
+                       description="Generate a completion. With no model options the shipped default pair is used.")
+    p.add_argument("prompt", help="prompt text ('-' reads it from standard input)")
+    add_model_args(p)
+    g = p.add_argument_group("generation")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--max-verify-passes", type=int, default=None, help="hard cap on target passes for the request")
+    o = p.add_argument_group("output")
+    o.add_argument("--stream", action="store_true", help="print text as it is verified")
+    o.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
+    o.add_argument("--trace", default=None, metavar="FILE", help="append a JSONL trace of every step")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    observers: list[Observer] = []
+    if args.trace:
+        from specdec.trace import JsonlTrace
+
+        observers.append(JsonlTrace(args.trace))
+    engine = ModelSettings.from_args(args).load(observers=observers)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, seed=args.seed, stop=args.stop, max_verify_passes=args.max_verify_passes)
+    gen = engine.start(prompt, **kwargs)
+    try:
+        for event in gen:
+            if args.stream and not args.json and event.text:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+    finally:
+        for obs in observers:
+            close = getattr(obs, "close", None)
+            if close:
+                close()
+    result = gen.result()
+    if args.json:
+        print(json.dumps(result.to_json()))
+        return 0
+    if not args.stream:
+        sys.stdout.write(result.text)
+    s = result.stats
+    print()
+    print(f"[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s | α {s.acceptance_rate:.2f} | mean accepted length "
+          f"{s.mean_accepted_length:.2f} (incl. correction token) | {s.target_passes} target passes | "
+          f"finish: {s.finish_reason}]", file=sys.stderr)
+    return 0

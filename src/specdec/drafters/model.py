@@ -1,0 +1,81 @@
+"""A small draft model sharing the target's vocabulary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.drafters.base import Draft, Drafter
+from specdec.runtime.base import KVCache, ModelRunner
+from specdec.sampling import SamplingParams, logits_to_probs, sample
+
+
+@dataclass
+class DraftModelState:
+    cache: KVCache
+    held: list[int] = field(default_factory=list)  # token ids whose keys/values are in the cache
+
+
+class ModelDrafter(Drafter):
+    name = "model"
+
+    def __init__(self, runner: ModelRunner, vocab_size: int) -> None:
+        self.runner = runner
+        self.vocab_size = vocab_size  # the target's: draft distributions are padded/cut to it
+
+    def new_state(self) -> DraftModelState:
+        return DraftModelState(cache=self.runner.new_cache())
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        # Checkpoints often pad their embedding matrix; rows beyond the shared tokenizer are never valid tokens.
+        v = self.vocab_size
+        if logits.shape[-1] > v:
+            return logits[..., :v]
+        if logits.shape[-1] < v:
+            pad = logits.new_full((*logits.shape[:-1], v - logits.shape[-1]), float("-inf"))
+            return torch.cat([logits, pad], dim=-1)
+        return logits
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        state: DraftModelState,
+        context: list[int],
+        tau: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        min_confidence: float | None = None,
+    ) -> Draft:
+        # Roll back to the longest prefix shared with the verified context, then catch up on
+        # what was verified since (e.g. held = c + [a, b, x], context = c + [a, b, y]: keep c+[a, b], feed y).
+        keep = 0
+        held = state.held
+        limit = min(len(held), len(context))
+        while keep < limit and held[keep] == context[keep]:
+            keep += 1
+        keep = min(keep, len(context) - 1)  # at least one token must be fed to get the next distribution
+        state.cache.crop(keep)
+        device = self.runner.device
+        feed = torch.tensor(context[keep:], dtype=torch.long, device=device)
+        state.held = list(context)
+        logits = self.runner.forward(feed, state.cache, last_only=True)[-1]
+        tokens: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        confidence: list[float] = []
+        for t in range(tau):
+            q = logits_to_probs(self._fit_vocab(logits)[None], params)[0]
+            top = float(q.max().item()) if min_confidence is not None or params.greedy else 0.0
+            if min_confidence is not None and top < min_confidence:
+                break
+            y = self._fit_vocab(logits).argmax()[None] if params.greedy else sample(q[None], generator)
+            tokens.append(y)
+            probs.append(q)
+            confidence.append(top)
+            if t + 1 < tau:
+                logits = self.runner.forward(y, state.cache, last_only=True)[-1]
+                state.held.append(int(y.item()))
+        if not tokens:
+            empty = torch.empty(0, dtype=torch.long, device=device)
+            return Draft(empty, torch.empty(0, self.vocab_size, device=device), [])
+        return Draft(torch.cat(tokens), torch.stack(probs), confidence)

@@ -1,0 +1,129 @@
+"""Per-step and per-request facts. Trace, metrics, bench, diagnose and the UI read these.
+
+Conventions (used the same way everywhere):
+- ``tau``: draft tokens proposed in the step (0 = plain target step).
+- ``accept_flags[t]``: outcome of the acceptance test at draft position t+1 taken alone
+  (r_t <= p/q, or draft == target argmax when greedy). Only the consecutively accepted
+  prefix counts: ``n_accepted`` = index of the first False (``tau`` when none).
+- every step emits ``n_accepted + 1`` tokens: the accepted drafts, then one *correction*
+  token whose ``correction`` kind is ``recovered`` (at a rejection), ``bonus`` (all tau
+  accepted) or ``plain`` (tau = 0). ``emitted`` may be shorter when a stop condition
+  cut the step (EOS, stop string, max_new_tokens).
+- mean accepted length = emitted tokens per target pass, the correction token included.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Correction = Literal["recovered", "bonus", "plain"]
+FinishReason = Literal["stop", "length", "verify_budget", "cancelled"]
+
+TRACE_SCHEMA_VERSION = 1
+
+
+@dataclass
+class StepRecord:
+    request_id: str
+    step: int  # 0-based index of the step within its request
+    prompt_len: int
+    context_len: int  # tokens in the context before this step
+    policy: str
+    reason: str  # why the policy chose tau this step
+    tau: int
+    draft_tokens: list[int]
+    accept_flags: list[bool]
+    n_accepted: int
+    correction: Correction
+    emitted: list[int]  # tokens appended to the output by this step (after stop truncation)
+    draft_time: float  # seconds proposing the draft (draft model forwards, sampling)
+    verify_time: float  # seconds in the target's forward pass and the acceptance rule
+    other_time: float  # the rest of the step: policy, bookkeeping, stop checks, detokenising
+    draft_token_probs: list[float] = field(default_factory=list)  # q(ŷ_t) of each draft token
+    target_token_probs: list[float] = field(default_factory=list)  # p(ŷ_t) of each draft token
+
+    @property
+    def n_emitted_accepted(self) -> int:
+        """Accepted draft tokens that reached the output (a stop may cut the step short)."""
+        return min(self.n_accepted, len(self.emitted))
+
+    @property
+    def total_time(self) -> float:
+        return self.draft_time + self.verify_time + self.other_time
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["type"] = "step"
+        d["v"] = TRACE_SCHEMA_VERSION
+        return d
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    steps: int = 0
+    target_passes: int = 0  # verify passes (prefill not counted)
+    drafted: int = 0
+    accepted: int = 0  # accepted draft tokens that reached the output
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    other_time: float = 0.0
+    prefill_time: float = 0.0
+    latency: float = 0.0  # wall time of the whole request, prefill included
+    finish_reason: FinishReason = "length"
+
+    @property
+    def acceptance_rate(self) -> float:
+        """α: accepted draft tokens / drafted tokens (0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target pass, the correction token included."""
+        return self.new_tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode = self.latency - self.prefill_time
+        return self.new_tokens / decode if decode > 0 else 0.0
+
+    def add(self, rec: StepRecord) -> None:
+        self.steps += 1
+        self.target_passes += 1
+        self.new_tokens += len(rec.emitted)
+        self.drafted += rec.tau
+        self.accepted += rec.n_emitted_accepted
+        self.draft_time += rec.draft_time
+        self.verify_time += rec.verify_time
+        self.other_time += rec.other_time
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["acceptance_rate"] = self.acceptance_rate
+        d["mean_accepted_length"] = self.mean_accepted_length
+        d["tokens_per_s"] = self.tokens_per_s
+        return d
+
+
+@dataclass
+class RequestSummary:
+    """One per finished request: the trace's closing line for that request."""
+
+    request_id: str
+    policy: str
+    prompt_len: int
+    stats: GenerationStats
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "type": "request",
+            "v": TRACE_SCHEMA_VERSION,
+            "request_id": self.request_id,
+            "policy": self.policy,
+            "prompt_len": self.prompt_len,
+            "settings": self.settings,
+            **self.stats.to_json(),
+        }

@@ -1,0 +1,78 @@
+"""Runtimes by name. ``auto`` picks the native fast path for architectures it supports, else ``transformers``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from specdec.errors import InvalidRequestError
+from specdec.runtime.base import KVCache, ModelRunner
+from specdec.runtime.hf import HFRunner, check_checkpoint_dir
+
+RunnerFactory = Callable[..., ModelRunner]
+RUNTIMES: dict[str, RunnerFactory] = {"hf": HFRunner.from_pretrained}
+# model_type values (config.json) the native runtime implements; filled in when it is importable.
+NATIVE_MODEL_TYPES: frozenset[str] = frozenset()
+
+try:  # the native runtime registers itself here
+    from specdec.runtime.native import SUPPORTED_MODEL_TYPES, NativeRunner
+
+    RUNTIMES["native"] = NativeRunner.from_pretrained
+    NATIVE_MODEL_TYPES = frozenset(SUPPORTED_MODEL_TYPES)
+except ImportError:
+    pass
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """``auto``/None: bf16 on CUDA and on CPUs with native bf16 matrix units, else fp32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise InvalidRequestError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(DTYPES)}", "dtype") from None
+
+
+def cpu_has_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise InvalidRequestError(f"unknown device {device!r}", "device") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequestError("device cuda was requested but CUDA is not available", "device")
+    return dev
+
+
+def choose_runtime(path: str | Path, runtime: str) -> str:
+    if runtime != "auto":
+        if runtime not in RUNTIMES:
+            raise InvalidRequestError(f"unknown runtime {runtime!r}; choose one of: auto, {', '.join(RUNTIMES)}", "runtime")
+        return runtime
+    model_type = json.loads((check_checkpoint_dir(path) / "config.json").read_text()).get("model_type")
+    return "native" if model_type in NATIVE_MODEL_TYPES else "hf"
+
+
+def load_runner(path: str | Path, *, runtime: str = "auto", device: torch.device, dtype: torch.dtype,
+                **kwargs: object) -> ModelRunner:
+    return RUNTIMES[choose_runtime(path, runtime)](path, device=device, dtype=dtype, **kwargs)
+
+
+__all__ = ["RUNTIMES", "HFRunner", "KVCache", "ModelRunner", "load_runner", "resolve_device", "resolve_dtype"]

@@ -1,0 +1,58 @@
+"""What the engine needs from a model: a forward over a block of tokens with a KV cache.
+
+A runtime owns the weights; each request owns a ``KVCache`` made by ``new_cache``, so
+many requests can be in flight on one model. ``forward`` appends its block to the
+cache; ``cache.crop(n)`` rolls back to the first n tokens (rejected drafts).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class KVCache(ABC):
+    @property
+    @abstractmethod
+    def length(self) -> int:
+        """Tokens currently held."""
+
+    @abstractmethod
+    def crop(self, length: int) -> None:
+        """Keep only the first ``length`` tokens (``0 <= length <= self.length``)."""
+
+
+class ModelRunner(ABC):
+    """A causal LM loaded for inference, batch size 1 per sequence."""
+
+    name: str  # checkpoint directory or model id, for messages
+    vocab_size: int  # rows of the output distribution
+    max_context: int  # tokens the cache can hold (the model's context window)
+    device: torch.device
+    dtype: torch.dtype
+    eos_token_ids: frozenset[int] = frozenset()  # from config.json / generation_config.json
+
+    @abstractmethod
+    def new_cache(self) -> KVCache: ...
+
+    @abstractmethod
+    def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """Run ``ids`` (int64 ``[k]``) at positions ``cache.length .. cache.length+k-1``.
+
+        Returns float32 logits ``[k, vocab_size]`` (``[1, vocab_size]`` when ``last_only``),
+        row i being the distribution of the token after ``ids[i]``; the cache grows by k.
+        """
+
+
+def check_batch_one(ids: torch.Tensor) -> torch.Tensor:
+    """Accept ``[k]`` or ``[1, k]``; refuse real batches with a clear error instead of reshaping."""
+    from specdec.errors import UnsupportedError
+
+    if ids.dim() == 2:
+        if ids.shape[0] != 1:
+            raise UnsupportedError(f"batch size {ids.shape[0]} is not supported: specdec runs one sequence per request")
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise UnsupportedError(f"expected token ids of shape [k] or [1, k], got {tuple(ids.shape)}")
+    return ids
