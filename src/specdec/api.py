@@ -70,6 +70,7 @@ def load(
     policy: str | Policy = "fixed",
     tau: int = 4,
     observers: list[Observer] | None = None,
+    trace: str | Path | None = None,
     trust_remote_code: bool = False,
 ) -> Engine:
     """Build an engine.
@@ -77,6 +78,7 @@ def load(
     ``target``/``draft``: checkpoint directories, or loaded ``transformers`` models (then pass
     ``tokenizer``). With no target, the shipped default pair is used (its draft included, unless
     ``prompt_lookup``). ``policy``/``tau``: the default for requests that do not choose their own.
+    ``trace``: append a JSONL trace of every step and request to this file (see docs/trace.md).
     """
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
@@ -110,7 +112,12 @@ def load(
     chosen = policy if isinstance(policy, Policy) else (
         make_policy("fixed", tau=tau if drafter else 0) if policy == "fixed" else make_policy(policy)
     )
-    return Engine(target_runner, target_tok, drafter, chosen, observers or [], max_context=max_context)
+    observers = list(observers or [])
+    if trace is not None:
+        from specdec.trace import JsonlTrace
+
+        observers.append(JsonlTrace(trace))
+    return Engine(target_runner, target_tok, drafter, chosen, observers, max_context=max_context)
 
 
 def _load_model(

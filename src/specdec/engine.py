@@ -255,6 +255,9 @@ class Generation:
         t0 = self._t_mark
         ctx = self._step_context()
         decision = self.policy.next_tau(ctx)
+        if decision.stop:
+            self._finish("verify_budget")
+            return None
         tau = max(0, min(decision.tau, ctx.max_tau)) if engine.drafter is not None else 0
 
         t1 = time.perf_counter()

@@ -30,6 +30,7 @@ class Decision:
     tau: int
     reason: str
     min_confidence: float | None = None  # ask the drafter to stop early below this top probability
+    stop: bool = False  # end the request now with finish reason "verify_budget" (budget policies)
 
 
 class Policy(ABC):
