@@ -341,6 +341,7 @@ class Generation:
             settings={"temperature": self.params.temperature, "top_k": self.params.top_k, "top_p": self.params.top_p,
                       "seed": self.params.seed, "max_new_tokens": self.max_new_tokens,
                       "max_verify_passes": self.max_verify_passes},
+            prompt_ids=self.prompt_ids,
         )
         for obs in self.engine.observers:
             obs.on_request(summary)

@@ -116,8 +116,10 @@ class RequestSummary:
     prompt_len: int
     stats: GenerationStats
     settings: dict[str, Any] = field(default_factory=dict)
+    prompt_ids: list[int] | None = None  # lets `specdec audit --trace` replay the request
 
     def to_json(self) -> dict[str, Any]:
+        extra = {"prompt_ids": self.prompt_ids} if self.prompt_ids is not None else {}
         return {
             "type": "request",
             "v": TRACE_SCHEMA_VERSION,
@@ -126,4 +128,5 @@ class RequestSummary:
             "prompt_len": self.prompt_len,
             "settings": self.settings,
             **self.stats.to_json(),
+            **extra,
         }
