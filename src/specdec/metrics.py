@@ -1,0 +1,119 @@
+"""Prometheus metrics fed from StepRecords, following vLLM's spec-decode conventions.
+
+Names mirror vLLM's ``vllm:spec_decode_*`` counters with the ``specdec_`` prefix, so a vLLM
+dashboard ports by renaming:
+
+- ``specdec_spec_decode_num_drafts_total``: steps that proposed at least one draft token.
+- ``specdec_spec_decode_num_draft_tokens_total``: draft tokens proposed (Σ τ).
+- ``specdec_spec_decode_num_accepted_tokens_total``: draft tokens the acceptance rule accepted (Σ n̂).
+- ``specdec_spec_decode_num_accepted_tokens_per_pos_total{position="i"}``: drafts whose token at
+  0-based position i was accepted (it and every token before it).
+
+Derived (PromQL): α = accepted / draft_tokens; mean acceptance length *including the correction
+token* = 1 + accepted / drafts; per-position acceptance = per_pos{position=i} / drafts.
+Accepted counts are the acceptance rule's outcome (n̂); a stop condition may cut the last step of
+a request, so ``specdec_generation_tokens_total`` is the count of tokens actually emitted.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from specdec.records import RequestSummary, StepRecord
+
+ACCEPTED_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 32)
+VERIFY_PASSES_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class SpecMetrics:
+    """Engine observer updating metrics in its own ``CollectorRegistry`` (never the global one)."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self._lock = threading.Lock()  # one record's updates land together relative to render()
+        self._positions = 0  # per-position series exported so far (zeros included, so ratios exist)
+        r = self.registry
+        self.num_drafts = Counter("specdec_spec_decode_num_drafts", "Steps that proposed draft tokens.", registry=r)
+        self.num_draft_tokens = Counter("specdec_spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r)
+        self.num_accepted_tokens = Counter(
+            "specdec_spec_decode_num_accepted_tokens", "Draft tokens accepted by the acceptance rule.", registry=r
+        )
+        self.accepted_per_pos = Counter(
+            "specdec_spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at this 0-based position was accepted (with every token before it).",
+            ["position"],
+            registry=r,
+        )
+        self.verify_passes = Counter("specdec_verify_passes", "Target verify passes (prefill not counted).", registry=r)
+        self.generation_tokens = Counter("specdec_generation_tokens", "Tokens emitted to outputs.", registry=r)
+        self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.step_seconds = Counter(
+            "specdec_step_seconds", "Step time by phase: draft, verify, other.", ["phase"], registry=r
+        )
+        self.requests = Counter(
+            "specdec_request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+        )
+        self.accepted_length = Histogram(
+            "specdec_accepted_length",
+            "Tokens emitted per verify pass, the correction token included.",
+            buckets=ACCEPTED_LENGTH_BUCKETS,
+            registry=r,
+        )
+        self.request_verify_passes = Histogram(
+            "specdec_request_verify_passes", "Verify passes per request.", buckets=VERIFY_PASSES_BUCKETS, registry=r
+        )
+        self.time_per_output_token = Histogram(
+            "specdec_time_per_output_token_seconds",
+            "Decode time per output token of a request (prefill excluded).",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.request_latency = Histogram(
+            "specdec_e2e_request_latency_seconds",
+            "Request latency, prefill included.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        for reason in ("stop", "length", "verify_budget", "cancelled"):
+            self.requests.labels(finished_reason=reason)  # export zeros so rates exist before the first finish
+
+    def on_step(self, record: StepRecord) -> None:
+        with self._lock:
+            self.verify_passes.inc()
+            self.generation_tokens.inc(len(record.emitted))
+            self.accepted_length.observe(len(record.emitted))
+            self.step_seconds.labels(phase="draft").inc(record.draft_time)
+            self.step_seconds.labels(phase="verify").inc(record.verify_time)
+            self.step_seconds.labels(phase="other").inc(record.other_time)
+            if record.tau > 0:
+                self.num_drafts.inc()
+                self.num_draft_tokens.inc(record.tau)
+                self.num_accepted_tokens.inc(record.n_accepted)
+                while self._positions < record.tau:
+                    self.accepted_per_pos.labels(position=str(self._positions))
+                    self._positions += 1
+                for pos in range(record.n_accepted):
+                    self.accepted_per_pos.labels(position=str(pos)).inc()
+
+    def on_request(self, summary: RequestSummary) -> None:
+        s = summary.stats
+        with self._lock:
+            self.requests.labels(finished_reason=s.finish_reason).inc()
+            self.prompt_tokens.inc(s.prompt_tokens)
+            self.request_verify_passes.observe(s.target_passes)
+            self.request_latency.observe(s.latency)
+            decode = s.latency - s.prefill_time
+            if s.new_tokens > 0 and decode > 0:
+                self.time_per_output_token.observe(decode / s.new_tokens)
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text exposition format."""
+        with self._lock:
+            return generate_latest(self.registry)
