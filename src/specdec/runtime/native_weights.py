@@ -1,0 +1,132 @@
+"""Weights for the native runtime: safetensors (single file or sharded) -> fused, device-resident tensors.
+
+Per layer, q/k/v are concatenated into one projection and gate/up into another, so a layer is three
+matrix products plus the output and down projections. The attention scale 1/sqrt(head_dim) is folded
+into the query rows (RoPE is linear, so scaling before or after it is the same).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.errors import ModelLoadError
+from specdec.runtime.native_config import NativeConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass
+class LayerWeights:
+    ln1: torch.Tensor  # [d]
+    wqkv: torch.Tensor  # [(H + 2·KV)·hd, d]
+    bqkv: torch.Tensor | None  # [(H + 2·KV)·hd]
+    wo_t: torch.Tensor  # [H·hd, d] (transposed: x + attn @ wo_t is one addmm)
+    bo: torch.Tensor | None  # [d]
+    ln2: torch.Tensor  # [d]
+    wgu: torch.Tensor  # [2·ff, d]
+    bgu: torch.Tensor | None  # [2·ff]
+    wd_t: torch.Tensor  # [ff, d]
+    bd: torch.Tensor | None  # [d]
+
+
+@dataclass
+class ModelWeights:
+    embed: torch.Tensor  # [V, d]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [d]
+    lm_head: torch.Tensor  # [V, d] (the embedding itself when tied)
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory: ``model.safetensors``, shards named by the index, or any ``*.safetensors``."""
+    from safetensors.torch import load_file
+
+    index = path / INDEX_FILE
+    if index.exists():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"cannot read the shard index {index}: {e}") from e
+        shards = [path / f for f in files]
+    else:
+        shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise ModelLoadError(f"no *.safetensors weights in {path} (the native runtime reads safetensors only)")
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        if not shard.exists():
+            raise ModelLoadError(f"shard {shard.name} named by {INDEX_FILE} is missing from {path}")
+        try:
+            tensors.update(load_file(str(shard), device="cpu"))
+        except Exception as e:  # safetensors raises its own error types for corrupt files
+            raise ModelLoadError(f"cannot read {shard}: {e}") from e
+    return tensors
+
+
+class _Picker:
+    """Takes named tensors out of a state dict, converted, with a clear error for a missing one."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], path: Path, device: torch.device, dtype: torch.dtype) -> None:
+        self.tensors, self.path, self.device, self.dtype = tensors, path, device, dtype
+
+    def raw(self, name: str) -> torch.Tensor:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise ModelLoadError(f"checkpoint {self.path} has no tensor {name!r}") from None
+
+    def put(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=self.device, dtype=self.dtype).contiguous()
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.put(self.raw(name))
+
+    def maybe(self, name: str, present: bool) -> torch.Tensor | None:
+        return self.get(name) if present else None
+
+
+def _fused_qkv(p: _Picker, prefix: str, cfg: NativeConfig, suffix: str) -> torch.Tensor:
+    q, k, v = (p.raw(f"{prefix}.self_attn.{n}_proj.{suffix}").float() for n in "qkv")
+    # Fold the attention scale into the queries (in fp32, before rounding to the runtime dtype).
+    return p.put(torch.cat([q * cfg.head_dim**-0.5, k, v], dim=0))
+
+
+def _layer(p: _Picker, i: int, cfg: NativeConfig) -> LayerWeights:
+    pre = f"model.layers.{i}"
+    mlp = f"{pre}.mlp"
+    bias_gu = None
+    if cfg.mlp_bias:
+        bias_gu = p.put(torch.cat([p.raw(f"{mlp}.gate_proj.bias"), p.raw(f"{mlp}.up_proj.bias")]))
+    return LayerWeights(
+        ln1=p.get(f"{pre}.input_layernorm.weight"),
+        wqkv=_fused_qkv(p, pre, cfg, "weight"),
+        bqkv=_fused_qkv(p, pre, cfg, "bias") if cfg.qkv_bias else None,
+        wo_t=p.put(p.raw(f"{pre}.self_attn.o_proj.weight").t()),
+        bo=p.maybe(f"{pre}.self_attn.o_proj.bias", cfg.o_bias),
+        ln2=p.get(f"{pre}.post_attention_layernorm.weight"),
+        wgu=p.put(torch.cat([p.raw(f"{mlp}.gate_proj.weight"), p.raw(f"{mlp}.up_proj.weight")], dim=0)),
+        bgu=bias_gu,
+        wd_t=p.put(p.raw(f"{mlp}.down_proj.weight").t()),
+        bd=p.maybe(f"{mlp}.down_proj.bias", cfg.mlp_bias),
+    )
+
+
+def load_weights(path: Path, cfg: NativeConfig, device: torch.device, dtype: torch.dtype) -> ModelWeights:
+    p = _Picker(read_tensors(path), path, device, dtype)
+    embed = p.get("model.embed_tokens.weight")
+    if cfg.tie_embeddings:
+        lm_head = embed
+    elif "lm_head.weight" in p.tensors:
+        lm_head = p.get("lm_head.weight")
+    else:
+        raise ModelLoadError(f"checkpoint {path} has no lm_head.weight and tie_word_embeddings is false")
+    if embed.shape != (cfg.vocab_size, cfg.hidden):
+        raise ModelLoadError(
+            f"checkpoint {path}: embedding is {tuple(embed.shape)}, config.json says {(cfg.vocab_size, cfg.hidden)}"
+        )
+    layers = [_layer(p, i, cfg) for i in range(cfg.layers)]
+    return ModelWeights(embed=embed, layers=layers, norm=p.get("model.norm.weight"), lm_head=lm_head)
