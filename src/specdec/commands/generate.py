@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Literal
 
 from specdec.commands.common import ModelSettings, add_model_args
-from specdec.engine import Observer
+from specdec.engine import Engine, Generation, Observer
+from specdec.errors import InvalidRequestError
+from specdec.viz import StepRenderer, Style, default_style
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,11 +30,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--stream", action="store_true", help="print text as it is verified")
     o.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
     o.add_argument("--trace", default=None, metavar="FILE", help="append a JSONL trace of every step")
+    o.add_argument("--show-steps", nargs="?", const="auto", default=None, type=_step_style, metavar="ansi|plain", help="render every step as it happens: accepted, rejected and correction "
+                   "tokens, τ and the policy's reason (default form: ansi on a terminal, plain otherwise)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.show_steps and args.json:
+        raise InvalidRequestError("--show-steps and --json cannot be combined: --json prints one JSON object",
+                                  "show_steps")
     observers: list[Observer] = []
     if args.trace:
         from specdec.trace import JsonlTrace
@@ -41,16 +49,15 @@ def run(args: argparse.Namespace) -> int:
     kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                   top_p=args.top_p, seed=args.seed, stop=args.stop, max_verify_passes=args.max_verify_passes)
     gen = engine.start(prompt, **kwargs)
+    if args.show_steps:
+        return _show_steps(gen, engine, args.show_steps, observers)
     try:
         for event in gen:
             if args.stream and not args.json and event.text:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
     finally:
-        for obs in observers:
-            close = getattr(obs, "close", None)
-            if close:
-                close()
+        _close(observers)
     result = gen.result()
     if args.json:
         print(json.dumps(result.to_json()))
@@ -63,3 +70,34 @@ def run(args: argparse.Namespace) -> int:
           f"{s.mean_accepted_length:.2f} (incl. correction token) | {s.target_passes} target passes | "
           f"finish: {s.finish_reason}]", file=sys.stderr)
     return 0
+
+
+def _step_style(value: str) -> str:
+    if value not in ("auto", "ansi", "plain"):  # "auto": the const of a bare --show-steps
+        raise argparse.ArgumentTypeError(f"expected ansi or plain, got {value!r} (put the prompt before "
+                                         "--show-steps, or write --show-steps=ansi)")
+    return value
+
+
+def _show_steps(gen: Generation, engine: Engine, style: Style | Literal["auto"], observers: list[Observer]) -> int:
+    """Print each step as it is verified, then the output text and a stats footer."""
+    renderer = StepRenderer(engine.tokenizer, default_style(sys.stdout) if style == "auto" else style)
+    if renderer.legend():
+        print(renderer.legend(), flush=True)
+    try:
+        for event in gen:
+            print(renderer.step(event.record), flush=True)
+    finally:
+        _close(observers)
+    result = gen.result()
+    print("--- output ---")
+    print(result.text)
+    print(renderer.footer(result.stats), flush=True)
+    return 0
+
+
+def _close(observers: list[Observer]) -> None:
+    for obs in observers:
+        close = getattr(obs, "close", None)
+        if close:
+            close()
