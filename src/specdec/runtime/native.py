@@ -5,7 +5,9 @@ safetensors) without its model classes. What keeps a decode step cheap (see docs
 
 - one preallocated KV cache tensor per request ``[layers, 2, kv_heads, max_context, head_dim]``,
   written by position, so rolling back rejected drafts is moving an integer;
-- fused q/k/v and gate/up projections, residual adds fused into ``addmm``, RMSNorm as one op;
+- fused q/k/v and gate/up projections (oneDNN-packed with fused SiLU·up in bf16 on CPU), residual
+  adds fused into in-place ``addmm``, RMSNorm as one LayerNorm kernel over [x, -x], norm weights and
+  the attention scale folded into the projections at load;
 - RoPE from precomputed cos/sin tables as ``x·cos + roll(x)·sin`` written in place;
 - grouped-query attention with the query groups folded into the rows of one ``bmm`` (no repeated
   keys), and causal/sliding-window masks sliced from a precomputed band instead of built per step.
@@ -24,7 +26,8 @@ from specdec.errors import ContextLengthError, ModelLoadError
 from specdec.runtime.base import KVCache, ModelRunner, check_batch_one
 from specdec.runtime.hf import check_checkpoint_dir
 from specdec.runtime.native_config import DEFAULT_CACHE_LIMIT, FAMILIES, NativeConfig, read_config, rope_tables
-from specdec.runtime.native_weights import LayerWeights, ModelWeights, load_weights
+from specdec.runtime.native_ops import PreparedLayer, choose_ops, prepare_layer
+from specdec.runtime.native_weights import ModelWeights, load_weights
 
 SUPPORTED_MODEL_TYPES = set(FAMILIES)
 # Blocks up to this many tokens take their mask from the precomputed band; longer ones (prefill) build one.
@@ -66,7 +69,7 @@ class NativeRunner(ModelRunner):
         compile: bool = False,
     ) -> None:
         self.config = cfg
-        self.weights = weights
+        self._embed = weights.embed  # [V, 2d]
         self.name = name
         self.vocab_size = int(weights.lm_head.shape[0])
         self.max_context = max_context
@@ -77,8 +80,10 @@ class NativeRunner(ModelRunner):
         self._cos = cos.to(device=device, dtype=dtype)  # [T, 1, hd]
         self._sin = sin.to(device=device, dtype=dtype)  # [T, 1, hd], sign of rotate-half folded in
         self._bands = {w: self._band(w) for w in set(cfg.windows)}
-        self._layer_plan = list(zip(weights.layers, cfg.windows))
-        self._norm_shape = (cfg.hidden,)
+        self._ops = choose_ops(device, dtype, compile)
+        self._layer_plan = [(prepare_layer(lw, self._ops), win) for lw, win in zip(weights.layers, cfg.windows)]
+        self._lm_head = self._ops.prepare(weights.lm_head)
+        self._norm_shape = (2 * cfg.hidden,)
         self.compile = compile
         self._compiled: dict[int, Callable[..., torch.Tensor]] = {}
 
@@ -153,22 +158,25 @@ class NativeRunner(ModelRunner):
         """The whole forward over ``ids`` ``[k]`` at positions ``pos..pos+k-1``; writes ``kv``; float32 logits."""
         k = ids.shape[0]
         end = pos + k
-        w = self.weights
-        x = F.embedding(ids, w.embed)  # [k, d]
+        d = self.config.hidden
+        x2 = F.embedding(ids, self._embed)  # [k, 2d] = [x, -x]
+        x, x_neg = x2[:, :d], x2[:, d:]  # views: the residual stream is updated in place
         cos, sin = self._cos[pos:end], self._sin[pos:end]  # [k, 1, hd]
         spans = {win: self._span(win, pos, k) for win in self._bands}
-        for i, (lw, win) in enumerate(self._layer_plan):
+        for i, (layer, win) in enumerate(self._layer_plan):
             start, mask = spans[win]
-            x = self._layer(x, lw, kv[i], pos, end, start, mask, cos, sin)
+            self._layer(x2, x, x_neg, layer, kv[i], pos, end, start, mask, cos, sin)
         if last_only:
-            x = x[-1:]
-        x = F.rms_norm(x, self._norm_shape, w.norm, self.config.eps)
-        return F.linear(x, w.lm_head).float()  # [k, V]
+            x2 = x2[-1:]
+        h = F.layer_norm(x2, self._norm_shape, None, None, self.config.eps)[:, :d]
+        return self._ops.linear(h, self._lm_head).float()  # [k, V]
 
     def _layer(
         self,
+        x2: torch.Tensor,
         x: torch.Tensor,
-        lw: LayerWeights,
+        x_neg: torch.Tensor,
+        lw: PreparedLayer,
         kv: torch.Tensor,
         pos: int,
         end: int,
@@ -176,12 +184,14 @@ class NativeRunner(ModelRunner):
         mask: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-    ) -> torch.Tensor:
-        cfg = self.config
-        k = x.shape[0]
+    ) -> None:
+        """One decoder layer, updating the residual stream ``x2`` = [x, -x] in place."""
+        cfg, ops = self.config, self._ops
+        k, d = x.shape
         heads, kv_heads, groups, hd = cfg.heads, cfg.kv_heads, cfg.groups, cfg.head_dim
-        h = F.rms_norm(x, self._norm_shape, lw.ln1, cfg.eps)
-        qkv = F.linear(h, lw.wqkv, lw.bqkv).view(k, heads + 2 * kv_heads, hd)  # [k, H+2KV, hd]
+        # LayerNorm of [x, -x] is RMSNorm of x (the mean is 0); its weight is folded into the projection.
+        h = F.layer_norm(x2, self._norm_shape, None, None, cfg.eps)[:, :d]
+        qkv = ops.linear(h, lw.wqkv, lw.bqkv).view(k, heads + 2 * kv_heads, hd)  # [k, H+2KV, hd]
         qk = qkv[:, : heads + kv_heads]
         torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin, out=qk)  # RoPE on queries and keys, in place
         kv[:, :, pos:end] = qkv[:, heads:].view(k, 2, kv_heads, hd).permute(1, 2, 0, 3)
@@ -192,11 +202,16 @@ class NativeRunner(ModelRunner):
         scores = torch.bmm(q, keys) if mask is None else torch.baddbmm(mask, q, keys)  # [KV, k·G, T']
         out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [KV, k·G, hd]
         out = out.view(kv_heads, k, groups, hd).transpose(0, 1).reshape(k, heads * hd)
-        x = torch.addmm(x, out, lw.wo_t) if lw.bo is None else torch.addmm(x + lw.bo, out, lw.wo_t)
-        h = F.rms_norm(x, self._norm_shape, lw.ln2, cfg.eps)
-        gu = F.linear(h, lw.wgu, lw.bgu)  # [k, 2·ff]
-        act = F.silu(gu[:, : cfg.intermediate]).mul_(gu[:, cfg.intermediate :])
-        return torch.addmm(x, act, lw.wd_t) if lw.bd is None else torch.addmm(x + lw.bd, act, lw.wd_t)
+        if lw.bo is not None:
+            x.add_(lw.bo)
+        x.addmm_(out, lw.wo_t)
+        torch.neg(x, out=x_neg)
+        h = F.layer_norm(x2, self._norm_shape, None, None, cfg.eps)[:, :d]
+        act = ops.swiglu(h, lw)  # [k, ff]
+        if lw.bd is not None:
+            x.add_(lw.bd)
+        x.addmm_(act, lw.wd_t)
+        torch.neg(x, out=x_neg)
 
     def _span(self, window: int | None, pos: int, k: int) -> tuple[int, torch.Tensor | None]:
         """First cache position any of the k queries can see, and the additive mask over ``start..pos+k``.

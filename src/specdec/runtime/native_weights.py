@@ -1,8 +1,11 @@
 """Weights for the native runtime: safetensors (single file or sharded) -> fused, device-resident tensors.
 
-Per layer, q/k/v are concatenated into one projection and gate/up into another, so a layer is three
-matrix products plus the output and down projections. The attention scale 1/sqrt(head_dim) is folded
-into the query rows (RoPE is linear, so scaling before or after it is the same).
+Per layer, q/k/v are concatenated into one projection and gate/up into another. Constant factors are
+folded into weights (in fp32, before rounding to the runtime dtype): each RMSNorm weight into the
+columns of the projection that reads the normalised vector, and the attention scale 1/sqrt(head_dim)
+into the query rows (RoPE is linear, so scaling before or after it is the same). The embedding is
+stored as [E, -E]: the runtime carries the residual stream as [x, -x], whose LayerNorm (one fused
+kernel, mean exactly 0) is x's RMSNorm twice over.
 """
 
 from __future__ import annotations
@@ -21,13 +24,11 @@ INDEX_FILE = "model.safetensors.index.json"
 
 @dataclass
 class LayerWeights:
-    ln1: torch.Tensor  # [d]
-    wqkv: torch.Tensor  # [(H + 2·KV)·hd, d]
+    wqkv: torch.Tensor  # [(H + 2·KV)·hd, d], input norm folded in
     bqkv: torch.Tensor | None  # [(H + 2·KV)·hd]
     wo_t: torch.Tensor  # [H·hd, d] (transposed: x + attn @ wo_t is one addmm)
     bo: torch.Tensor | None  # [d]
-    ln2: torch.Tensor  # [d]
-    wgu: torch.Tensor  # [2·ff, d]
+    wgu: torch.Tensor  # [2·ff, d], post-attention norm folded in
     bgu: torch.Tensor | None  # [2·ff]
     wd_t: torch.Tensor  # [ff, d]
     bd: torch.Tensor | None  # [d]
@@ -35,10 +36,9 @@ class LayerWeights:
 
 @dataclass
 class ModelWeights:
-    embed: torch.Tensor  # [V, d]
+    embed: torch.Tensor  # [V, 2·d]: [E, -E]
     layers: list[LayerWeights]
-    norm: torch.Tensor  # [d]
-    lm_head: torch.Tensor  # [V, d] (the embedding itself when tied)
+    lm_head: torch.Tensor  # [V, d], final norm folded in
 
 
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -89,10 +89,10 @@ class _Picker:
         return self.get(name) if present else None
 
 
-def _fused_qkv(p: _Picker, prefix: str, cfg: NativeConfig, suffix: str) -> torch.Tensor:
+def _fused_qkv(p: _Picker, prefix: str, cfg: NativeConfig, suffix: str, norm: torch.Tensor) -> torch.Tensor:
     q, k, v = (p.raw(f"{prefix}.self_attn.{n}_proj.{suffix}").float() for n in "qkv")
-    # Fold the attention scale into the queries (in fp32, before rounding to the runtime dtype).
-    return p.put(torch.cat([q * cfg.head_dim**-0.5, k, v], dim=0))
+    qkv = torch.cat([q * cfg.head_dim**-0.5, k, v], dim=0)
+    return p.put(qkv * norm if suffix == "weight" else qkv)
 
 
 def _layer(p: _Picker, i: int, cfg: NativeConfig) -> LayerWeights:
@@ -101,14 +101,15 @@ def _layer(p: _Picker, i: int, cfg: NativeConfig) -> LayerWeights:
     bias_gu = None
     if cfg.mlp_bias:
         bias_gu = p.put(torch.cat([p.raw(f"{mlp}.gate_proj.bias"), p.raw(f"{mlp}.up_proj.bias")]))
+    ln1 = p.raw(f"{pre}.input_layernorm.weight").float()[None, :]  # [1, d]: scales the columns
+    ln2 = p.raw(f"{pre}.post_attention_layernorm.weight").float()[None, :]
+    gate_up = torch.cat([p.raw(f"{mlp}.gate_proj.weight"), p.raw(f"{mlp}.up_proj.weight")], dim=0).float()
     return LayerWeights(
-        ln1=p.get(f"{pre}.input_layernorm.weight"),
-        wqkv=_fused_qkv(p, pre, cfg, "weight"),
-        bqkv=_fused_qkv(p, pre, cfg, "bias") if cfg.qkv_bias else None,
+        wqkv=_fused_qkv(p, pre, cfg, "weight", ln1),
+        bqkv=_fused_qkv(p, pre, cfg, "bias", ln1) if cfg.qkv_bias else None,
         wo_t=p.put(p.raw(f"{pre}.self_attn.o_proj.weight").t()),
         bo=p.maybe(f"{pre}.self_attn.o_proj.bias", cfg.o_bias),
-        ln2=p.get(f"{pre}.post_attention_layernorm.weight"),
-        wgu=p.put(torch.cat([p.raw(f"{mlp}.gate_proj.weight"), p.raw(f"{mlp}.up_proj.weight")], dim=0)),
+        wgu=p.put(gate_up * ln2),
         bgu=bias_gu,
         wd_t=p.put(p.raw(f"{mlp}.down_proj.weight").t()),
         bd=p.maybe(f"{mlp}.down_proj.bias", cfg.mlp_bias),
@@ -117,11 +118,11 @@ def _layer(p: _Picker, i: int, cfg: NativeConfig) -> LayerWeights:
 
 def load_weights(path: Path, cfg: NativeConfig, device: torch.device, dtype: torch.dtype) -> ModelWeights:
     p = _Picker(read_tensors(path), path, device, dtype)
-    embed = p.get("model.embed_tokens.weight")
+    embed = p.raw("model.embed_tokens.weight")
     if cfg.tie_embeddings:
         lm_head = embed
     elif "lm_head.weight" in p.tensors:
-        lm_head = p.get("lm_head.weight")
+        lm_head = p.raw("lm_head.weight")
     else:
         raise ModelLoadError(f"checkpoint {path} has no lm_head.weight and tie_word_embeddings is false")
     if embed.shape != (cfg.vocab_size, cfg.hidden):
@@ -129,4 +130,7 @@ def load_weights(path: Path, cfg: NativeConfig, device: torch.device, dtype: tor
             f"checkpoint {path}: embedding is {tuple(embed.shape)}, config.json says {(cfg.vocab_size, cfg.hidden)}"
         )
     layers = [_layer(p, i, cfg) for i in range(cfg.layers)]
-    return ModelWeights(embed=embed, layers=layers, norm=p.get("model.norm.weight"), lm_head=lm_head)
+    norm = p.raw("model.norm.weight").float()[None, :]
+    return ModelWeights(
+        embed=p.put(torch.cat([embed, -embed], dim=1)), layers=layers, lm_head=p.put(lm_head.float() * norm)
+    )
