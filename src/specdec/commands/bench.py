@@ -1,0 +1,198 @@
+"""``specdec bench``: speculative vs target-only vs ``transformers`` on the same prompts, in one process."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from specdec.commands.common import ModelSettings, add_model_args
+
+# --quick: a few prompts and τ values, one timed repeat; finishes in about two minutes on 2 cores.
+QUICK: dict[str, Any] = {"n_prompts": 8, "taus": "2,3,4,6", "repeats": 1, "max_new_tokens": 128, "trace_prompts": 3}
+FULL: dict[str, Any] = {"n_prompts": None, "taus": "1-8", "repeats": 3, "max_new_tokens": 128, "trace_prompts": 8}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmark speculative decoding against target-only and transformers generate()",
+        description="Time target-only, fixed-τ and policy decoding with specdec, and transformers generate() "
+        "(plain, assisted by the draft, prompt lookup) on the same prompts, interleaved, greedy. "
+        "With no model options the shipped default pair and held-out prompt set are used.",
+    )
+    add_model_args(p)
+    g = p.add_argument_group("benchmark")
+    g.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        metavar="FILE.jsonl",
+        help='JSONL with a "prompt" field per line (default: the shipped held-out code prompts)',
+    )
+    g.add_argument("--n-prompts", type=int, default=None, help="use only the first N prompts")
+    g.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default: 128)")
+    g.add_argument("--taus", default=None, help="fixed τ values to time, e.g. 1-8 or 2,4,6 (default: 1-8)")
+    g.add_argument(
+        "--policies",
+        default=None,
+        help="named policies to time, comma-separated (default: adaptive,heuristic; missing ones skipped)",
+    )
+    g.add_argument("--repeats", type=int, default=None, help="timed runs per contender and prompt (default: 3)")
+    g.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"{QUICK['n_prompts']} prompts, τ in {QUICK['taus']}, 1 repeat: about 2 minutes on 2 cores",
+    )
+    g.add_argument("--no-hf", action="store_true", help="skip the transformers generate() contenders")
+    g.add_argument(
+        "--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for transformers (default 10)"
+    )
+    g.add_argument(
+        "--trace-prompts",
+        type=int,
+        default=None,
+        help="prompts for the JsonlTrace overhead check at the best τ (0 skips it)",
+    )
+    o = p.add_argument_group("output")
+    o.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the full report as JSON")
+    o.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="plot tokens/s and speedup vs τ")
+    p.set_defaults(func=run)
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from specdec.bench import DEFAULT_POLICIES, DEFAULT_PROMPTS, BenchConfig, load_prompts, parse_taus
+    from specdec.errors import InvalidRequestError
+
+    mode = QUICK if args.quick else FULL
+    prompts = load_prompts(args.prompts or DEFAULT_PROMPTS)
+    n = args.n_prompts if args.n_prompts is not None else mode["n_prompts"]
+    if n is not None:
+        if n <= 0:
+            raise InvalidRequestError(f"--n-prompts must be >= 1, got {n}", "n_prompts")
+        prompts = prompts[:n]
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else mode["max_new_tokens"]
+    repeats = args.repeats if args.repeats is not None else mode["repeats"]
+    for name, value in (("--max-new-tokens", max_new), ("--repeats", repeats), ("--lookup-tokens", args.lookup_tokens)):
+        if value <= 0:
+            raise InvalidRequestError(f"{name} must be >= 1, got {value}", name)
+    policies = (
+        [s.strip() for s in args.policies.split(",") if s.strip()]
+        if args.policies is not None
+        else list(DEFAULT_POLICIES)
+    )
+    trace_prompts = args.trace_prompts if args.trace_prompts is not None else mode["trace_prompts"]
+    return BenchConfig(
+        prompts=prompts,
+        max_new_tokens=max_new,
+        taus=parse_taus(args.taus or mode["taus"]),
+        policies=policies,
+        repeats=repeats,
+        hf=not args.no_hf,
+        lookup_tokens=args.lookup_tokens,
+        trace_prompts=max(0, trace_prompts),
+        quick=args.quick,
+    )
+
+
+def load_models(settings: ModelSettings, with_hf: bool) -> Any:
+    """Our engine (plus a target-only engine sharing its target) and transformers copies of the same checkpoints."""
+    from specdec.api import default_draft, default_target
+    from specdec.bench import BenchModels
+    from specdec.bench_contenders import HFModels
+    from specdec.drafters.model import ModelDrafter
+    from specdec.engine import Engine
+    from specdec.policy import FixedPolicy
+
+    spec = settings.load()
+    target_only = Engine(spec.target, spec.tokenizer, None, FixedPolicy(0), max_context=spec.max_context)
+    target_dir = settings.target or default_target()
+    draft_dir = settings.draft
+    if draft_dir is None and settings.target is None and not (settings.prompt_lookup or settings.no_draft):
+        draft_dir = default_draft()
+    if settings.no_draft:
+        draft_dir = None
+    drafter = spec.drafter
+    draft_runner = drafter.runner if isinstance(drafter, ModelDrafter) else None
+    hf = None
+    if with_hf:
+        hf = HFModels.load(
+            str(target_dir),
+            str(draft_dir) if draft_runner is not None and draft_dir else None,
+            spec.target.dtype,
+            draft_runner.dtype if draft_runner else spec.target.dtype,
+            spec.target.device,
+        )
+    info = {
+        "target": str(target_dir),
+        "draft": str(draft_dir) if draft_runner is not None else None,
+        "drafter": drafter.name if drafter is not None else None,
+        "target_runtime": type(spec.target).__name__,
+        "draft_runtime": type(draft_runner).__name__ if draft_runner else None,
+        "dtype": str(spec.target.dtype).removeprefix("torch."),
+        "draft_dtype": str(draft_runner.dtype).removeprefix("torch.") if draft_runner else None,
+        "device": str(spec.target.device),
+    }
+    return BenchModels(spec=spec if drafter is not None else None, target_only=target_only, hf=hf, info=info)
+
+
+def machine() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or "unknown"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=5).stdout
+        cpu = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), cpu)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from specdec.bench import run_bench
+    from specdec.bench_report import plot, summary, table
+    from specdec.errors import SpecdecError
+
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SpecdecError(
+                "--plot needs matplotlib: pip install matplotlib (or pip install 'specdec[bench]')"
+            ) from None
+    cfg = _config(args)
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    log("loading models ...")
+    models = load_models(ModelSettings.from_args(args), with_hf=cfg.hf)
+    report = run_bench(models, cfg, log)
+    report["machine"] = machine()
+    report["command"] = "specdec " + " ".join(sys.argv[1:])
+    report["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    print(table(report))
+    print()
+    print(summary(report))
+    if args.json is not None:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        log(f"wrote {args.json}")
+    if args.plot is not None:
+        plot(report, args.plot)
+        log(f"wrote {args.plot}")
+    return 0
