@@ -15,7 +15,9 @@ import json
 import platform
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -23,14 +25,24 @@ from specdec.training import corpus
 
 VOCAB_SIZE = 8192
 TARGET_SHAPE = dict(
-    hidden_size=640, intermediate_size=1728, num_hidden_layers=4, num_attention_heads=10,
+    hidden_size=640,
+    intermediate_size=1728,
+    num_hidden_layers=4,
+    num_attention_heads=10,
     num_key_value_heads=5,
 )
 DRAFT_SHAPE = dict(
-    hidden_size=256, intermediate_size=768, num_hidden_layers=1, num_attention_heads=4,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=1,
+    num_attention_heads=4,
     num_key_value_heads=4,
 )
 MAX_POSITIONS = 1024
+DRAFT_STEPS = 600
+DRAFT_KL_WEIGHT = 0.8  # the rest is corpus cross-entropy
+TARGET_EVAL_WINDOWS = 128
+REPRODUCE = "python -m specdec.training.default_pair --work runs/default --target-steps 1400"
 PACKAGE_MODELS = Path(__file__).resolve().parent.parent / "models"
 
 
@@ -38,9 +50,15 @@ def llama_config(shape: dict[str, int]):  # -> LlamaConfig
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=VOCAB_SIZE, max_position_embeddings=MAX_POSITIONS, rope_theta=10000.0,
-        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-        rms_norm_eps=1e-5, **shape,
+        vocab_size=VOCAB_SIZE,
+        max_position_embeddings=MAX_POSITIONS,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+        rms_norm_eps=1e-5,
+        **shape,
     )
 
 
@@ -56,10 +74,15 @@ def stage_data(work: Path) -> None:
     np.save(work / "train.npy", train)
     np.save(work / "val.npy", val)
     (work / "validation_files.txt").write_text("\n".join(split.validation) + "\n")
-    meta = {"python": platform.python_version(), "stdlib": str(split.root),
-            "train_files": len(split.train), "validation_files": len(split.validation),
-            "train_tokens": int(len(train)), "validation_tokens": int(len(val)),
-            "seconds": round(time.time() - t0, 1)}
+    meta = {
+        "python": platform.python_version(),
+        "stdlib": str(split.root),
+        "train_files": len(split.train),
+        "validation_files": len(split.validation),
+        "train_tokens": int(len(train)),
+        "validation_tokens": int(len(val)),
+        "seconds": round(time.time() - t0, 1),
+    }
     (work / "data.json").write_text(json.dumps(meta, indent=2))
     print(f"data: {meta}", flush=True)
 
@@ -78,11 +101,163 @@ def stage_target(work: Path, max_steps: int, deadline: float | None) -> None:
     train(model, np.load(work / "train.npy"), np.load(work / "val.npy"), work / "target", cfg, deadline)
 
 
+def draft_settings(steps: int, threads: int, kl_weight: float) -> Any:  # -> DistillConfig
+    from specdec.training.distill import DistillConfig
+
+    return DistillConfig(
+        steps=steps,
+        seq_len=512,
+        batch_size=8,
+        lr=2e-3,
+        min_lr=2e-4,
+        warmup_steps=50,
+        kl_weight=kl_weight,
+        seed=0,
+        threads=threads,
+        eval_every=50,
+        eval_windows=16,
+    )
+
+
+def stage_baseline(work: Path, steps: int, threads: int, deadline: float | None) -> None:
+    """The comparison draft: same shape, corpus cross-entropy only (not shipped)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from specdec.training import distill
+    from specdec.training.distill_data import StreamSource, fixed_windows
+
+    cfg = draft_settings(steps, threads, kl_weight=0.0)
+    torch.manual_seed(cfg.seed)
+    draft = LlamaForCausalLM(llama_config(DRAFT_SHAPE))
+    val = fixed_windows(np.load(work / "val.npy"), cfg.seq_len, cfg.eval_windows)
+    distill.check_resumable(work / "baseline", {"shape": DRAFT_SHAPE, "config": cfg.resume_key()})
+    st = distill.train(
+        draft, None, StreamSource(np.load(work / "train.npy"), "train.npy"), val, work / "baseline", cfg, deadline
+    )
+    meta = {
+        "seed": cfg.seed,
+        "role": "CE-only baseline draft (not shipped)",
+        "settings": asdict(cfg),
+        "draft_shape": DRAFT_SHAPE,
+        "parameters": distill.count_params(draft),
+        "steps": st.step,
+        "finished": st.finished,
+        "tokens": st.tokens,
+        "train_seconds": round(st.elapsed, 1),
+        "validation": distill.evaluate(draft, None, val),
+        "corpus": corpus_meta(work),
+    }
+    distill.export(draft, AutoTokenizer.from_pretrained(str(work / "tokenizer")), None, work / "baseline_hf", meta)
+    print(f"baseline: wrote {work / 'baseline_hf'} at step {st.step}", flush=True)
+
+
+def export_target(work: Path, target_steps: int) -> Path:
+    """The trained target as a bf16 Hugging Face checkpoint in ``work/target_hf`` (skipped when present)."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, LlamaForCausalLM
+
+    from specdec.training.pretrain import eval_windows, evaluate
+
+    out = work / "target_hf"
+    if (out / "model.safetensors").exists():
+        return out
+    state = torch.load(work / "target" / "ckpt.pt", weights_only=False)
+    model = LlamaForCausalLM(llama_config(TARGET_SHAPE))
+    model.load_state_dict(state["model"])
+    model = model.to(torch.bfloat16).eval()
+    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    events = [json.loads(line) for line in (work / "target" / "log.jsonl").read_text().splitlines()]
+    settings = next(e["config"] for e in events if e["event"] == "start")
+    val_log = [e["val_loss"] for e in events if "val_loss" in e]
+    windows = eval_windows(np.load(work / "val.npy"), settings["seq_len"], TARGET_EVAL_WINDOWS)
+    val_loss = evaluate(model, windows)
+    meta = {
+        "role": "default target",
+        "seed": settings["seed"],
+        "corpus": corpus_meta(work),
+        "settings": settings,
+        "shape": TARGET_SHAPE,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "steps": state["step"],
+        "finished": state["step"] >= target_steps,
+        "tokens": state["tokens"],
+        "train_seconds": round(state["elapsed"], 1),
+        "val_loss_during_training": val_log[-1] if val_log else None,
+        "validation": {
+            "loss": round(val_loss, 4),
+            "perplexity": round(float(np.exp(val_loss)), 2),
+            "windows": TARGET_EVAL_WINDOWS,
+            "window_tokens": settings["seq_len"],
+        },
+        "python": platform.python_version(),
+        "command": REPRODUCE,
+    }
+    model.save_pretrained(str(out), safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(work / "tokenizer")).save_pretrained(str(out))
+    (out / "specdec_training.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(f"target: exported step {state['step']} to {out}; val loss {val_loss:.3f} (bf16)", flush=True)
+    return out
+
+
+def stage_draft(work: Path, target_steps: int, steps: int, threads: int, minutes: float | None) -> None:
+    """Distil the draft from the exported target on the training stream: KL(target ‖ draft) + some CE."""
+    from specdec.training.distill_run import DistillJob, run
+
+    target = export_target(work, target_steps)
+    job = DistillJob(
+        target=target,
+        out=work / "draft_hf",
+        work=work / "draft",
+        draft_config=json.dumps(DRAFT_SHAPE),
+        data=[work / "train.npy"],
+        val_data=[work / "val.npy"],
+        config=draft_settings(steps, threads, kl_weight=DRAFT_KL_WEIGHT),
+        minutes=minutes,
+        prompts=32,
+        meta={"role": "default draft", "corpus": corpus_meta(work), "command": REPRODUCE},
+    )
+    run(job, report=lambda line: print(line, flush=True))
+
+
+SHIPPED_FILES = (
+    "config.json",
+    "model.safetensors",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "specdec_training.json",
+)
+
+
+def stage_export(work: Path) -> None:
+    """Copy both checkpoints (and the validation file list) into the package."""
+    import shutil
+
+    for name, src in (("target", work / "target_hf"), ("draft", work / "draft_hf")):
+        if not (src / "model.safetensors").exists():
+            raise SystemExit(f"export: {src} is missing; run the target and draft stages first")
+        dst = PACKAGE_MODELS / name
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in SHIPPED_FILES:
+            if (src / f).exists():
+                shutil.copyfile(src / f, dst / f)
+    shutil.copyfile(work / "validation_files.txt", PACKAGE_MODELS / "validation_files.txt")
+    print(f"export: wrote {PACKAGE_MODELS}/target and /draft", flush=True)
+
+
+def corpus_meta(work: Path) -> dict[str, Any]:
+    return json.loads((work / "data.json").read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=Path("runs/default"))
     ap.add_argument("--stages", default="data,target,draft,export")
-    ap.add_argument("--target-steps", type=int, default=2000)
+    ap.add_argument("--target-steps", type=int, default=1400)
+    ap.add_argument("--draft-steps", type=int, default=DRAFT_STEPS)
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads for the draft stages")
     ap.add_argument("--minutes", type=float, default=None, help="stop the current stage after this long")
     args = ap.parse_args(argv)
     deadline = time.time() + 60 * args.minutes if args.minutes else None
@@ -91,6 +266,12 @@ def main(argv: list[str] | None = None) -> int:
         stage_data(args.work)
     if "target" in stages:
         stage_target(args.work, args.target_steps, deadline)
+    if "baseline" in stages:
+        stage_baseline(args.work, args.draft_steps, args.threads, deadline)
+    if "draft" in stages:
+        stage_draft(args.work, args.target_steps, args.draft_steps, args.threads, args.minutes)
+    if "export" in stages:
+        stage_export(args.work)
     return 0
 
 
