@@ -108,6 +108,8 @@ def page(server: str) -> Iterator[tuple[Any, list[str]]]:
             pg.on("console", lambda m: errors.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
             pg.on("pageerror", lambda e: errors.append(f"page error: {e}"))
             pg.on("requestfailed", lambda r: errors.append(f"request failed: {r.url} {r.failure}"))
+            # Nothing may come from anywhere but the server itself (no CDN, no fonts, no telemetry).
+            pg.on("request", lambda r: None if r.url.startswith((server + "/", "data:")) else errors.append(r.url))
             pg.goto(server + "/")
             yield pg, errors
         finally:
@@ -128,7 +130,8 @@ def _greedy_api(server: str) -> dict[str, Any]:
 
 def test_playground_streams_greedy_output_and_steps(server: str, page: tuple[Any, list[str]]) -> None:
     pg, errors = page
-    pg.wait_for_function("document.querySelector('#model').options.length > 0", timeout=30_000)
+    # wait_for_selector, not wait_for_function: the page's CSP forbids eval, which polling functions need.
+    pg.wait_for_selector("#model option", state="attached", timeout=30_000)
     assert "serving" in pg.text_content("#server-info")
     assert pg.eval_on_selector_all("#policy option", "os => os.map(o => o.value)")[:1] == ["fixed"]
 

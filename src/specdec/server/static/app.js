@@ -316,7 +316,9 @@
       const x = pad.l + (k - 1) * slot + slot * 0.15;
       const bar = svg("rect", { x, y: H - pad.b - h, width: slot * 0.7, height: Math.max(h, 0.5), class: "bar" });
       bar.append(svg("title", {}, `position ${k}: ${(rate * 100).toFixed(0)}% of ${drafted.length} steps`));
-      root.append(bar, svg("text", { x: x + slot * 0.35, y: H - 8, class: "tick", "text-anchor": "middle" }, k));
+      const label = svg("text", { x: x + slot * 0.35, y: Math.max(H - pad.b - h - 3, pad.t + 8), class: "value",
+                                  "text-anchor": "middle" }, `${(rate * 100).toFixed(0)}%`);
+      root.append(bar, label, svg("text", { x: x + slot * 0.35, y: H - 8, class: "tick", "text-anchor": "middle" }, k));
       parts.push(`position ${k} ${(rate * 100).toFixed(0)}%`);
     }
     if (!maxTau) root.append(svg("text", { x: W / 2, y: H / 2, class: "empty", "text-anchor": "middle" }, "no drafts yet"));
