@@ -232,3 +232,25 @@ def test_cli_show_steps(tiny_models: dict[str, Path], capsys: pytest.CaptureFixt
 
     assert main(["generate", "hello", "--target", llama, "--show-steps", "--json"]) == 2
     assert "cannot be combined" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("draft", ["llama", "draft"])
+def test_parts_of_real_steps_rebuild_the_output(tiny_models: dict[str, Path], draft: str) -> None:
+    """On real steps (self-draft: all accepted; random draft: mostly rejected), accepted + correction = emitted."""
+    import specdec
+    from specdec.viz import StepParts
+
+    engine = specdec.load(tiny_models["llama"], tiny_models[draft], tau=3)
+    result = engine.generate("hello world", max_new_tokens=16)
+    rebuilt: list[int] = []
+    for rec in result.records:
+        parts = StepParts.of(rec)
+        assert parts.rejected == rec.draft_tokens[rec.n_accepted :]
+        assert not parts.cut or rec is result.records[-1]  # only a stop can cut a step, and it ends the request
+        rebuilt += parts.accepted + ([parts.correction] if parts.correction is not None else [])
+    assert rebuilt == result.token_ids
+    kinds = {r.correction for r in result.records}
+    if draft == "llama":
+        assert kinds <= {"bonus", "plain"}
+    else:
+        assert "recovered" in kinds
