@@ -1,0 +1,268 @@
+"""``create_app(engine, settings)``: the OpenAI-compatible HTTP API over one engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from specdec.engine import Engine, Generation
+from specdec.server.errors import APIError, install_handlers
+from specdec.server.guard import Guard
+from specdec.server.observe import ServerMetrics
+from specdec.server.requests import chat_builder, check_supported, completion_builder, has_chat_template
+from specdec.server.responses import DONE, Reply, sse
+from specdec.server.scheduler import Done, Failed, Job, Scheduler, Started, Step
+from specdec.server.schemas import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelList,
+    _Common,
+)
+from specdec.server.settings import ServerSettings
+
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429)}
+
+
+def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
+    """An app serving ``engine``; the scheduler's worker thread starts with the app (or the first request)."""
+    settings = settings or ServerSettings()
+    scheduler = Scheduler(engine, max_active=settings.max_active, max_queue=settings.max_queue)
+    metrics = ServerMetrics(engine, scheduler)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(
+        title="specdec", summary="OpenAI-compatible speculative decoding server", lifespan=lifespan, version=_version()
+    )
+    app.state.engine = engine
+    app.state.scheduler = scheduler
+    app.state.settings = settings
+    install_handlers(app)
+    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    api = _Api(engine, settings, scheduler)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """Complete a prompt (string or token ids). ``stream: true`` answers with server-sent events."""
+        api.check_request(body)
+        rid = uuid.uuid4().hex[:24]
+        return await api.serve(
+            request,
+            body,
+            completion_builder(body, rid),
+            Reply(f"cmpl-{rid}", _now(), settings.model_name, "completion"),
+            rid,
+        )
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """Continue a conversation rendered with the model's chat template."""
+        api.check_request(body)
+        if not has_chat_template(engine.tokenizer):
+            raise APIError(
+                400,
+                f"model {settings.model_name!r} has no chat template (its tokenizer defines none): "
+                "use /v1/completions with a plain prompt",
+                "messages",
+                "no_chat_template",
+            )
+        rid = uuid.uuid4().hex[:24]
+        return await api.serve(
+            request, body, chat_builder(body, rid), Reply(f"chatcmpl-{rid}", _now(), settings.model_name, "chat"), rid
+        )
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> dict[str, Any]:
+        """The one model this server serves."""
+        drafter = engine.drafter.name if engine.drafter is not None else None
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": settings.model_name,
+                    "object": "model",
+                    "created": api.started,
+                    "owned_by": "specdec",
+                    "max_context": engine.max_context,
+                    "drafter": drafter,
+                }
+            ],
+        }
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        """Liveness and load: requests running and waiting."""
+        return {"status": "ok", "model": settings.model_name, **scheduler.snapshot()}
+
+    @app.get("/metrics", response_class=Response)
+    async def prometheus() -> Response:
+        """Prometheus text exposition of the speculative-decoding and server metrics."""
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    _mount_static(app, settings)
+    return app
+
+
+class _Api:
+    """Request handling shared by both generation endpoints."""
+
+    def __init__(self, engine: Engine, settings: ServerSettings, scheduler: Scheduler) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.scheduler = scheduler
+        self.started = _now()
+
+    def check_request(self, body: _Common) -> None:
+        if body.model is not None and body.model != self.settings.model_name:
+            raise APIError(
+                404,
+                f"model {body.model!r} does not exist: this server serves {self.settings.model_name!r}",
+                "model",
+                "model_not_found",
+            )
+        check_supported(body)
+
+    async def serve(
+        self, request: Request, body: _Common, build: Callable[[Engine], Generation], reply: Reply, rid: str
+    ) -> Response:
+        want_steps = bool(body.speculative and body.speculative.steps)
+        job = Job(
+            request_id=rid,
+            build=build,
+            loop=asyncio.get_running_loop(),
+            deadline=time.monotonic() + self.settings.request_timeout,
+            want_steps=want_steps,
+        )
+        self.scheduler.submit(job)
+        messages = job.messages()
+        try:
+            first = await anext(messages)
+        except BaseException:
+            self.scheduler.cancel(job)
+            raise
+        if isinstance(first, Failed):
+            raise first.error
+        assert isinstance(first, Started)
+        headers = {"X-Request-ID": rid}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            stream = self._stream(job, messages, reply, first.prompt_tokens, want_steps, include_usage)
+            return StreamingResponse(
+                stream,
+                media_type="text/event-stream",
+                headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await self._collect(request, job, messages, reply, first.prompt_tokens, want_steps, headers)
+
+    async def _collect(
+        self,
+        request: Request,
+        job: Job,
+        messages: AsyncIterator[Any],
+        reply: Reply,
+        prompt_tokens: int,
+        want_steps: bool,
+        headers: dict[str, str],
+    ) -> Response:
+        """Wait for the whole result; a client that hangs up cancels its generation."""
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job, self.scheduler))
+        steps: list[dict[str, Any]] = []
+        try:
+            async for msg in messages:
+                if isinstance(msg, Step) and msg.detail is not None:
+                    steps.append(msg.detail)
+                elif isinstance(msg, Failed):
+                    raise msg.error
+                elif isinstance(msg, Done):
+                    body = reply.response(msg.result, prompt_tokens, steps if want_steps else None)
+                    return JSONResponse(body, headers=headers)
+        finally:
+            watcher.cancel()
+            self.scheduler.cancel(job)
+        raise APIError(500, "the request ended without a result", None, "internal_error")
+
+    async def _stream(
+        self,
+        job: Job,
+        messages: AsyncIterator[Any],
+        reply: Reply,
+        prompt_tokens: int,
+        want_steps: bool,
+        include_usage: bool,
+    ) -> AsyncIterator[bytes]:
+        """SSE chunks: text as it is verified, then a closing chunk with the finish reason and stats."""
+        try:
+            if reply.kind == "chat":
+                yield reply.chunk("", role=True)
+            async for msg in messages:
+                if isinstance(msg, Step):
+                    if msg.event.text or want_steps:
+                        extra = {"speculative": {"step": msg.detail}} if want_steps else None
+                        yield reply.chunk(msg.event.text, extra=extra)
+                elif isinstance(msg, Done):
+                    from specdec.server.responses import summary
+
+                    yield reply.chunk(None, msg.result.finish_reason, extra={"speculative": summary(msg.result)})
+                    if include_usage:
+                        yield reply.usage_chunk(prompt_tokens, msg.result)
+                    yield DONE
+                elif isinstance(msg, Failed):
+                    yield sse(msg.error.body())  # headers are gone: report the failure in the stream
+                    yield DONE
+        finally:
+            self.scheduler.cancel(job)  # a client that went away mid-stream lands here too
+
+
+async def _cancel_on_disconnect(request: Request, job: Job, scheduler: Scheduler) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            scheduler.cancel(job)
+            return
+
+
+def _mount_static(app: FastAPI, settings: ServerSettings) -> None:
+    """The web playground at ``/``, when it is installed (after the API routes, so they win)."""
+    static = settings.static_dir
+    if static is None or not (static / "index.html").is_file():
+        return
+    from fastapi.staticfiles import StaticFiles
+    from starlette.exceptions import HTTPException
+
+    api_paths = {route.path for route in app.routes if getattr(route, "path", "").startswith(("/v1/", "/health"))}
+
+    class Playground(StaticFiles):
+        """Static files; an API path asked with the wrong method is a 405, not a missing file."""
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http" and scope["path"] in api_paths:
+                raise HTTPException(405, "Method Not Allowed")
+            await super().__call__(scope, receive, send)
+
+    app.mount("/", Playground(directory=str(static), html=True), name="playground")
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def _version() -> str:
+    from specdec import __version__
+
+    return __version__

@@ -1,0 +1,35 @@
+"""Prometheus metrics of a server: the engine's speculative-decoding metrics plus queue and request gauges."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Gauge
+
+from specdec.engine import Engine
+from specdec.metrics import SpecMetrics
+from specdec.server.scheduler import Scheduler
+
+
+class ServerMetrics:
+    """Registers a ``SpecMetrics`` observer on the engine and scheduler gauges in the same registry."""
+
+    def __init__(self, engine: Engine, scheduler: Scheduler) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.spec = SpecMetrics(self.registry)
+        engine.observers.append(self.spec)
+        r = self.registry
+        gauges = {
+            "active": ("specdec_server_requests_running", "Requests being generated (interleaved step by step)."),
+            "queued": ("specdec_server_requests_waiting", "Requests waiting for a free slot."),
+            "rejected": ("specdec_server_requests_rejected", "Requests refused with 429 since start."),
+            "failed": ("specdec_server_requests_failed", "Admitted requests that failed (bad input, timeout)."),
+            "cancelled": ("specdec_server_requests_cancelled", "Requests cancelled by a client disconnect."),
+        }
+        for key, (name, doc) in gauges.items():
+            Gauge(name, doc, registry=r).set_function(lambda key=key: scheduler.snapshot()[key])  # type: ignore[misc]
+
+    @property
+    def content_type(self) -> str:
+        return self.spec.content_type
+
+    def render(self) -> bytes:
+        return self.spec.render()

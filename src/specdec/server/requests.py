@@ -1,0 +1,128 @@
+"""From a validated request body to what the engine is asked to do (run on the scheduler's worker)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from specdec.engine import Engine, Generation
+from specdec.errors import ContextLengthError, InvalidRequestError
+from specdec.server.errors import APIError
+from specdec.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
+
+# Engine argument names -> the request fields a client sent.
+_PARAMS = {
+    "max_new_tokens": "max_tokens",
+    "tau": "speculative.tau",
+    "policy": "speculative.policy",
+    "max_verify_passes": "speculative.max_verify_passes",
+}
+
+
+def check_supported(body: _Common) -> None:
+    """Refuse OpenAI options specdec does not implement instead of silently ignoring them."""
+    if body.n != 1:
+        raise APIError(400, f"n={body.n} is not supported: specdec returns one choice per request", "n", "unsupported")
+    if body.presence_penalty or body.frequency_penalty:
+        param = "presence_penalty" if body.presence_penalty else "frequency_penalty"
+        raise APIError(400, f"{param} is not supported (only 0)", param, "unsupported")
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported", "logit_bias", "unsupported")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise APIError(400, "echo is not supported", "echo", "unsupported")
+        if body.logprobs is not None:
+            raise APIError(400, "logprobs is not supported", "logprobs", "unsupported")
+        if body.best_of not in (None, 1):
+            raise APIError(400, f"best_of={body.best_of} is not supported (only 1)", "best_of", "unsupported")
+        if body.suffix is not None:
+            raise APIError(400, "suffix is not supported", "suffix", "unsupported")
+    if isinstance(body, ChatCompletionRequest) and (body.logprobs or body.top_logprobs is not None):
+        raise APIError(400, "logprobs are not supported", "logprobs", "unsupported")
+
+
+def engine_kwargs(body: _Common, request_id: str) -> dict[str, Any]:
+    """Sampling, stop and speculation settings for ``Engine.start`` (max_new_tokens is added later)."""
+    spec = body.speculative
+    return {
+        "temperature": float(body.temperature),
+        "top_k": body.top_k,
+        "top_p": float(body.top_p),
+        "seed": body.seed,
+        "stop": body.stop,
+        "tau": spec.tau if spec else None,
+        "policy": spec.policy if spec else None,
+        "max_verify_passes": spec.max_verify_passes if spec else None,
+        "request_id": request_id,
+    }
+
+
+def completion_builder(body: CompletionRequest, request_id: str) -> Callable[[Engine], Generation]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    kwargs = engine_kwargs(body, request_id)
+    max_tokens = body.max_tokens if body.max_tokens is not None else 16
+
+    def build(engine: Engine) -> Generation:
+        return _start(engine, prompt, max_tokens, kwargs, "prompt")
+
+    return build
+
+
+def chat_builder(body: ChatCompletionRequest, request_id: str) -> Callable[[Engine], Generation]:
+    messages = [_message_dict(m.role, m.text(), m.name) for m in body.messages]
+    kwargs = engine_kwargs(body, request_id)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+
+    def build(engine: Engine) -> Generation:
+        ids = render_chat(engine.tokenizer, messages)
+        room = engine.max_context - len(ids)
+        if room <= 0:
+            raise ContextLengthError(
+                f"the conversation ({len(ids)} tokens) fills the context window of {engine.max_context} tokens",
+                "messages",
+            )
+        return _start(engine, ids, max_tokens if max_tokens is not None else room, kwargs, "messages")
+
+    return build
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of the conversation in the model's chat template, ready for the assistant's reply."""
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError as e:  # templates raise for conversations they do not accept
+        raise APIError(
+            400, f"the model's chat template rejected the messages: {e}", "messages", "invalid_messages"
+        ) from e
+    if not isinstance(text, str):
+        raise APIError(400, "the model's chat template did not produce text", "messages", "invalid_messages")
+    # The template already wrote any BOS/special tokens it wants: do not let the tokenizer add them twice.
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _message_dict(role: str, content: str, name: str | None) -> dict[str, str]:
+    msg = {"role": role, "content": content}
+    if name:
+        msg["name"] = name
+    return msg
+
+
+def _start(
+    engine: Engine, prompt: str | list[int], max_tokens: int, kwargs: dict[str, Any], prompt_field: str
+) -> Generation:
+    try:
+        return engine.start(prompt, max_new_tokens=max_tokens, **kwargs)
+    except InvalidRequestError as e:
+        param = _PARAMS.get(e.param or "", e.param)
+        if param == "prompt":
+            param = prompt_field
+        message = str(e).replace("max_new_tokens", "max_tokens")
+        raise type(e)(message, param) from e

@@ -1,0 +1,276 @@
+"""One worker thread runs all model work; it interleaves the active requests step by step.
+
+Each request is a ``Job``: a function that tokenises and prefills it (``build``, run on the worker),
+then one ``Generation.step()`` per round, round-robin over the active jobs, so every stream makes
+progress together and no request starves. Results travel back to the request's event loop through
+an ``asyncio.Queue``. A bounded waiting line answers 429; deadlines and client disconnects cancel
+the ``Generation`` and drop its caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.engine import Engine, Generation, GenerationResult, StepEvent
+from specdec.errors import SpecdecError
+from specdec.server.errors import APIError, from_specdec
+
+log = logging.getLogger("specdec.server")
+
+
+@dataclass
+class Started:
+    prompt_tokens: int
+
+
+@dataclass
+class Step:
+    event: StepEvent
+    detail: dict[str, Any] | None  # the step record with decoded pieces, when the client asked for steps
+
+
+@dataclass
+class Done:
+    result: GenerationResult
+
+
+@dataclass
+class Failed:
+    error: APIError
+
+
+Message = Started | Step | Done | Failed
+
+
+@dataclass
+class Job:
+    """One request as the scheduler sees it. ``build`` runs on the worker thread."""
+
+    request_id: str
+    build: Callable[[Engine], Generation]
+    loop: asyncio.AbstractEventLoop
+    deadline: float  # time.monotonic() after which the request is abandoned
+    want_steps: bool = False
+    queue: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+    gen: Generation | None = None
+    finished: bool = False
+
+    def post(self, msg: Message) -> None:
+        """Hand a message to the request's event loop (called from the worker thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, msg)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancelled = True
+
+    async def messages(self) -> AsyncIterator[Message]:
+        """Messages until the request is done or failed."""
+        while True:
+            msg = await self.queue.get()
+            yield msg
+            if isinstance(msg, (Done, Failed)):
+                return
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, max_active: int = 16, max_queue: int = 64) -> None:
+        if max_active < 1 or max_queue < 0:
+            raise ValueError("max_active must be >= 1 and max_queue >= 0")
+        self.engine = engine
+        self.max_active = max_active
+        self.max_queue = max_queue
+        self._waiting: deque[Job] = deque()
+        self._active: list[Job] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.completed = 0
+        self.failed = 0
+        self.cancelled = 0
+        self.rejected = 0
+        self._mean_latency = 1.0  # seconds, moving average of finished requests (for Retry-After)
+
+    # -- called from the event loop -------------------------------------------------------------
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping = False
+                self._thread = threading.Thread(target=self._run, name="specdec-scheduler", daemon=True)
+                self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def submit(self, job: Job) -> None:
+        """Queue a job, or raise a 429 ``APIError`` when the waiting line is full."""
+        self.start()
+        with self._cond:
+            if len(self._waiting) + len(self._active) >= self.max_active + self.max_queue:
+                self.rejected += 1
+                raise APIError(
+                    429,
+                    f"the server is busy: {len(self._active)} requests running and {len(self._waiting)} "
+                    "waiting; retry later",
+                    None,
+                    "queue_full",
+                    headers={"Retry-After": str(self.retry_after())},
+                )
+            self._waiting.append(job)
+            self._cond.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """Stop a job wherever it is (waiting or running). Safe to call more than once."""
+        with self._cond:
+            if job.finished or job.cancelled:
+                return
+            job.cancelled = True
+            if job in self._waiting:
+                self._waiting.remove(job)
+                job.finished = True
+                self.cancelled += 1
+                job.post(Failed(_cancelled_error()))
+            self._cond.notify_all()
+
+    def retry_after(self) -> int:
+        """Seconds until a slot is likely free: the waiting line drained at the recent pace."""
+        per_slot = self._mean_latency * (len(self._waiting) + 1) / self.max_active
+        return int(min(60, max(1, math.ceil(per_slot))))
+
+    def snapshot(self) -> dict[str, int]:
+        with self._cond:
+            return {
+                "active": len(self._active),
+                "queued": len(self._waiting),
+                "max_active": self.max_active,
+                "max_queue": self.max_queue,
+                "completed": self.completed,
+                "failed": self.failed,
+                "cancelled": self.cancelled,
+                "rejected": self.rejected,
+            }
+
+    # -- the worker thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not self._waiting and not self._active:
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                admitted = []
+                while self._waiting and len(self._active) + len(admitted) < self.max_active:
+                    admitted.append(self._waiting.popleft())
+            for job in admitted:
+                self._admit(job)
+            for job in list(self._active):
+                self._advance(job)
+        # Shutting down: release everything still running or waiting.
+        for job in list(self._active):
+            self._end(job, Failed(_shutdown_error()))
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+        for job in waiting:
+            self._count("failed", job)
+            job.post(Failed(_shutdown_error()))
+
+    def _admit(self, job: Job) -> None:
+        if job.cancelled:
+            self._count("cancelled", job)
+            return
+        if time.monotonic() > job.deadline:
+            self._count("failed", job)
+            job.post(Failed(_timeout_error()))
+            return
+        try:
+            job.gen = job.build(self.engine)  # tokenise, validate, prefill
+        except Exception as e:  # noqa: BLE001 - any failure must reach the client, never kill the worker
+            self._count("failed", job)
+            job.post(Failed(_as_api_error(e)))
+            return
+        with self._cond:
+            self._active.append(job)
+        job.post(Started(prompt_tokens=len(job.gen.prompt_ids)))
+
+    def _advance(self, job: Job) -> None:
+        gen = job.gen
+        assert gen is not None
+        if job.cancelled:
+            self._end(job, Failed(_cancelled_error()))  # wakes a handler still waiting on the job
+            return
+        if time.monotonic() > job.deadline:
+            self._end(job, Failed(_timeout_error()))
+            return
+        try:
+            event = gen.step()
+        except Exception as e:  # noqa: BLE001
+            self._end(job, Failed(_as_api_error(e)))
+            return
+        if event is not None:
+            job.post(Step(event, self._step_detail(event) if job.want_steps else None))
+        if gen.done:
+            result = gen.result()
+            self._mean_latency = 0.8 * self._mean_latency + 0.2 * result.stats.latency
+            self._end(job, Done(result))
+
+    def _end(self, job: Job, msg: Message) -> None:
+        """Remove a running job, free its caches and tell the client how it ended."""
+        assert job.gen is not None
+        if not isinstance(msg, Done):
+            job.gen.cancel()
+        with self._cond:
+            if job in self._active:
+                self._active.remove(job)
+        kind = "completed" if isinstance(msg, Done) else "cancelled" if job.cancelled else "failed"
+        self._count(kind, job)
+        job.post(msg)
+        job.gen = None  # drop the Generation: its caches go with it
+
+    def _count(self, kind: str, job: Job) -> None:
+        with self._cond:
+            job.finished = True
+            setattr(self, kind, getattr(self, kind) + 1)
+
+    def _step_detail(self, event: StepEvent) -> dict[str, Any]:
+        """The record as JSON plus the text of each draft and emitted token, for the playground."""
+        tok = self.engine.tokenizer
+        rec = event.record
+        detail = rec.to_json()
+        detail["draft_pieces"] = [tok.decode([t], skip_special_tokens=False) for t in rec.draft_tokens]
+        detail["emitted_pieces"] = [tok.decode([t], skip_special_tokens=False) for t in rec.emitted]
+        return detail
+
+
+def _cancelled_error() -> APIError:
+    return APIError(499, "the request was cancelled (the client disconnected)", None, "cancelled")
+
+
+def _shutdown_error() -> APIError:
+    return APIError(503, "the server is shutting down", None, "shutting_down")
+
+
+def _timeout_error() -> APIError:
+    return APIError(408, "the request ran past the server's request timeout", None, "request_timeout")
+
+
+def _as_api_error(e: Exception) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, SpecdecError):
+        return from_specdec(e)
+    log.exception("request failed", exc_info=e)
+    return APIError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error")

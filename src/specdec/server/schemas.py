@@ -1,0 +1,196 @@
+"""Request and response bodies of the OpenAI-compatible API (pydantic, so the OpenAPI schema is exact).
+
+Fields OpenAI defines but specdec does not implement are accepted only at their neutral value
+(``echo: false``, ``logprobs: null``, penalties 0, ...) so a request never silently means something else.
+Unknown fields are ignored, as OpenAI clients send new ones over time.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+MAX_STOP = 16
+
+
+def _valid_unicode(s: str) -> str:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON escapes can smuggle in lone surrogates no tokenizer accepts
+        raise ValueError(f"string is not valid Unicode (lone surrogate at index {e.start})") from None
+    return s
+
+
+Text = Annotated[StrictStr, AfterValidator(_valid_unicode)]
+Float = Annotated[float, Field(allow_inf_nan=False)]
+TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
+Stop = Text | Annotated[list[Text], Field(max_length=MAX_STOP)] | None
+
+
+class SpeculativeOptions(BaseModel):
+    """specdec extension: how this request is drafted and verified."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: StrictStr | None = Field(None, description="policy choosing τ each step (default: the server's)")
+    tau: StrictInt | None = Field(None, ge=0, description="fixed draft length; 0 = plain target decoding")
+    max_verify_passes: StrictInt | None = Field(None, gt=0, description="hard cap on target passes")
+    steps: StrictBool = Field(False, description="stream every step's record (see docs/server.md)")
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class _Common(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = Field(None, description="served model name (GET /v1/models); default: the one served")
+    temperature: Float = Field(1.0, ge=0, le=2, description="0 = greedy")
+    top_p: Float = Field(1.0, gt=0, le=1)
+    top_k: StrictInt = Field(0, ge=0, description="extension: keep the k most likely tokens (0 = off)")
+    stop: Stop = None
+    seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    n: StrictInt = Field(1, description="only 1 is supported")
+    user: StrictStr | None = None
+    presence_penalty: Float = Field(0.0, description="only 0 is supported")
+    frequency_penalty: Float = Field(0.0, description="only 0 is supported")
+    logit_bias: dict[str, Float] | None = Field(None, description="not supported (null or {} only)")
+    speculative: SpeculativeOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _non_empty_stops(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else (v or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+
+class CompletionRequest(_Common):
+    prompt: (
+        Text
+        | TokenIds
+        | Annotated[list[Text], Field(min_length=1, max_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+    ) = Field(..., description="a string or token ids; a list of one prompt is accepted")
+    max_tokens: StrictInt | None = Field(16, gt=0, description="tokens to generate at most (default 16)")
+    echo: StrictBool = Field(False, description="only false is supported")
+    logprobs: StrictInt | None = Field(None, description="not supported (null only)")
+    best_of: StrictInt | None = Field(None, description="only 1 is supported")
+    suffix: StrictStr | None = Field(None, description="not supported (null only)")
+
+
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ContentPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Common):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: StrictInt | None = Field(None, gt=0, description="default: up to the context window")
+    max_completion_tokens: StrictInt | None = Field(None, gt=0, description="alias of max_tokens")
+    logprobs: StrictBool | None = Field(None, description="not supported (false/null only)")
+    top_logprobs: StrictInt | None = Field(None, description="not supported (null only)")
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class SpeculativeSummary(BaseModel):
+    acceptance_rate: float = Field(description="accepted draft tokens / drafted tokens")
+    mean_accepted_length: float = Field(description="tokens emitted per target pass, the correction token included")
+    target_passes: int
+    drafted: int
+    accepted: int
+    policy: str | None
+    steps: list[dict[str, Any]] | None = Field(None, description="every step's record, when speculative.steps")
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length", "verify_budget"] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    speculative: SpeculativeSummary
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length", "verify_budget"] | None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    speculative: SpeculativeSummary
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "specdec"
+    max_context: int
+    drafter: str | None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,33 @@
+"""Server settings (the ``specdec serve`` flags that are not about models)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STATIC_DIR = Path(__file__).resolve().parent / "static"
+
+
+@dataclass
+class ServerSettings:
+    model_name: str = "specdec"  # the id clients pass as "model" (GET /v1/models)
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer KEY"
+    max_active: int = 16  # requests interleaved at once
+    max_queue: int = 64  # requests waiting beyond those; more get 429
+    request_timeout: float = 600.0  # seconds from arrival; then the request is cancelled (408)
+    max_body_bytes: int = 2 * 1024 * 1024
+    static_dir: Path | None = field(default=STATIC_DIR)  # the web playground, served at / when present
+
+    def __post_init__(self) -> None:
+        from specdec.errors import InvalidRequestError
+
+        checks = {
+            "max_active": self.max_active >= 1,
+            "max_queue": self.max_queue >= 0,
+            "request_timeout": self.request_timeout > 0,
+            "max_body_bytes": self.max_body_bytes > 0,
+            "model_name": bool(self.model_name),
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise InvalidRequestError(f"invalid server setting {name}={getattr(self, name)!r}", name)

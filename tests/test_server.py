@@ -1,0 +1,321 @@
+"""The server as users run it: a real ``specdec serve`` process on 127.0.0.1, driven by the ``openai`` client."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+
+API_KEY = "test-key-123"
+MODEL = "tiny"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+PROMPTS = ["def fibonacci(n):", "class Stack:", "import os, sys", "The quick brown fox", "print(", "    return a"]
+
+
+def with_chat_template(src: Path, dst: Path) -> Path:
+    """A copy of a tiny checkpoint whose tokenizer has a (simple) chat template."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(src, dst)
+    tok = AutoTokenizer.from_pretrained(str(dst))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(dst))
+    return dst
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(target: Path, draft: Path, log: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "specdec.cli",
+        "serve",
+        "--target",
+        str(target),
+        "--draft",
+        str(draft),
+        "--port",
+        str(port),
+        "--model-name",
+        MODEL,
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError(f"server did not come up:\n{log.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def chat_target(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return with_chat_template(tiny_models["llama"], tmp_path_factory.mktemp("chat") / "llama")
+
+
+@pytest.fixture(scope="module")
+def server(chat_target: Path, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    proc, url = start_server(chat_target, tiny_models["draft"], log, "--api-key", API_KEY)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    assert "Traceback" not in log.read_text(), log.read_text()
+
+
+@pytest.fixture(scope="module")
+def client(server: str) -> Any:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def engine(chat_target: Path, tiny_models: dict[str, Path]) -> Any:
+    """The same models in-process: what the server must reproduce."""
+    import specdec
+
+    return specdec.load(chat_target, tiny_models["draft"])
+
+
+def health(url: str) -> dict[str, Any]:
+    return httpx.get(f"{url}/health", timeout=5).json()
+
+
+def test_completion_matches_engine_and_counts_usage(client: Any, engine: Any) -> None:
+    for prompt in PROMPTS[:3]:
+        resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        expected = engine.generate(prompt, max_new_tokens=24)
+        choice = resp.choices[0]
+        assert choice.text == expected.text
+        assert choice.finish_reason == expected.finish_reason
+        assert resp.usage.prompt_tokens == len(engine.tokenizer(prompt)["input_ids"])
+        assert resp.usage.completion_tokens == len(expected.token_ids)
+        assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+        spec = resp.model_extra["speculative"]
+        assert spec["target_passes"] == expected.stats.target_passes
+        assert spec["drafted"] > 0 and 0 <= spec["acceptance_rate"] <= 1
+
+
+def test_token_id_prompt_and_plain_decoding(client: Any, engine: Any) -> None:
+    ids = engine.tokenizer("class Stack:")["input_ids"]
+    plain = client.completions.create(
+        model=MODEL, prompt=ids, max_tokens=20, temperature=0, extra_body={"speculative": {"tau": 0}}
+    )
+    spec = client.completions.create(model=MODEL, prompt="class Stack:", max_tokens=20, temperature=0)
+    assert plain.choices[0].text == spec.choices[0].text  # greedy speculation is lossless
+    assert plain.model_extra["speculative"]["drafted"] == 0
+    assert plain.model_extra["speculative"]["target_passes"] == plain.usage.completion_tokens
+
+
+def test_stream_equals_non_streamed_text(client: Any) -> None:
+    for prompt in PROMPTS[:3]:
+        whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0)
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=40, temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+        assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+        assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_stream_ends_with_done_and_carries_steps(server: str) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "def fibonacci(n):",
+        "max_tokens": 12,
+        "temperature": 0,
+        "stream": True,
+        "speculative": {"steps": True, "tau": 3},
+        "stream_options": {"include_usage": True},
+    }
+    with httpx.stream(
+        "POST", f"{server}/v1/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
+    ) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    steps = [e["speculative"]["step"] for e in events if "step" in e.get("speculative", {})]
+    assert steps and [s["step"] for s in steps] == list(range(len(steps)))
+    for s in steps:
+        assert s["tau"] <= 3 and len(s["draft_pieces"]) == len(s["draft_tokens"]) == s["tau"]
+        assert len(s["emitted_pieces"]) == len(s["emitted"]) <= s["n_accepted"] + 1
+    assert sum(len(s["emitted"]) for s in steps) == events[-1]["usage"]["completion_tokens"] == 12
+    closing = events[-2]
+    assert closing["choices"][0]["finish_reason"] == "length"
+    assert closing["speculative"]["target_passes"] == len(steps)
+
+
+def test_chat_uses_the_chat_template(client: Any, engine: Any) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def fib"}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    rendered = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = engine.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    expected = engine.generate(ids, max_new_tokens=16)
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.choices[0].message.content == expected.text
+    assert resp.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == expected.text
+
+
+def test_stop_sequences(client: Any) -> None:
+    full = client.completions.create(model=MODEL, prompt="import os, sys", max_tokens=40, temperature=0)
+    text = full.choices[0].text
+    # A stop string from the middle of the greedy output, free of replacement characters.
+    starts = [i for i in range(4, len(text) - 2) if "\ufffd" not in text[i : i + 2]]
+    assert starts, f"greedy output too short to pick a stop string from: {text!r}"
+    stop = text[starts[0] : starts[0] + 2]
+    expected = text[: text.find(stop)]
+    cut = client.completions.create(model=MODEL, prompt="import os, sys", max_tokens=40, temperature=0, stop=[stop])
+    assert cut.choices[0].text == expected and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model=MODEL, prompt="import os, sys", max_tokens=40, temperature=0, stop=stop, stream=True
+    )
+    pieces = list(streamed)
+    assert "".join(c.choices[0].text for c in pieces) == expected
+    assert pieces[-1].choices[0].finish_reason == "stop"
+
+
+def test_models_health_metrics_and_auth(server: str, client: Any) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert health(server)["status"] == "ok"  # open without a key
+    assert "specdec_spec_decode_num_draft_tokens_total" in httpx.get(f"{server}/metrics", timeout=5).text
+    denied = httpx.post(f"{server}/v1/completions", json={"prompt": "x"}, timeout=5)
+    assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
+    wrong = openai.OpenAI(base_url=f"{server}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=MODEL, prompt="x", max_tokens=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="n=2"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
+
+
+def _request(i: int) -> dict[str, Any]:
+    """Request i of the concurrency test: greedy, and every fourth one seeded sampling (also reproducible)."""
+    body: dict[str, Any] = {
+        "prompt": PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)),
+        "max_tokens": 10 + i % 7,
+        "temperature": 0.0,
+    }
+    if i % 4 == 3:
+        body.update(temperature=0.8, seed=1000 + i)
+    return body
+
+
+def test_concurrent_clients_match_solo_outputs(server: str) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    distinct = 16
+    with httpx.Client(base_url=server, headers=headers, timeout=120) as http:
+        solo = [http.post("/v1/completions", json=_request(i)).json()["choices"][0]["text"] for i in range(distinct)]
+
+    def client_run(c: int) -> list[tuple[int, str]]:
+        out = []
+        oai = openai.OpenAI(base_url=f"{server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        for k in range(4):
+            i = (c + 5 * k) % distinct
+            body = _request(i)
+            kwargs = {
+                "model": MODEL,
+                "prompt": body["prompt"],
+                "max_tokens": body["max_tokens"],
+                "temperature": body["temperature"],
+                "seed": body.get("seed"),
+            }
+            if (c + k) % 2:
+                text = "".join(ch.choices[0].text for ch in oai.completions.create(stream=True, **kwargs))
+            else:
+                text = oai.completions.create(**kwargs).choices[0].text
+            out.append((i, text))
+        return out
+
+    with ThreadPoolExecutor(16) as pool:
+        results = [r for rs in pool.map(client_run, range(16)) for r in rs]
+    assert len(results) == 64
+    mismatches = [(i, text, solo[i]) for i, text in results if text != solo[i]]
+    assert not mismatches
+    snap = health(server)
+    assert snap["active"] == 0 and snap["queued"] == 0 and snap["rejected"] == 0
+
+
+def _wait_idle(url: str, timeout: float = 15) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        snap = health(url)
+        if snap["active"] == 0 and snap["queued"] == 0:
+            return snap
+        time.sleep(0.1)
+    raise AssertionError(f"requests still held after {timeout} s: {health(url)}")
+
+
+def test_disconnect_mid_stream_frees_the_request(server: str, client: Any) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    before = health(server)["cancelled"]
+    body = {
+        "model": MODEL,
+        "prompt": "def fibonacci(n):",
+        "max_tokens": 220,
+        "temperature": 0,
+        "stream": True,
+        "speculative": {"steps": True, "tau": 1},
+    }
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, headers=headers, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(4)]
+        assert any(line.startswith("data: ") for line in got)
+        assert health(server)["active"] == 1
+    # The connection is closed: the generation must be cancelled and dropped, not run to 220 tokens.
+    snap = _wait_idle(server)
+    assert snap["cancelled"] == before + 1
+    # A non-streamed request whose client gives up is cancelled too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json={**body, "stream": False}, headers=headers, timeout=0.5)
+    snap = _wait_idle(server)
+    assert snap["cancelled"] == before + 2
+    # ...and the server keeps serving.
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=3, temperature=0).usage.completion_tokens
+
+
+def test_cli_refuses_bad_flags(tiny_models: dict[str, Path]) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "specdec.cli", "serve", "--target", "/nonexistent/dir", "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("specdec: error:") and "Traceback" not in proc.stderr

@@ -1,0 +1,279 @@
+"""The app in-process (``create_app`` over tiny checkpoints): every bad input gets the right 4xx in OpenAI's
+shape, and the scheduler's limits (429, 408, 413, 401) and interleaving behave."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi")
+
+from specdec.server import ServerSettings, create_app  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models: dict[str, Path]) -> Any:
+    import specdec
+
+    return specdec.load(tiny_models["llama"], tiny_models["draft"])
+
+
+def run(app: Any, coro_fn: Any) -> Any:
+    """Run ``coro_fn(client)`` against the app, then stop its worker thread."""
+
+    async def main() -> Any:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            return await coro_fn(client)
+
+    try:
+        return asyncio.run(main())
+    finally:
+        app.state.scheduler.stop()
+
+
+@pytest.fixture
+def app(engine: Any) -> Iterator[Any]:
+    app = create_app(engine, ServerSettings(model_name="tiny", max_body_bytes=4096))
+    yield app
+    app.state.scheduler.stop()
+    engine.observers.clear()
+
+
+BAD_COMPLETIONS: list[tuple[bytes, int, str | None, str]] = [
+    (b"{", 400, None, "invalid_json"),
+    (b'{"prompt": "caf\xe9"}', 400, None, "invalid_utf8"),
+    (b"[1, 2]", 400, None, "invalid_request"),
+    (b'"just a string"', 400, None, "invalid_request"),
+    (b"", 400, None, "invalid_request"),
+    (b'{"max_tokens": 3}', 400, "prompt", "missing_field"),
+    (b'{"prompt": 5}', 400, "prompt", "invalid_value"),
+    (b'{"prompt": ""}', 400, "prompt", "invalid_value"),
+    (b'{"prompt": []}', 400, "prompt", "invalid_value"),
+    (b'{"prompt": ["a", "b"]}', 400, "prompt", "invalid_value"),
+    (b'{"prompt": [1, -4]}', 400, "prompt", "invalid_value"),
+    (b'{"prompt": [100000]}', 400, "prompt", "invalid_value"),
+    (b'{"prompt": "\\ud800"}', 400, "prompt", "invalid_value"),
+    (b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens", "invalid_value"),
+    (b'{"prompt": "x", "max_tokens": -3}', 400, "max_tokens", "invalid_value"),
+    (b'{"prompt": "x", "max_tokens": "ten"}', 400, "max_tokens", "invalid_value"),
+    (b'{"prompt": "x", "max_tokens": 2.5}', 400, "max_tokens", "invalid_value"),
+    (b'{"prompt": "x", "max_tokens": 100000}', 400, "max_tokens", "context_length_exceeded"),
+    (b'{"prompt": "x", "temperature": -1}', 400, "temperature", "invalid_value"),
+    (b'{"prompt": "x", "temperature": NaN}', 400, "temperature", "invalid_value"),
+    (b'{"prompt": "x", "temperature": "hot"}', 400, "temperature", "invalid_value"),
+    (b'{"prompt": "x", "top_p": 0}', 400, "top_p", "invalid_value"),
+    (b'{"prompt": "x", "top_k": -1}', 400, "top_k", "invalid_value"),
+    (b'{"prompt": "x", "seed": 1e30}', 400, "seed", "invalid_value"),
+    (b'{"prompt": "x", "seed": 100000000000000000000000}', 400, "seed", "invalid_value"),
+    (b'{"prompt": "x", "stop": ""}', 400, "stop", "invalid_value"),
+    (b'{"prompt": "x", "stop": [1]}', 400, "stop", "invalid_value"),
+    (b'{"prompt": "x", "stream": "yes"}', 400, "stream", "invalid_value"),
+    (b'{"prompt": "x", "n": 2}', 400, "n", "unsupported"),
+    (b'{"prompt": "x", "best_of": 3}', 400, "best_of", "unsupported"),
+    (b'{"prompt": "x", "echo": true}', 400, "echo", "unsupported"),
+    (b'{"prompt": "x", "logprobs": 2}', 400, "logprobs", "unsupported"),
+    (b'{"prompt": "x", "presence_penalty": 0.5}', 400, "presence_penalty", "unsupported"),
+    (b'{"prompt": "x", "model": "gpt-4"}', 404, "model", "model_not_found"),
+    (b'{"prompt": "x", "model": 3}', 400, "model", "invalid_value"),
+    (b'{"prompt": "x", "speculative": {"policy": "nope"}}', 400, "speculative.policy", "invalid_value"),
+    (b'{"prompt": "x", "speculative": {"tau": -1}}', 400, "speculative.tau", "invalid_value"),
+    (b'{"prompt": "x", "speculative": {"tau": 2, "policy": "adaptive"}}', 400, "speculative.tau", "invalid_value"),
+    (
+        b'{"prompt": "x", "speculative": {"max_verify_passes": 0}}',
+        400,
+        "speculative.max_verify_passes",
+        "invalid_value",
+    ),
+    (b'{"prompt": "x", "speculative": {"bogus": 1}}', 400, "speculative.bogus", "invalid_value"),
+    (b'{"prompt": "x", "speculative": 4}', 400, "speculative", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param", "code"), BAD_COMPLETIONS)
+def test_bad_completion_requests(app: Any, body: bytes, status: int, param: str | None, code: str) -> None:
+    async def go(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+
+    r = run(app, go)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert (err["param"], err["code"]) == (param, code), err
+    assert err["message"] and err["type"] in ("invalid_request_error", "not_found_error")
+
+
+BAD_CHATS: list[tuple[dict[str, Any], str | None, str]] = [
+    ({}, "messages", "missing_field"),
+    ({"messages": []}, "messages", "invalid_value"),
+    ({"messages": "hi"}, "messages", "invalid_value"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role", "invalid_value"),
+    ({"messages": [{"content": "hi"}]}, "messages.0.role", "missing_field"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        "messages.0.content",
+        "invalid_value",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0},
+        "max_completion_tokens",
+        "invalid_value",
+    ),
+    ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True}, "logprobs", "unsupported"),
+    # The tiny tokenizer has no chat template: a clear 400, not a crash.
+    ({"messages": [{"role": "user", "content": "hi"}]}, "messages", "no_chat_template"),
+]
+
+
+@pytest.mark.parametrize(("body", "param", "code"), BAD_CHATS)
+def test_bad_chat_requests(app: Any, body: dict[str, Any], param: str, code: str) -> None:
+    r = run(app, lambda c: c.post("/v1/chat/completions", json=body))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == (param, code), err
+
+
+def test_oversized_body_is_413_with_or_without_content_length(app: Any) -> None:
+    big = json.dumps({"prompt": "x" * 5000}).encode()
+
+    async def chunks() -> Any:
+        for i in range(0, len(big), 1000):
+            yield big[i : i + 1000]
+
+    async def go(client: httpx.AsyncClient) -> tuple[httpx.Response, httpx.Response]:
+        declared = await client.post("/v1/completions", content=big)
+        chunked = await client.post("/v1/completions", content=chunks())
+        return declared, chunked
+
+    for r in run(app, go):
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+
+def test_unknown_routes_and_methods_use_the_error_shape(app: Any) -> None:
+    async def go(client: httpx.AsyncClient) -> list[httpx.Response]:
+        return [
+            await client.get("/v1/nothing"),
+            await client.get("/v1/completions"),
+            await client.post(
+                "/v1/completions", content=b'{"prompt": "x", "max_tokens": 2}', headers={"content-type": "text/plain"}
+            ),
+        ]
+
+    missing, wrong_method, as_text = run(app, go)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    assert wrong_method.status_code == 405 and "error" in wrong_method.json()
+    assert as_text.status_code == 200  # curl -d sends form encoding: JSON is accepted whatever the content type
+
+
+def test_api_key(engine: Any) -> None:
+    app = create_app(engine, ServerSettings(model_name="tiny", api_key="sekrit"))
+
+    async def go(client: httpx.AsyncClient) -> list[httpx.Response]:
+        body = {"prompt": "x", "max_tokens": 2}
+        return [
+            await client.post("/v1/completions", json=body),
+            await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"}),
+            await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekrit"}),
+            await client.get("/health"),
+        ]
+
+    try:
+        none, wrong, right, health = run(app, go)
+    finally:
+        engine.observers.clear()
+    assert none.status_code == wrong.status_code == 401
+    assert none.json()["error"]["code"] == "invalid_api_key" and none.headers["www-authenticate"] == "Bearer"
+    assert right.status_code == 200 and health.status_code == 200
+
+
+def test_full_queue_answers_429_with_retry_after(engine: Any) -> None:
+    app = create_app(engine, ServerSettings(model_name="tiny", max_active=1, max_queue=1))
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 60, "temperature": 0}
+
+    async def go(client: httpx.AsyncClient) -> list[httpx.Response]:
+        return list(await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(6))))
+
+    try:
+        responses = run(app, go)
+    finally:
+        engine.observers.clear()
+    codes = sorted(r.status_code for r in responses)
+    assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
+    busy = next(r for r in responses if r.status_code == 429)
+    assert int(busy.headers["retry-after"]) >= 1 and busy.json()["error"]["type"] == "rate_limit_error"
+    texts = {r.json()["choices"][0]["text"] for r in responses if r.status_code == 200}
+    assert len(texts) == 1  # the admitted ones all ran to the same greedy output
+
+
+def test_request_timeout_is_408_and_frees_the_slot(engine: Any) -> None:
+    app = create_app(engine, ServerSettings(model_name="tiny", request_timeout=0.05))
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 240, "temperature": 0, "speculative": {"tau": 1}}
+
+    async def go(client: httpx.AsyncClient) -> tuple[httpx.Response, dict[str, Any]]:
+        r = await client.post("/v1/completions", json=body)
+        return r, (await client.get("/health")).json()
+
+    try:
+        r, health = run(app, go)
+    finally:
+        engine.observers.clear()
+    assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
+    assert health["active"] == 0 and health["failed"] == 1
+
+
+class _StepOrder:
+    """An engine observer recording which request each step belonged to, in the order the worker ran them."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+
+    def on_step(self, record: Any) -> None:
+        self.ids.append(record.request_id)
+
+    def on_request(self, summary: Any) -> None:
+        pass
+
+
+def test_requests_are_interleaved_step_by_step(app: Any, engine: Any) -> None:
+    """Three requests at once: the worker round-robins over them, one step each, until each finishes."""
+    order = _StepOrder()
+    engine.observers.append(order)
+    bodies = [
+        {"prompt": p, "max_tokens": 30, "temperature": 0, "speculative": {"tau": 2}, "stream": s}
+        for p, s in (("class Stack:", True), ("import os", False), ("def f(", True))
+    ]
+
+    async def go(client: httpx.AsyncClient) -> list[httpx.Response]:
+        return list(await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies)))
+
+    assert all(r.status_code == 200 for r in run(app, go))
+    ids = order.ids
+    assert len(set(ids)) == 3
+    last = {rid: max(i for i, x in enumerate(ids) if x == rid) for rid in set(ids)}
+    first = {rid: ids.index(rid) for rid in set(ids)}
+    both_running = max(first.values())
+    # Once all three are admitted, no request takes a second step before the others took theirs.
+    for i in range(both_running, min(last.values())):
+        window = ids[i : i + 3]
+        if len(window) == 3 and all(last[r] > i + 2 for r in set(ids)):
+            assert len(set(window)) == 3, ids
+
+
+def test_models_and_metrics(app: Any) -> None:
+    async def go(client: httpx.AsyncClient) -> list[httpx.Response]:
+        await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "temperature": 0})
+        return [await client.get("/v1/models"), await client.get("/metrics"), await client.get("/openapi.json")]
+
+    models, metrics, schema = run(app, go)
+    card = models.json()["data"][0]
+    assert card["id"] == "tiny" and card["max_context"] == 256 and card["drafter"] == "model"
+    assert metrics.headers["content-type"].startswith("text/plain")
+    assert "specdec_verify_passes_total" in metrics.text and "specdec_server_requests_running 0.0" in metrics.text
+    paths = schema.json()["paths"]
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(paths)
