@@ -1,0 +1,265 @@
+"""``adaptive``: pick τ each step to maximise expected emitted tokens per second,
+
+    goodput(τ) = E[n̂ + 1 | τ] / (τ·t_draft + t_verify(τ + 1) + t_other),
+
+from online estimates (``estimates.py``): per-position acceptance in three shrinkage levels
+(all requests → prompt-length bucket → this request) and measured costs. When no τ beats plain
+decoding (τ = 0) by ``margin``, it falls back to plain steps and probes again after a backoff that
+doubles while probes fail. Under a pass budget it raises τ so the expected tokens fit the passes
+left; with a latency SLO and a budget it spends latency slack on fewer passes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdec.errors import InvalidRequestError
+from specdec.policy.base import Decision, Policy, StepContext
+from specdec.policy.budget import FleetBudgetPolicy
+from specdec.policy.estimates import ConfidenceCalibration, PositionRates, StepCosts, expected_emitted_all
+from specdec.records import GenerationStats, StepRecord
+
+BUDGET_SAFETY = 1.3
+EXPLORE_EVERY = 8  # steps: one in 8 drafts one token further and skips the early stop
+GAIN_PER_TOKEN = 0.02  # budget-limited: an extra draft token must add this many expected tokens
+
+
+def _logit(p: float) -> float:
+    p = min(max(p, 1e-3), 1 - 1e-3)
+    return math.log(p / (1 - p))
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+@dataclass
+class _Request:
+    rates: PositionRates
+    bucket: int
+    asked: int = 0  # τ asked for in the last decision (the drafter may stop early)
+    probing: bool = False
+    backoff: int = 4  # plain steps before the next probe while falling back
+    since_probe: int = 0
+    steps: int = 0
+    predicted_latency: float | None = None
+
+
+@dataclass
+class _Plan:
+    emitted: list[float]  # E[n̂+1 | τ], τ = 0..K
+    times: list[float]  # predicted step seconds
+    goodput: list[float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.goodput = [e / t for e, t in zip(self.emitted, self.times)]
+
+    def best(self, candidates: list[int]) -> int:
+        return max(candidates, key=lambda tau: (self.goodput[tau], -tau))
+
+
+class AdaptivePolicy(Policy):
+    name = "adaptive"
+
+    def __init__(
+        self,
+        max_tau: int = 16,
+        margin: float = 0.03,
+        bucket_edges: tuple[int, ...] = (256, 1024, 4096),
+        prior: float = 0.6,
+        early_stop: bool = True,
+        slo_p95_s: float | None = None,
+        min_backoff: int = 4,
+        max_backoff: int = 16,
+        probe_tau: int = 1,
+    ) -> None:
+        if not isinstance(max_tau, int) or max_tau < 1:
+            raise InvalidRequestError(f"max_tau must be an integer >= 1, got {max_tau}", "max_tau")
+        if not 0 <= margin < 1:
+            raise InvalidRequestError(f"margin must be in [0, 1), got {margin}", "margin")
+        if slo_p95_s is not None and not slo_p95_s > 0:
+            raise InvalidRequestError(f"slo_p95_s must be > 0 seconds, got {slo_p95_s}", "slo_p95_s")
+        if not 0 < prior < 1:
+            raise InvalidRequestError(f"prior acceptance must be in (0, 1), got {prior}", "prior")
+        self.max_tau, self.margin, self.prior, self.early_stop = max_tau, margin, prior, early_stop
+        self.bucket_edges = tuple(sorted(bucket_edges))
+        self.slo_p95_s = slo_p95_s
+        self.min_backoff, self.max_backoff, self.probe_tau = min_backoff, max_backoff, probe_tau
+        pos = max_tau + 1
+        self.global_rates = PositionRates(max_pos=pos, decay=0.99)
+        self.bucket_rates = [PositionRates(max_pos=pos, decay=0.98) for _ in range(len(self.bucket_edges) + 1)]
+        self.costs = StepCosts()
+        self.calibration = ConfidenceCalibration()
+        self.latencies: deque[float] = deque(maxlen=200)
+        self._latency_ratios: deque[float] = deque(maxlen=100)
+        self._requests: dict[str, _Request] = {}
+
+    # -- estimates --------------------------------------------------------------------------
+
+    def _request(self, ctx: StepContext) -> _Request:
+        req = self._requests.get(ctx.request_id)
+        if req is None:
+            bucket = bisect.bisect_right(self.bucket_edges, ctx.prompt_len)
+            req = _Request(
+                PositionRates(max_pos=self.max_tau + 1, decay=0.7, prior_weight=2.0), bucket, backoff=self.min_backoff
+            )
+            self._requests[ctx.request_id] = req
+        return req
+
+    def rates(self, req: _Request, n: int) -> list[float]:
+        top = self.global_rates.rates(None, self.prior, n)
+        mid = self.bucket_rates[req.bucket].rates(top, self.prior, n)
+        # A request that accepts more (or less) than its bucket at position 1, where evidence comes
+        # fastest, is shifted by as much in log-odds at every position before its own data there.
+        own = req.rates
+        a1 = (own.wins[0] + own.prior_weight * mid[0]) / (own.trials[0] + own.prior_weight)
+        shift = _logit(a1) - _logit(mid[0])
+        return own.rates(mid[:1] + [_sigmoid(_logit(p) + shift) for p in mid[1:]], self.prior, n)
+
+    def _plan(self, req: _Request, k: int) -> _Plan:
+        return _Plan(expected_emitted_all(self.rates(req, k)), self.costs.step_times(k))
+
+    def slo_margin(self) -> float:
+        """p95 of observed / predicted request latency (≥ 1): how far predictions can be trusted."""
+        if len(self._latency_ratios) < 10:
+            return 1.0
+        ordered = sorted(self._latency_ratios)
+        return min(3.0, max(1.0, ordered[int(0.95 * (len(ordered) - 1))]))
+
+    # -- the decision -----------------------------------------------------------------------
+
+    def begin(self, ctx: StepContext) -> None:
+        self._request(ctx)
+
+    def next_tau(self, ctx: StepContext) -> Decision:
+        if not ctx.can_draft:
+            return Decision(0, "no drafter")
+        req = self._request(ctx)
+        req.steps += 1
+        k = min(self.max_tau, ctx.max_tau)
+        if k == 0:
+            return self._decide(req, 0, "plain: no room to draft", None)
+        plan = self._plan(req, k)
+        want = max(1, ctx.max_new_tokens - ctx.new_tokens)
+        left = None if ctx.max_verify_passes is None else ctx.max_verify_passes - ctx.verify_passes
+        if req.predicted_latency is None:
+            best = plan.best(list(range(k + 1)))
+            req.predicted_latency = ctx.elapsed + want / plan.emitted[best] * plan.times[best]
+        if left is not None and left * 1.0 < want:
+            return self._under_budget(req, plan, want, left, ctx)
+        return self._free(req, plan, ctx)
+
+    def _free(self, req: _Request, plan: _Plan, ctx: StepContext) -> Decision:
+        """No binding budget: best goodput, or fall back to plain steps (probing with backoff)."""
+        tau = plan.best(list(range(1, len(plan.goodput))))
+        ratio = plan.goodput[tau] / plan.goodput[0]
+        if ratio >= 1.0 + self.margin:
+            req.backoff = self.min_backoff
+            k = len(plan.goodput) - 1
+            if req.steps % EXPLORE_EVERY == 0 and tau < k and plan.goodput[tau + 1] >= 0.9 * plan.goodput[tau]:
+                # Positions never drafted keep stale estimates; now and then look one further.
+                return self._decide(req, tau + 1, f"explore tau={tau + 1} (best {tau}, {ratio:.2f}x plain)", plan)
+            return self._decide(req, tau, f"goodput {ratio:.2f}x plain at tau={tau}", plan)
+        req.since_probe += 1
+        if req.since_probe >= req.backoff:
+            req.since_probe = 0
+            probe = min(max(self.probe_tau, tau), len(plan.goodput) - 1)
+            req.probing = True
+            return self._decide(req, probe, f"probe tau={probe} (fallback; best goodput {ratio:.2f}x plain)", None)
+        return self._decide(req, 0, f"fallback: best goodput {ratio:.2f}x plain", None)
+
+    def _under_budget(self, req: _Request, plan: _Plan, want: int, left: int, ctx: StepContext) -> Decision:
+        """Fewer passes left than tokens wanted: raise τ so the expected tokens fit the passes."""
+        k = len(plan.goodput) - 1
+        # Acceptance varies step to step: plan for BUDGET_SAFETY times the tokens so the mean is not the edge.
+        fits = [tau for tau in range(k + 1) if plan.emitted[tau] * left >= BUDGET_SAFETY * want]
+        if fits and self.slo_p95_s is not None:
+            margin = self.slo_margin()
+            in_slo = [tau for tau in fits if self._predict(ctx, plan, tau, want, left) * margin <= self.slo_p95_s]
+            if in_slo:
+                # Latency slack buys fewer passes: the most tokens per pass that still meets the SLO.
+                tau = max(in_slo, key=lambda t: plan.emitted[t] - GAIN_PER_TOKEN * t)
+                return self._decide(
+                    req, tau, f"budget+SLO: tau={tau}, {left} passes left for {want} tokens", plan, False
+                )
+        if fits:
+            tau = plan.best(fits)
+            return self._decide(req, tau, f"budget: tau={tau} fits {want} tokens in {left} passes", plan, False)
+        tau = max(range(k + 1), key=lambda t: plan.emitted[t] - GAIN_PER_TOKEN * t)
+        # Passes are what is scarce here, not time: no early stop, since a doubtful token may still pass.
+        return self._decide(req, tau, f"budget-limited: tau={tau}, {left} passes left for {want} tokens", plan, False)
+
+    def _predict(self, ctx: StepContext, plan: _Plan, tau: int, want: int, left: int) -> float:
+        passes = min(want / plan.emitted[tau], left)
+        return ctx.elapsed + passes * plan.times[tau]
+
+    def _decide(self, req: _Request, tau: int, reason: str, plan: _Plan | None, early_stop: bool = True) -> Decision:
+        req.asked = tau
+        if (
+            tau
+            and plan is not None
+            and early_stop
+            and self.early_stop
+            and req.steps % EXPLORE_EVERY
+            and self.calibration.total >= 30
+        ):
+            # Drafting one more token pays when its acceptance chance beats its cost in output time.
+            d = self.costs.step_times(1)
+            extra = d[1] - d[0]
+            per_token = plan.times[tau] / plan.emitted[tau]
+            cut = self.calibration.threshold(extra / per_token)
+            if cut is not None:
+                return Decision(tau, reason + f", stop below p={cut:.1f}", min_confidence=cut)
+        return Decision(tau, reason)
+
+    # -- learning ---------------------------------------------------------------------------
+
+    def observe(self, record: StepRecord) -> None:
+        req = self._requests.get(record.request_id)
+        asked = req.asked if req is not None else record.tau
+        # An early stop still ran the draft forward that produced the low-confidence token.
+        forwards = record.tau + (1 if record.tau < asked else 0)
+        self.costs.observe(record.tau, forwards, record.draft_time, record.verify_time, record.other_time)
+        if record.tau == 0:
+            return
+        self.global_rates.update(record.tau, record.n_accepted)
+        if req is not None:
+            self.bucket_rates[req.bucket].update(record.tau, record.n_accepted)
+            req.rates.update(record.tau, record.n_accepted)
+            if req.probing:
+                req.probing = False
+                # All accepted: probe again at once; some: soon; none: back off further.
+                if record.n_accepted == record.tau:
+                    req.backoff = 1
+                else:
+                    req.backoff = self.min_backoff if record.n_accepted else min(2 * req.backoff, self.max_backoff)
+        if record.draft_token_probs:
+            self.calibration.update(record.draft_token_probs, record.tau, record.n_accepted)
+
+    def end(self, request_id: str, stats: GenerationStats) -> None:
+        req = self._requests.pop(request_id, None)
+        if stats.finish_reason == "cancelled":
+            return
+        self.latencies.append(stats.latency)
+        if req is not None and req.predicted_latency and stats.finish_reason == "length":
+            self._latency_ratios.append(stats.latency / req.predicted_latency)
+
+    def slo_attainment(self) -> float | None:
+        """Share of recent requests that met the SLO (None without an SLO or requests)."""
+        if self.slo_p95_s is None or not self.latencies:
+            return None
+        return sum(lat <= self.slo_p95_s for lat in self.latencies) / len(self.latencies)
+
+
+def make_adaptive(
+    fleet_budget: float | None = None, budget_window: int = 64, max_share: float = 4.0, **kwargs: Any
+) -> Policy:
+    """``adaptive``, optionally under a fleet-average budget of ``fleet_budget`` passes per request."""
+    policy = AdaptivePolicy(**kwargs)
+    if fleet_budget is None:
+        return policy
+    return FleetBudgetPolicy(policy, fleet_budget, budget_window, max_share)

@@ -1,0 +1,162 @@
+"""Online estimates the adaptive policy plans with: acceptance by draft position, and step costs.
+
+Acceptance is kept as *conditional* rates a_k = P(ŷ_k accepted | ŷ_1..ŷ_{k-1} accepted), so a step
+with τ drafted and n̂ accepted says: positions 1..n̂ passed, position n̂+1 failed (when n̂ < τ), and
+nothing about later positions. From the rates (Leviathan et al. 2023, eq. 1 generalised to
+per-position rates):
+
+    E[n̂ + 1 | τ] = 1 + Σ_{k=1..τ} Π_{j<=k} a_j
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def expected_emitted(rates: list[float], tau: int) -> float:
+    """E[n̂ + 1 | τ]: tokens one step emits, the correction token included."""
+    total, survive = 1.0, 1.0
+    for k in range(tau):
+        survive *= rates[k]
+        total += survive
+    return total
+
+
+def expected_emitted_all(rates: list[float]) -> list[float]:
+    """``[E[n̂+1 | τ] for τ = 0..len(rates)]`` in one pass."""
+    out, total, survive = [1.0], 1.0, 1.0
+    for a in rates:
+        survive *= a
+        total += survive
+        out.append(total)
+    return out
+
+
+@dataclass
+class PositionRates:
+    """EWMA success/trial counts per draft position, read back shrunk toward a prior.
+
+    ``decay`` is applied per observation of a position, so a position seen every step and
+    one seen rarely both remember their last ~1/(1-decay) outcomes.
+    """
+
+    max_pos: int = 32
+    decay: float = 0.9
+    prior_weight: float = 2.0
+    wins: list[float] = field(default_factory=list)
+    trials: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.wins = [0.0] * self.max_pos
+        self.trials = [0.0] * self.max_pos
+
+    def update(self, tau: int, n_accepted: int) -> None:
+        for k in range(min(n_accepted + 1, tau, self.max_pos)):
+            self.wins[k] = self.decay * self.wins[k] + (1.0 if k < n_accepted else 0.0)
+            self.trials[k] = self.decay * self.trials[k] + 1.0
+
+    def observed(self, k: int) -> float:
+        return self.trials[k]
+
+    def rates(self, parent: list[float] | None, first_prior: float, n: int | None = None) -> list[float]:
+        """The first ``n`` shrunk rates. Each position's prior is ``parent[k]`` when given, else the
+        rate of position k-1 (flat extrapolation beyond what was tried; data soon corrects it)."""
+        out: list[float] = []
+        for k in range(min(self.max_pos, self.max_pos if n is None else n)):
+            prior = parent[k] if parent is not None else (out[k - 1] if k else first_prior)
+            out.append((self.wins[k] + self.prior_weight * prior) / (self.trials[k] + self.prior_weight))
+        return out
+
+
+@dataclass
+class StepCosts:
+    """Measured step costs: draft seconds per token, verify seconds by block size, other per step.
+
+    Verify time is fitted as v(k) = v0 + v1·(k-1) over block sizes k = τ+1 by decayed least
+    squares, with a weak prior on the slope until two block sizes have been seen; block sizes
+    seen often enough use their own EWMA (the measured curve, not the line).
+    """
+
+    decay: float = 0.95
+    prior_slope_frac: float = 0.05  # until measured: a block costs 5% more per extra token
+    prior_draft_frac: float = 0.1  # until measured: c = 0.1
+    draft_per_token: float | None = None
+    other: float | None = None
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # S1, Sx, Sy, Sxx, Sxy
+    _by_block: dict[int, list[float]] = field(default_factory=dict)  # k -> [weight, mean]
+
+    def observe(self, tau: int, forwards: int, draft_time: float, verify_time: float, other_time: float) -> None:
+        if forwards > 0 and draft_time > 0:
+            self.draft_per_token = self._ewma(self.draft_per_token, draft_time / forwards)
+        self.other = self._ewma(self.other, other_time)
+        k = tau + 1
+        x, y = float(k - 1), verify_time
+        s = self._sums
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            s[i] = self.decay * s[i] + v
+        w_mean = self._by_block.setdefault(k, [0.0, 0.0])
+        w_mean[0] = self.decay * w_mean[0] + 1.0
+        w_mean[1] += (y - w_mean[1]) / w_mean[0]
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else self.decay * old + (1 - self.decay) * new
+
+    @property
+    def seen(self) -> bool:
+        return self._sums[0] > 0
+
+    def line(self) -> tuple[float, float]:
+        """(v0, v1) of the verify-time line; ridge toward the prior slope."""
+        n, sx, sy, sxx, sxy = self._sums
+        if n <= 0:
+            return 1.0, self.prior_slope_frac
+        mx, my = sx / n, sy / n
+        var, cov = sxx / n - mx * mx, sxy / n - mx * my
+        lam = 0.25  # prior strength, in units of squared block-size spread
+        v1_prior = self.prior_slope_frac * max(my - self.prior_slope_frac * mx, 1e-9)
+        v1 = max(0.0, (cov + lam * v1_prior) / (var + lam))
+        return max(my - v1 * mx, 1e-9), v1
+
+    def verify(self, k: int) -> float:
+        own = self._by_block.get(k)
+        if own is not None and own[0] >= 3.0:
+            return own[1]
+        v0, v1 = self.line()
+        return v0 + v1 * (k - 1)
+
+    def step_times(self, max_tau: int) -> list[float]:
+        """Predicted seconds of a step drafting τ = 0..max_tau tokens."""
+        v1 = self.verify(1)
+        d = self.draft_per_token if self.draft_per_token is not None else self.prior_draft_frac * v1
+        o = self.other or 0.0
+        return [tau * d + self.verify(tau + 1) + o for tau in range(max_tau + 1)]
+
+
+@dataclass
+class ConfidenceCalibration:
+    """P(draft token accepted | the draft's probability of it), in 10 bins, EWMA with a calibrated prior."""
+
+    decay: float = 0.99
+    prior_weight: float = 3.0
+    wins: list[float] = field(default_factory=lambda: [0.0] * 10)
+    trials: list[float] = field(default_factory=lambda: [0.0] * 10)
+
+    def update(self, record_probs: list[float], tau: int, n_accepted: int) -> None:
+        for k in range(min(n_accepted + 1, tau, len(record_probs))):
+            b = min(int(record_probs[k] * 10), 9)
+            self.wins[b] = self.decay * self.wins[b] + (1.0 if k < n_accepted else 0.0)
+            self.trials[b] = self.decay * self.trials[b] + 1.0
+
+    @property
+    def total(self) -> float:
+        return sum(self.trials)
+
+    def rate(self, b: int) -> float:
+        return (self.wins[b] + self.prior_weight * (b + 0.5) / 10) / (self.trials[b] + self.prior_weight)
+
+    def threshold(self, break_even: float) -> float | None:
+        """The confidence below which every bin's acceptance is under ``break_even`` (None: no such bin)."""
+        edge = 0
+        while edge < 10 and self.rate(edge) < break_even:
+            edge += 1
+        return edge / 10 if edge else None

@@ -1,0 +1,17 @@
+"""Policy simulator: replay acceptance processes under cost models, driving the real policy objects."""
+
+from specdec.simulate.costs import COSTS, CostModel, fit_costs, load_costs
+from specdec.simulate.runner import RunResult, simulate
+from specdec.simulate.workloads import WORKLOADS, Workload, get_workload
+
+__all__ = [
+    "COSTS",
+    "WORKLOADS",
+    "CostModel",
+    "RunResult",
+    "Workload",
+    "fit_costs",
+    "get_workload",
+    "load_costs",
+    "simulate",
+]

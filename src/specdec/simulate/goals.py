@@ -1,0 +1,104 @@
+"""The policy goals of issue 5, checked in the simulator over seeds, with the figures behind each verdict."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from specdec.simulate.costs import CostModel, load_costs
+from specdec.simulate.report import policy_factory
+from specdec.simulate.runner import simulate
+from specdec.simulate.workloads import WORKLOADS, Workload
+
+FIXED_TAUS = (1, 2, 3, 4, 5, 6, 8, 10, 12)
+
+
+@dataclass
+class Goal:
+    name: str
+    passed: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"[{'PASS' if self.passed else 'FAIL'}] {self.name}: {self.detail}"
+
+
+def _tps(spec: str, w: Workload, cost: CostModel, seeds: list[int]) -> float:
+    factory = policy_factory(spec)
+    vals = [simulate(factory(), w, cost, s).tokens_per_s for s in seeds]
+    return sum(vals) / len(vals)
+
+
+def _best_fixed(w: Workload, cost: CostModel, seeds: list[int]) -> tuple[int, float]:
+    return max(((t, _tps(f"fixed:tau={t}", w, cost, seeds)) for t in FIXED_TAUS), key=lambda x: x[1])
+
+
+def check_goals(cost_names: list[str], seeds: list[int], requests: int | None = None) -> list[Goal]:
+    goals: list[Goal] = []
+    for cname in cost_names:
+        cost = load_costs(cname)
+        for w in WORKLOADS.values():
+            if requests is not None:
+                w = replace(w, requests=requests)
+            if w.kind in ("stationary", "switching"):
+                goals.append(_vs_fixed(w, cost, seeds))
+            elif w.kind == "useless":
+                goals.append(_useless(w, cost, seeds))
+            elif w.fleet_budget is not None:
+                goals.append(_fleet(w, cost, seeds))
+        goals.append(_hard_cap(replace(WORKLOADS["iid-0.8"], requests=requests or 30), cost, seeds))
+    return goals
+
+
+def _vs_fixed(w: Workload, cost: CostModel, seeds: list[int]) -> Goal:
+    tau, best = _best_fixed(w, cost, seeds)
+    adaptive = _tps("adaptive", w, cost, seeds)
+    oracle = _tps("oracle", w, cost, seeds)
+    ratio = adaptive / best
+    need = 0.97 if w.kind == "stationary" else 1.10
+    return Goal(
+        f"{w.name} [{cost.name}] adaptive >= {need:.2f}x best fixed",
+        ratio >= need,
+        f"adaptive {adaptive:.1f} tok/s = {ratio:.3f}x best fixed tau={tau} ({best:.1f}); "
+        f"known-rate oracle {oracle / best:.3f}x",
+    )
+
+
+def _useless(w: Workload, cost: CostModel, seeds: list[int]) -> Goal:
+    plain = _tps("fixed:tau=0", w, cost, seeds)
+    adaptive = _tps("adaptive", w, cost, seeds) / plain
+    fixed = _tps("fixed:tau=4", w, cost, seeds) / plain
+    return Goal(
+        f"{w.name} [{cost.name}] adaptive within 3% of target-only, fixed tau=4 not",
+        adaptive >= 0.97 and fixed < 0.97,
+        f"adaptive {adaptive:.3f}x target-only, fixed tau=4 {fixed:.3f}x",
+    )
+
+
+def _fleet(w: Workload, cost: CostModel, seeds: list[int]) -> Goal:
+    assert w.fleet_budget is not None
+    worst, parts = 0.0, []
+    for spec in ("adaptive", "fixed:tau=4", "heuristic", "confidence"):
+        factory = policy_factory(spec)
+        runs = [simulate(factory(), w, cost, s) for s in seeds]
+        peak = max(r.max_window_passes() for r in runs)
+        worst = max(worst, peak)
+        slo = sum(r.slo_attainment() or 0.0 for r in runs) / len(runs)
+        tpr = sum(r.summary()["tokens_per_request"] for r in runs) / len(runs)
+        parts.append(f"{spec}: window max {peak:.2f}, {tpr:.2f} tok/req, SLO met {100 * slo:.0f}%")
+    return Goal(
+        f"{w.name} [{cost.name}] fleet average <= B={w.fleet_budget:g} over every {w.budget_window}-request window",
+        worst <= w.fleet_budget + 1e-9,
+        "; ".join(parts),
+    )
+
+
+def _hard_cap(w: Workload, cost: CostModel, seeds: list[int], cap: int = 6) -> Goal:
+    w = replace(w, max_verify_passes=cap)
+    worst, parts = 0, []
+    for spec in ("adaptive", "fixed:tau=4", "heuristic"):
+        runs = [simulate(policy_factory(spec)(), w, cost, s) for s in seeds]
+        peak = max(r.summary()["passes_max"] for r in runs)
+        tpr = sum(r.summary()["tokens_per_request"] for r in runs) / len(runs)
+        worst = max(worst, peak)
+        parts.append(f"{spec}: max {peak} passes, {tpr:.1f} tok/req")
+    return Goal(f"hard cap max_verify_passes={cap} [{cost.name}] never exceeded", worst <= cap, "; ".join(parts))

@@ -1,0 +1,218 @@
+"""Policies pinned against scripted acceptance sequences (no models), plus one engine check on tiny models."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+
+from specdec.errors import InvalidRequestError
+from specdec.policy import (
+    AdaptivePolicy,
+    ConfidencePolicy,
+    FleetBudget,
+    FleetBudgetPolicy,
+    HeuristicPolicy,
+    Policy,
+    StepContext,
+    make_policy,
+)
+from specdec.records import GenerationStats, StepRecord
+
+DRAFT_S, VERIFY_S, VERIFY_EXTRA_S = 0.5e-3, 4.0e-3, 0.05e-3
+
+
+def ctx_for(
+    rid: str, step: int, new: int, passes: int, *, max_new: int = 10_000, cap: int | None = None, prompt_len: int = 100
+) -> StepContext:
+    return StepContext(
+        request_id=rid,
+        step=step,
+        prompt_len=prompt_len,
+        context_len=prompt_len + new,
+        new_tokens=new,
+        max_new_tokens=max_new,
+        verify_passes=passes,
+        max_verify_passes=cap,
+        max_tau=max(0, max_new - new - 1),
+        elapsed=0.0,
+        can_draft=True,
+    )
+
+
+def record_for(rid: str, step: int, tau: int, n_acc: int, probs: list[float] | None = None) -> StepRecord:
+    return StepRecord(
+        request_id=rid,
+        step=step,
+        prompt_len=100,
+        context_len=100,
+        policy="t",
+        reason="",
+        tau=tau,
+        draft_tokens=[0] * tau,
+        accept_flags=[k < n_acc for k in range(tau)],
+        n_accepted=n_acc,
+        correction="plain" if tau == 0 else ("bonus" if n_acc == tau else "recovered"),
+        emitted=[0] * (n_acc + 1),
+        draft_time=DRAFT_S * tau,
+        verify_time=VERIFY_S + VERIFY_EXTRA_S * tau,
+        other_time=0.0,
+        draft_token_probs=probs if probs is not None else [0.9] * tau,
+    )
+
+
+def drive(policy: Policy, accept: Callable[[int, int], int], steps: int, rid: str = "r", **ctx_kw: int) -> list[int]:
+    """Run ``steps`` engine-like steps; ``accept(step, tau) -> n̂`` scripts the draft. Returns the τ chosen."""
+    taus, new, passes = [], 0, 0
+    policy.begin(ctx_for(rid, 0, 0, 0, **ctx_kw))
+    for step in range(steps):
+        d = policy.next_tau(ctx_for(rid, step, new, passes, **ctx_kw))
+        if d.stop:
+            break
+        n_acc = accept(step, d.tau) if d.tau else 0
+        policy.observe(record_for(rid, step, d.tau, n_acc))
+        taus.append(d.tau)
+        new, passes = new + n_acc + 1, passes + 1
+    policy.end(rid, GenerationStats(new_tokens=new, target_passes=passes, latency=0.1))
+    return taus
+
+
+def bernoulli(alpha: float, seed: int = 0) -> Callable[[int, int], int]:
+    rng = random.Random(seed)
+
+    def accept(step: int, tau: int) -> int:
+        n = 0
+        while n < tau and rng.random() < alpha:
+            n += 1
+        return n
+
+    return accept
+
+
+# -- registry ---------------------------------------------------------------------------------
+
+
+def test_every_policy_builds_with_no_arguments() -> None:
+    for name in ("fixed", "heuristic", "confidence", "adaptive"):
+        assert make_policy(name).name == name
+
+
+def test_bad_options_name_the_argument() -> None:
+    with pytest.raises(InvalidRequestError, match="threshold"):
+        ConfidencePolicy(threshold=1.5)
+    with pytest.raises(InvalidRequestError, match="slo_p95_s"):
+        make_policy("adaptive", slo_p95_s=-1)
+    with pytest.raises(InvalidRequestError, match="fleet budget"):
+        make_policy("adaptive", fleet_budget=0.5)
+
+
+# -- heuristic ----------------------------------------------------------------------------------
+
+
+def test_heuristic_schedule_plus_two_minus_one_floor_one() -> None:
+    p = HeuristicPolicy()
+    # full accept at 5 -> 7; then rejections: 7 -> 6 -> 5 ... -> 1, and never below 1
+    script = [lambda t: t] + [lambda t: 0] * 8
+    taus = drive(p, lambda step, tau: script[step](tau), len(script))
+    assert taus == [5, 7, 6, 5, 4, 3, 2, 1, 1]
+
+
+def test_heuristic_count_persists_across_requests_unless_transient() -> None:
+    p = HeuristicPolicy()
+    drive(p, lambda s, t: t, 2, rid="a")  # 5 -> 7 -> 9
+    assert drive(p, lambda s, t: 0, 1, rid="b") == [9]
+    q = HeuristicPolicy(transient=True)
+    drive(q, lambda s, t: t, 2, rid="a")
+    assert drive(q, lambda s, t: 0, 1, rid="b") == [5]
+
+
+def test_heuristic_is_clamped_by_the_engine_room() -> None:
+    assert HeuristicPolicy(start=9).next_tau(ctx_for("r", 0, 0, 0, max_new=4)).tau == 3
+
+
+def test_confidence_asks_the_drafter_to_stop_early() -> None:
+    d = ConfidencePolicy(tau=6, threshold=0.3).next_tau(ctx_for("r", 0, 0, 0))
+    assert (d.tau, d.min_confidence) == (6, 0.3)
+
+
+# -- adaptive: fallback, recovery, goodput -----------------------------------------------------
+
+
+def test_adaptive_falls_back_to_plain_steps_with_a_useless_draft() -> None:
+    p = AdaptivePolicy()
+    taus = drive(p, lambda s, t: 0, 200)
+    assert sum(t == 0 for t in taus[-100:]) >= 90  # nearly all plain steps once it has seen enough
+    d = p.next_tau(ctx_for("x", 0, 0, 0))
+    assert d.tau == 0 and d.reason.startswith("fallback: best goodput") and "x plain" in d.reason
+
+
+def test_adaptive_probes_with_growing_backoff_while_falling_back() -> None:
+    p = AdaptivePolicy(early_stop=False)
+    taus = drive(p, lambda s, t: 0, 300)
+    probes = [i for i, t in enumerate(taus) if t > 0 and i > 20]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps, "no probes at all: it could never recover"
+    assert gaps == sorted(gaps) and gaps[-1] == p.max_backoff  # doubling, up to the cap
+
+
+def test_adaptive_recovers_when_acceptance_returns() -> None:
+    p = AdaptivePolicy(early_stop=False)
+    taus = drive(p, lambda s, t: 0 if s < 150 else t, 260)  # useless, then every draft accepted
+    assert taus[140:150].count(0) >= 8
+    assert min(taus[-20:]) >= 6, taus[150:]
+
+
+def test_adaptive_drafts_more_when_acceptance_is_higher() -> None:
+    low = drive(AdaptivePolicy(early_stop=False), bernoulli(0.5), 300)
+    high = drive(AdaptivePolicy(early_stop=False), bernoulli(0.9), 300)
+    mean_low, mean_high = sum(low[100:]) / 200, sum(high[100:]) / 200
+    assert 1 <= mean_low <= 4 and mean_high >= 6, (mean_low, mean_high)
+
+
+def test_adaptive_learns_long_prompts_separately() -> None:
+    p = AdaptivePolicy(early_stop=False)
+    for i in range(6):  # alternate requests: short prompts accept all, long prompts accept nothing
+        drive(p, lambda s, t: t, 40, rid=f"s{i}", prompt_len=100)
+        drive(p, lambda s, t: 0, 40, rid=f"l{i}", prompt_len=3000)
+    assert p.next_tau(ctx_for("s", 0, 0, 0, prompt_len=100)).tau >= 6
+    assert p.next_tau(ctx_for("l", 0, 0, 0, prompt_len=3000)).tau == 0
+
+
+def test_adaptive_uses_the_measured_verify_curve() -> None:
+    p = AdaptivePolicy()
+    for k in range(1, 9):  # block of k+1 tokens costs k+1 times one token: no parallelism at all
+        for _ in range(4):
+            p.costs.observe(k, k, DRAFT_S * k, VERIFY_S * (k + 1), 0.0)
+    assert p.costs.verify(9) == pytest.approx(VERIFY_S * 9, rel=1e-6)
+    assert p.costs.verify(5) > 4 * VERIFY_S
+
+
+# -- budgets ----------------------------------------------------------------------------------
+
+
+def test_adaptive_raises_tau_when_the_hard_budget_is_tight() -> None:
+    free = drive(AdaptivePolicy(early_stop=False), bernoulli(0.85, seed=1), 60, max_new=400)
+    capped = drive(AdaptivePolicy(early_stop=False), bernoulli(0.85, seed=1), 60, max_new=400, cap=60)
+    assert sum(capped[20:]) > sum(free[20:])
+    assert all("budget" in r for r in [AdaptivePolicy().next_tau(ctx_for("r", 0, 0, 0, max_new=400, cap=50)).reason])
+
+
+def test_fleet_ledger_keeps_every_window_at_or_under_budget_and_lends() -> None:
+    rng = random.Random(7)
+    ledger = FleetBudget(2.0, window=8)
+    used: list[int] = []
+    for i in range(300):
+        allowance = ledger.open(str(i))
+        u = min(allowance, rng.choice([1, 1, 1, 2, 6, 9]))  # mostly short, some long requests
+        ledger.close(str(i), u)
+        used.append(u)
+    assert max(sum(used[i : i + 8]) for i in range(len(used) - 7)) <= 16
+    assert max(used) > 2  # long requests borrowed what short ones left
+
+
+def test_fleet_policy_stops_a_request_at_its_allowance() -> None:
+    p = FleetBudgetPolicy(make_policy("fixed", tau=2), budget=2.0, window=4)
+    taus = drive(p, lambda s, t: 0, 50)  # never accepts: needs many passes
+    assert len(taus) == 2  # allowance 2: B with no history to borrow from
+    assert p.ledger.allowance("r") is None  # closed at end
