@@ -1,0 +1,159 @@
+"""``specdec audit``: check that a speculative configuration's output is exactly the target's."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+from specdec.commands.common import ModelSettings, add_model_args
+from specdec.errors import InvalidRequestError, SpecdecError
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "heldout_prompts.jsonl"
+FALLBACK_PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):\n",
+    "for i in range(10):\n",
+    "The quick brown fox",
+]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "audit",
+        help="verify losslessness: speculative output vs target-only decoding",
+        description="Greedy (--temperature 0, default): replay prompts with target-only decoding (τ=0) and with the "
+        "speculative configuration and compare token by token. Sampling (--temperature > 0): "
+        "chi-square test of the first positions' token frequencies over many seeded runs against the "
+        "target's exact distributions (false-failure rate ≤ --alpha). Exit status: 0 pass, 1 "
+        "divergence, 2 bad input.",
+    )
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        metavar="FILE.jsonl",
+        help='JSONL with a "prompt" field per line (default: the shipped held-out prompts)',
+    )
+    src.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        metavar="TRACE",
+        help="replay the requests of a trace; greedy requests are checked against the outputs the trace recorded",
+    )
+    g = p.add_argument_group("audit")
+    g.add_argument("--samples", type=int, default=8, help="prompts to replay (default 8)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy comparison (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--max-new-tokens", type=int, default=64, help="greedy: tokens compared per prompt")
+    g.add_argument("--runs", type=int, default=400, help="sampling: seeded runs per prompt (default 400)")
+    g.add_argument("--positions", type=int, default=2, choices=(1, 2), help="sampling: positions tested")
+    g.add_argument("--alpha", type=float, default=1e-3, help="sampling: false-failure rate (default 1e-3)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the first run and of the prompt sample")
+    g.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    engine = ModelSettings.from_args(args).load()
+    from specdec.audit import audit_greedy, audit_sampling
+
+    prompts, recorded = _prompts(args)
+    if args.temperature == 0:
+        # A recorded output is compared over its own length (a stop string may have cut it).
+        limit = [len(out) for out in recorded] if recorded is not None else args.max_new_tokens
+        result = audit_greedy(engine, prompts, max_new_tokens=limit, recorded=recorded)
+    else:
+        n = 3 if args.samples == 8 else args.samples  # the statistical test is costly: fewer prompts by default
+        result = audit_sampling(
+            engine,
+            prompts[:n],
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            runs=args.runs,
+            positions=args.positions,
+            seed=args.seed,
+            alpha=args.alpha,
+        )
+    if args.json:
+        print(json.dumps(result.to_json(), ensure_ascii=False))
+    else:
+        print(result.text(), end="")
+    return 0 if result.ok else 1
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("samples", "runs", "max_new_tokens"):
+        if getattr(args, name) <= 0:
+            raise InvalidRequestError(f"--{name.replace('_', '-')} must be a positive integer", name)
+    if not 0 < args.alpha < 1:
+        raise InvalidRequestError("--alpha must be in (0, 1)", "alpha")
+    if args.temperature < 0:
+        raise InvalidRequestError("--temperature must be >= 0", "temperature")
+
+
+def _prompts(args: argparse.Namespace) -> tuple[list[Any], list[list[int]] | None]:
+    """Prompts to replay and, for a greedy trace, the outputs it recorded."""
+    if args.trace is not None:
+        return _trace_prompts(args)
+    path = args.prompts or (DEFAULT_PROMPTS if DEFAULT_PROMPTS.exists() else None)
+    if path is None:
+        return FALLBACK_PROMPTS[: args.samples], None
+    prompts = read_prompts(path)
+    if len(prompts) > args.samples:
+        prompts = random.Random(args.seed).sample(prompts, args.samples)
+    return prompts, None
+
+
+def read_prompts(path: Path) -> list[str]:
+    if not path.is_file():
+        raise SpecdecError(f"prompts file {path} does not exist")
+    prompts = []
+    for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            raise SpecdecError(f"{path} line {no}: not JSON") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+            raise SpecdecError(f'{path} line {no}: expected an object with a non-empty "prompt" string')
+        prompts.append(obj["prompt"])
+    if not prompts:
+        raise SpecdecError(f"prompts file {path} holds no prompts")
+    return prompts
+
+
+def _trace_prompts(args: argparse.Namespace) -> tuple[list[Any], list[list[int]] | None]:
+    from specdec.trace import read_trace
+
+    trace = read_trace(args.trace)
+    done = [(r.summary, r) for r in trace.requests if r.summary is not None and r.summary.get("prompt_ids")]
+    if not done:
+        raise SpecdecError(
+            f"trace {args.trace} records no prompts (written with record_prompts=False or by an "
+            "older specdec): use --prompts"
+        )
+    if args.temperature != 0:
+        return [summary["prompt_ids"] for summary, _ in done[: args.samples]], None
+    # Replay exactly what was served: greedy requests that ran to a length limit or a stop.
+    greedy = [
+        (summary, r) for summary, r in done if r.temperature == 0 and summary.get("finish_reason") in ("length", "stop")
+    ]
+    if not greedy:
+        raise SpecdecError(
+            f"trace {args.trace} holds no finished greedy requests to compare; pass "
+            "--temperature T to test its prompts statistically"
+        )
+    pairs = [(summary["prompt_ids"], [t for s in r.steps for t in s["emitted"]]) for summary, r in greedy]
+    pairs = [(ids, out) for ids, out in pairs if out][: args.samples]
+    return [ids for ids, _ in pairs], [out for _, out in pairs]

@@ -1,0 +1,122 @@
+"""audit: passes on the real engine, fails (naming the position) on a deliberately broken acceptance rule.
+
+The broken engines are made here only, by replacing the engine's verify functions with ones that
+accept every draft token. The sampling audit is a chi-square test at false-failure rate 1e-3 with
+fixed seeds (0..199), so its outcome here is deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import specdec
+import specdec.engine as engine_mod
+from specdec.audit import audit_greedy, audit_sampling
+from specdec.engine import Engine
+from specdec.verify import Verdict, verify_greedy, verify_with_uniforms
+
+PROMPTS = ["def fibonacci(n):", "import os, sys"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models: dict[str, Path]) -> Engine:
+    return specdec.load(tiny_models["llama"], tiny_models["draft"], tau=3)
+
+
+def _accept_all_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
+    tau = draft_tokens.shape[0]
+    v = verify_greedy(draft_tokens, target_logits)
+    bonus = int(target_logits[tau].argmax().item())
+    return Verdict([True] * tau, tau, draft_tokens.tolist() + [bonus], "bonus" if tau else "plain", [], [])
+
+
+def _accept_all_sampling(draft_tokens, draft_probs, target_probs, generator):  # type: ignore[no-untyped-def]
+    r = torch.zeros(draft_tokens.shape[0])  # r = 0 passes r·q ≤ p for every token the target allows
+    return verify_with_uniforms(draft_tokens, draft_probs, target_probs, r, generator)
+
+
+@pytest.fixture
+def broken(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_mod, "verify_greedy", _accept_all_greedy)
+    monkeypatch.setattr(engine_mod, "verify_sampling", _accept_all_sampling)
+
+
+def test_greedy_audit_passes_on_the_real_engine(engine: Engine) -> None:
+    result = audit_greedy(engine, PROMPTS, max_new_tokens=24)
+    assert result.ok, result.text()
+    assert result.tokens_compared > 0 and result.text().startswith("PASS")
+
+
+def test_greedy_audit_names_the_first_divergence_of_a_broken_engine(engine: Engine, broken: None) -> None:
+    result = audit_greedy(engine, PROMPTS, max_new_tokens=24)
+    assert not result.ok
+    d = result.divergences[0]
+    ref = engine.generate(PROMPTS[d.prompt_index], max_new_tokens=24, tau=0).token_ids
+    bad = engine.generate(PROMPTS[d.prompt_index], max_new_tokens=24).token_ids
+    first = next(i for i, (a, b) in enumerate(zip(ref, bad)) if a != b)
+    assert (d.position, d.expected, d.got) == (first, ref[first], bad[first])
+    assert f"first divergence at generated position {first}" in result.text()
+
+
+def test_sampling_audit_passes_on_the_real_engine(engine: Engine) -> None:
+    result = audit_sampling(engine, PROMPTS[:1], temperature=1.0, runs=200, positions=2, seed=0)
+    assert result.tests and all(t.samples > 0 for t in result.tests)
+    assert result.ok, result.text()
+
+
+def test_sampling_audit_fails_when_everything_is_accepted(engine: Engine, broken: None) -> None:
+    result = audit_sampling(engine, PROMPTS[:1], temperature=1.0, runs=200, positions=2, seed=0)
+    assert not result.ok
+    assert "position 1 is not distributed as the target's" in (result.first_failure or "")
+
+
+def test_cli_audits_a_trace_and_catches_a_tampered_output(
+    tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specdec.cli import main
+
+    trace = tmp_path / "t.jsonl"
+    eng = specdec.load(tiny_models["llama"], tiny_models["draft"], tau=3, trace=trace)
+    for p in PROMPTS:
+        eng.generate(p, max_new_tokens=16)
+    eng.observers[-1].close()  # type: ignore[attr-defined]
+    models = ["--target", str(tiny_models["llama"]), "--draft", str(tiny_models["draft"])]
+    assert main(["audit", *models, "--trace", str(trace)]) == 0, capsys.readouterr().out
+    assert capsys.readouterr().out.startswith("PASS")
+
+    lines = [json.loads(x) for x in trace.read_text().splitlines()]
+    step = next(
+        x for x in lines if x["type"] == "step" and x["request_id"] == lines[-1]["request_id"] and x["step"] == 1
+    )
+    step["emitted"][0] = (step["emitted"][0] + 1) % 300  # what a wrong engine would have served
+    pos = sum(
+        len(x["emitted"])
+        for x in lines
+        if x["type"] == "step" and x["request_id"] == step["request_id"] and x["step"] == 0
+    )
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert main(["audit", *models, "--trace", str(trace), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is False and out["divergences"][0]["position"] == pos
+
+
+def test_cli_prompts_file_and_bad_input(
+    tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specdec.cli import main
+
+    models = ["--target", str(tiny_models["llama"]), "--draft", str(tiny_models["draft"])]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    assert main(["audit", *models, "--prompts", str(prompts), "--max-new-tokens", "12"]) == 0
+    assert "2 prompt(s)" in capsys.readouterr().out
+    prompts.write_text('{"text": "no prompt field"}\n')
+    assert main(["audit", *models, "--prompts", str(prompts)]) == 2
+    err = capsys.readouterr().err
+    assert 'line 1: expected an object with a non-empty "prompt" string' in err and err.count("\n") == 1
+    assert main(["audit", *models, "--prompts", str(tmp_path / "missing.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err
