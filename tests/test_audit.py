@@ -17,7 +17,7 @@ import specdec
 import specdec.engine as engine_mod
 from specdec.audit import audit_greedy, audit_sampling
 from specdec.engine import Engine
-from specdec.verify import Verdict, verify_greedy, verify_with_uniforms
+from specdec.verify import Verdict, verify_with_uniforms
 
 PROMPTS = ["def fibonacci(n):", "import os, sys"]
 
@@ -29,7 +29,6 @@ def engine(tiny_models: dict[str, Path]) -> Engine:
 
 def _accept_all_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
     tau = draft_tokens.shape[0]
-    v = verify_greedy(draft_tokens, target_logits)
     bonus = int(target_logits[tau].argmax().item())
     return Verdict([True] * tau, tau, draft_tokens.tolist() + [bonus], "bonus" if tau else "plain", [], [])
 
