@@ -24,13 +24,16 @@ import torch
 
 SHAPES: dict[str, dict[str, Any]] = {
     # 8.4M params, the shape of the C++ reference figure (0.65 ms/token bf16) in MEASUREMENTS.md
-    "8L-d256": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8,
-                    num_key_value_heads=8),
+    "8L-d256": dict(
+        hidden_size=256, intermediate_size=688, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8
+    ),
     # the default target and draft shapes
-    "target": dict(hidden_size=640, intermediate_size=1728, num_hidden_layers=4, num_attention_heads=10,
-                   num_key_value_heads=5),
-    "draft": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=4),
+    "target": dict(
+        hidden_size=640, intermediate_size=1728, num_hidden_layers=4, num_attention_heads=10, num_key_value_heads=5
+    ),
+    "draft": dict(
+        hidden_size=256, intermediate_size=768, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4
+    ),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -124,8 +127,11 @@ def main(argv: list[str] | None = None) -> int:
                         row = dict(shape=shape, dtype=dname, threads=threads, k=k, ms=ms)
                         results.append(row)
                         extra = "".join(f" {n}={v:.3f}" for n, v in ms.items() if n not in ("native", "hf"))
-                        print(f"{shape:8} {dname:5} {threads:>3} {k:>2} {ms['native']:16.3f} {ms['hf']:16.3f} "
-                              f"{ms['hf'] / ms['native']:16.2f}{extra}", flush=True)
+                        print(
+                            f"{shape:8} {dname:5} {threads:>3} {k:>2} {ms['native']:16.3f} {ms['hf']:16.3f} "
+                            f"{ms['hf'] / ms['native']:16.2f}{extra}",
+                            flush=True,
+                        )
                     if args.profile:
                         print(profile_native(runners["native"], args.context))
     if args.json:
