@@ -184,7 +184,7 @@ def test_cli_bench_writes_json_and_plot(
 ) -> None:
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": p.id, "prompt": p.text}) + "\n" for p in PROMPTS[:2]))
-    out_json, out_png = tmp_path / "r.json", tmp_path / "r.png"
+    out_json, out_png, out_md = tmp_path / "r.json", tmp_path / "r.png", tmp_path / "r.md"
     rc = main(
         [
             "bench",
@@ -211,6 +211,8 @@ def test_cli_bench_writes_json_and_plot(
             str(out_json),
             "--plot",
             str(out_png),
+            "--markdown",
+            str(out_md),
         ]
     )
     assert rc == 0
@@ -219,6 +221,8 @@ def test_cli_bench_writes_json_and_plot(
     data = json.loads(out_json.read_text())
     assert [r["key"] for r in data["contenders"]] == ["target_only", "fixed_tau2"]
     assert data["machine"]["cores"] and out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = out_md.read_text()
+    assert md.startswith("| contender |") and "| specdec τ=2 |" in md and "goal" in md
 
 
 def test_cli_bench_bad_input(tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -28,23 +28,7 @@ def _identical(row: dict[str, Any]) -> str:
 
 def table(report: dict[str, Any]) -> str:
     """One line per contender; α marked ~ where inferred from forward-call counts."""
-    lines = []
-    for r in report["contenders"]:
-        approx = not r.get("counts_exact", True)
-        lines.append(
-            (
-                r["label"],
-                _f(r["tokens_per_s"], ".1f"),
-                _f(r["speedup_vs_target_only"], ".2f"),
-                _f(r["speedup_vs_hf_assisted"], ".2f"),
-                _f(r["alpha"], ".2f", approx),
-                _f(r["mean_accepted_length"], ".2f", approx),
-                _f(r["c"], ".3f"),
-                _f(r["ideal_speedup"], ".2f"),
-                _f(r["efficiency"], ".0%"),
-                _identical(r),
-            )
-        )
+    lines = [tuple(_cells(r)) for r in report["contenders"]]
     widths = [max(len(str(x)) for x in col) for col in zip(COLUMNS, *lines)]
     fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
     out = [fmt.format(*COLUMNS), fmt.format(*("-" * w for w in widths))]
@@ -81,6 +65,8 @@ def summary(report: dict[str, Any]) -> str:
             f"peak RSS: {rss.get('end', 0):.0f} MiB (after loading models: {rss.get('after_loading_models', 0):.0f})"
         )
     out += [f"note: {n}" for n in report.get("notes", [])]
+    if report.get("elapsed_s") is not None:
+        out.append(f"bench took {report['elapsed_s']:.0f} s (model loading included)")
     return "\n".join(out)
 
 
@@ -114,7 +100,10 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     ax2.axhline(1.0, color="grey", linewidth=0.8)
     ax1.set(xlabel="τ (draft tokens per step)", ylabel="tokens/s (prefill included)", title="Throughput")
     ax2.set(xlabel="τ (draft tokens per step)", ylabel="× specdec target-only", title="Speedup")
+    from matplotlib.ticker import MaxNLocator
+
     for ax in (ax1, ax2):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     s = report["settings"]
@@ -139,3 +128,36 @@ def _ideal_curve(ax: Any, fixed: list[dict[str, Any]]) -> None:
         alpha=0.5,
         label=f"formula, mean α={alpha:.2f}, c={c:.3f}",
     )
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The table, goals and measured costs as Markdown (docs/benchmarks.md is built from this)."""
+    head = "| " + " | ".join(COLUMNS) + " |"
+    rule = "|" + "|".join("---" if i == 0 else "---:" for i in range(len(COLUMNS))) + "|"
+    lines = [head, rule] + ["| " + " | ".join(_cells(r)) + " |" for r in report["contenders"]]
+    out = ["\n".join(lines), ""]
+    for g in report["goals"]:
+        value = "n/a" if g["value"] is None else f"{g['value']:.2f}"
+        margin = "" if g["margin"] is None else f" ({g['margin']:.0%} of the goal)"
+        out.append(f"- {g['goal']}: **{value}** with `{g['contender']}`{margin}: {'met' if g['met'] else 'not met'}")
+    out.append("")
+    out.append("```")
+    out.append(summary(report))
+    out.append("```")
+    return "\n".join(out)
+
+
+def _cells(r: dict[str, Any]) -> list[str]:
+    approx = not r.get("counts_exact", True)
+    return [
+        r["label"],
+        _f(r["tokens_per_s"], ".1f"),
+        _f(r["speedup_vs_target_only"], ".2f"),
+        _f(r["speedup_vs_hf_assisted"], ".2f"),
+        _f(r["alpha"], ".2f", approx),
+        _f(r["mean_accepted_length"], ".2f", approx),
+        _f(r["c"], ".3f"),
+        _f(r["ideal_speedup"], ".2f"),
+        _f(r["efficiency"], ".0%"),
+        _identical(r),
+    ]

@@ -63,6 +63,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the full report as JSON")
     o.add_argument("--plot", type=Path, default=None, metavar="FILE.png", help="plot tokens/s and speedup vs τ")
+    o.add_argument(
+        "--markdown", type=Path, default=None, metavar="FILE.md", help="write the table and goals as Markdown"
+    )
     p.set_defaults(func=run)
 
 
@@ -165,7 +168,7 @@ def machine() -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     from specdec.bench import run_bench
-    from specdec.bench_report import plot, summary, table
+    from specdec.bench_report import markdown, plot, summary, table
     from specdec.errors import SpecdecError
 
     if args.plot is not None:
@@ -180,9 +183,13 @@ def run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
+    import time
+
+    t0 = time.perf_counter()
     log("loading models ...")
     models = load_models(ModelSettings.from_args(args), with_hf=cfg.hf)
     report = run_bench(models, cfg, log)
+    report["elapsed_s"] = round(time.perf_counter() - t0, 1)  # loading included
     report["machine"] = machine()
     report["command"] = "specdec " + " ".join(sys.argv[1:])
     report["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -192,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
         log(f"wrote {args.json}")
+    if args.markdown is not None:
+        args.markdown.write_text(markdown(report) + "\n")
+        log(f"wrote {args.markdown}")
     if args.plot is not None:
         plot(report, args.plot)
         log(f"wrote {args.plot}")
