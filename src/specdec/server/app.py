@@ -17,7 +17,7 @@ from specdec.server.errors import APIError, install_handlers
 from specdec.server.guard import Guard
 from specdec.server.observe import ServerMetrics
 from specdec.server.requests import chat_builder, check_supported, completion_builder, has_chat_template
-from specdec.server.responses import DONE, Reply, sse
+from specdec.server.responses import DONE, Reply, sse, summary
 from specdec.server.scheduler import Done, Failed, Job, Scheduler, Started, Step
 from specdec.server.schemas import (
     ChatCompletionRequest,
@@ -25,6 +25,7 @@ from specdec.server.schemas import (
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
+    ModelCard,
     ModelList,
     _Common,
 )
@@ -90,20 +91,13 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> dict[str, Any]:
         """The one model this server serves."""
-        drafter = engine.drafter.name if engine.drafter is not None else None
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": settings.model_name,
-                    "object": "model",
-                    "created": api.started,
-                    "owned_by": "specdec",
-                    "max_context": engine.max_context,
-                    "drafter": drafter,
-                }
-            ],
-        }
+        return {"object": "list", "data": [api.model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def model(model_id: str) -> dict[str, Any]:
+        """The served model's card (404 for any other id)."""
+        api.check_model(model_id)
+        return api.model_card()
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -128,15 +122,29 @@ class _Api:
         self.scheduler = scheduler
         self.started = _now()
 
+    def model_card(self) -> dict[str, Any]:
+        drafter = self.engine.drafter.name if self.engine.drafter is not None else None
+        return {
+            "id": self.settings.model_name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "specdec",
+            "max_context": self.engine.max_context,
+            "drafter": drafter,
+        }
+
     def check_request(self, body: _Common) -> None:
-        if body.model is not None and body.model != self.settings.model_name:
+        self.check_model(body.model)
+        check_supported(body)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.settings.model_name:
             raise APIError(
                 404,
-                f"model {body.model!r} does not exist: this server serves {self.settings.model_name!r}",
+                f"model {name!r} does not exist: this server serves {self.settings.model_name!r}",
                 "model",
                 "model_not_found",
             )
-        check_supported(body)
 
     async def serve(
         self, request: Request, body: _Common, build: Callable[[Engine], Generation], reply: Reply, rid: str
@@ -151,50 +159,49 @@ class _Api:
         )
         self.scheduler.submit(job)
         messages = job.messages()
+        # Until the response starts, watch for a client that hangs up (queued or mid-generation) ourselves.
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, job, self.scheduler))
+        streaming = False
         try:
             first = await anext(messages)
-        except BaseException:
-            self.scheduler.cancel(job)
-            raise
-        if isinstance(first, Failed):
-            raise first.error
-        assert isinstance(first, Started)
-        headers = {"X-Request-ID": rid}
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            stream = self._stream(job, messages, reply, first.prompt_tokens, want_steps, include_usage)
-            return StreamingResponse(
-                stream,
-                media_type="text/event-stream",
-                headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        return await self._collect(request, job, messages, reply, first.prompt_tokens, want_steps, headers)
+            if isinstance(first, Failed):
+                raise first.error
+            assert isinstance(first, Started)
+            headers = {"X-Request-ID": rid}
+            if not body.stream:
+                return await self._collect(messages, reply, first.prompt_tokens, want_steps, headers)
+            streaming = True
+        finally:
+            watcher.cancel()
+            if not streaming:
+                self.scheduler.cancel(job)  # a no-op once the job finished
+        # From here the streaming response notices a disconnect and closes the stream (see _stream).
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stream = self._stream(job, messages, reply, first.prompt_tokens, want_steps, include_usage)
+        return StreamingResponse(
+            stream,
+            media_type="text/event-stream",
+            headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     async def _collect(
         self,
-        request: Request,
-        job: Job,
         messages: AsyncIterator[Any],
         reply: Reply,
         prompt_tokens: int,
         want_steps: bool,
         headers: dict[str, str],
     ) -> Response:
-        """Wait for the whole result; a client that hangs up cancels its generation."""
-        watcher = asyncio.create_task(_cancel_on_disconnect(request, job, self.scheduler))
+        """Wait for the whole result."""
         steps: list[dict[str, Any]] = []
-        try:
-            async for msg in messages:
-                if isinstance(msg, Step) and msg.detail is not None:
-                    steps.append(msg.detail)
-                elif isinstance(msg, Failed):
-                    raise msg.error
-                elif isinstance(msg, Done):
-                    body = reply.response(msg.result, prompt_tokens, steps if want_steps else None)
-                    return JSONResponse(body, headers=headers)
-        finally:
-            watcher.cancel()
-            self.scheduler.cancel(job)
+        async for msg in messages:
+            if isinstance(msg, Step) and msg.detail is not None:
+                steps.append(msg.detail)
+            elif isinstance(msg, Failed):
+                raise msg.error
+            elif isinstance(msg, Done):
+                body = reply.response(msg.result, prompt_tokens, steps if want_steps else None)
+                return JSONResponse(body, headers=headers)
         raise APIError(500, "the request ended without a result", None, "internal_error")
 
     async def _stream(
@@ -216,8 +223,6 @@ class _Api:
                         extra = {"speculative": {"step": msg.detail}} if want_steps else None
                         yield reply.chunk(msg.event.text, extra=extra)
                 elif isinstance(msg, Done):
-                    from specdec.server.responses import summary
-
                     yield reply.chunk(None, msg.result.finish_reason, extra={"speculative": summary(msg.result)})
                     if include_usage:
                         yield reply.usage_chunk(prompt_tokens, msg.result)

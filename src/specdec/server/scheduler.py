@@ -178,7 +178,11 @@ class Scheduler:
             for job in admitted:
                 self._admit(job)
             for job in list(self._active):
-                self._advance(job)
+                try:
+                    self._advance(job)
+                except Exception:  # noqa: BLE001 - never let the worker die: every later request would hang
+                    log.exception("scheduler: dropping request %s", job.request_id)
+                    self._drop(job)
         # Shutting down: release everything still running or waiting.
         for job in list(self._active):
             self._end(job, Failed(_shutdown_error()))
@@ -217,14 +221,15 @@ class Scheduler:
             return
         try:
             event = gen.step()
-        except Exception as e:  # noqa: BLE001
+            if event is not None:
+                job.post(Step(event, self._step_detail(event) if job.want_steps else None))
+            if gen.done:
+                result = gen.result()
+                self._mean_latency = 0.8 * self._mean_latency + 0.2 * result.stats.latency
+        except Exception as e:  # noqa: BLE001 - one request's failure must not stop the worker
             self._end(job, Failed(_as_api_error(e)))
             return
-        if event is not None:
-            job.post(Step(event, self._step_detail(event) if job.want_steps else None))
         if gen.done:
-            result = gen.result()
-            self._mean_latency = 0.8 * self._mean_latency + 0.2 * result.stats.latency
             self._end(job, Done(result))
 
     def _end(self, job: Job, msg: Message) -> None:
@@ -239,6 +244,15 @@ class Scheduler:
         self._count(kind, job)
         job.post(msg)
         job.gen = None  # drop the Generation: its caches go with it
+
+    def _drop(self, job: Job) -> None:
+        with self._cond:
+            if job in self._active:
+                self._active.remove(job)
+        if not job.finished:
+            self._count("failed", job)
+            job.post(Failed(APIError(500, "internal error in the scheduler", None, "internal_error")))
+        job.gen = None
 
     def _count(self, kind: str, job: Job) -> None:
         with self._cond:
