@@ -119,3 +119,25 @@ def test_cli_prompts_file_and_bad_input(
     assert 'line 1: expected an object with a non-empty "prompt" string' in err and err.count("\n") == 1
     assert main(["audit", *models, "--prompts", str(tmp_path / "missing.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_fit_test_false_failure_rate_and_power() -> None:
+    """Calibration without an engine: 300 samples from p pass at the stated rate; samples from q fail."""
+    from specdec.audit import fit_test
+
+    gen = torch.Generator().manual_seed(1234)
+    p = torch.softmax(torch.randn(320, generator=gen) * 2.0, dim=-1)  # a flat-ish target, like a tiny model's
+    q = torch.softmax(torch.randn(320, generator=gen) * 2.0, dim=-1)  # an unrelated draft
+    level = 0.01
+    false = sum(
+        not fit_test(0, 1, torch.multinomial(p, 300, True, generator=gen).tolist(), p, level).ok for _ in range(200)
+    )
+    assert false <= 8  # expected ≤ 2 (level 0.01 × 200); P(≥ 9 | rate 0.01) < 1e-3 (binomial)
+    caught = sum(
+        not fit_test(0, 1, torch.multinomial(q, 300, True, generator=gen).tolist(), p, level).ok for _ in range(20)
+    )
+    assert caught == 20
+    topk = p.clone()
+    topk[topk < topk.topk(10).values[-1]] = 0
+    topk /= topk.sum()
+    assert not fit_test(0, 1, torch.multinomial(p, 300, True, generator=gen).tolist(), topk, level).ok  # p = 0 tokens
