@@ -67,7 +67,7 @@ def start_server(target: Path, draft: Path, log: Path, *extra: str) -> tuple[sub
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # generous: imports are slow on a busy machine
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
@@ -87,9 +87,16 @@ def chat_target(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathF
 
 
 @pytest.fixture(scope="module")
-def server(chat_target: Path, tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("trace") / "serve.jsonl"
+
+
+@pytest.fixture(scope="module")
+def server(
+    chat_target: Path, tiny_models: dict[str, Path], trace_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     log = tmp_path_factory.mktemp("server") / "server.log"
-    proc, url = start_server(chat_target, tiny_models["draft"], log, "--api-key", API_KEY)
+    proc, url = start_server(chat_target, tiny_models["draft"], log, "--api-key", API_KEY, "--trace", str(trace_file))
     yield url
     proc.terminate()
     try:
@@ -129,6 +136,17 @@ def test_completion_matches_engine_and_counts_usage(client: Any, engine: Any) ->
         spec = resp.model_extra["speculative"]
         assert spec["target_passes"] == expected.stats.target_passes
         assert spec["drafted"] > 0 and 0 <= spec["acceptance_rate"] <= 1
+
+
+def test_trace_records_served_requests(client: Any, trace_file: Path) -> None:
+    resp = client.completions.create(model=MODEL, prompt="def f(x):", max_tokens=9, temperature=0)
+    request_id = resp.id.removeprefix("cmpl-")
+    lines = [json.loads(line) for line in trace_file.read_text().splitlines()]
+    assert lines[0]["type"] == "header" and lines[0]["meta"]["command"] == "serve"
+    steps = [x for x in lines if x["type"] == "step" and x["request_id"] == request_id]
+    summary = [x for x in lines if x["type"] == "request" and x["request_id"] == request_id]
+    assert sum(len(s["emitted"]) for s in steps) == resp.usage.completion_tokens
+    assert len(summary) == 1 and summary[0]["target_passes"] == len(steps)
 
 
 def test_token_id_prompt_and_plain_decoding(client: Any, engine: Any) -> None:
@@ -316,7 +334,7 @@ def test_cli_refuses_bad_flags(tiny_models: dict[str, Path]) -> None:
         [sys.executable, "-m", "specdec.cli", "serve", "--target", "/nonexistent/dir", "--port", str(free_port())],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith("specdec: error:") and "Traceback" not in proc.stderr

@@ -71,12 +71,22 @@ def run(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
     )
+    engine = ModelSettings.from_args(args).load()
     observers: list[Observer] = []
     if args.trace:
         from specdec.trace import JsonlTrace
 
-        observers.append(JsonlTrace(args.trace))
-    engine = ModelSettings.from_args(args).load(observers=observers)
+        draft_runner = getattr(engine.drafter, "runner", None)
+        meta = {
+            "command": "serve",
+            "model_name": settings.model_name,
+            "target": engine.target.name,
+            "drafter": engine.drafter.name if engine.drafter is not None else None,
+            "draft": draft_runner.name if draft_runner is not None else None,
+            "policy": engine.policy.name,
+        }
+        observers.append(JsonlTrace(args.trace, meta=meta))
+        engine.observers.extend(observers)
     app = create_app(engine, settings)
     if args.host not in LOOPBACK and not settings.api_key:
         print(

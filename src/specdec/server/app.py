@@ -31,6 +31,7 @@ from specdec.server.schemas import (
 )
 from specdec.server.settings import ServerSettings
 
+_API_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429)}
 
 
@@ -250,7 +251,7 @@ def _mount_static(app: FastAPI, settings: ServerSettings) -> None:
     from fastapi.staticfiles import StaticFiles
     from starlette.exceptions import HTTPException
 
-    api_paths = {route.path for route in app.routes if getattr(route, "path", "").startswith(("/v1/", "/health"))}
+    api_paths = _API_PATHS  # GET-only paths (/health, /metrics, /v1/models) never reach here: only wrong methods do
 
     class Playground(StaticFiles):
         """Static files; an API path asked with the wrong method is a 405, not a missing file."""

@@ -172,7 +172,7 @@ class Scheduler:
                     self._cond.wait()
                 if self._stopping:
                     break
-                admitted = []
+                admitted: list[Job] = []
                 while self._waiting and len(self._active) + len(admitted) < self.max_active:
                     admitted.append(self._waiting.popleft())
             for job in admitted:
