@@ -172,6 +172,8 @@ def test_unsupported_rope_scaling_is_a_clear_error(checkpoints: dict[str, Path],
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedError, match=r"rope scaling type 'yarn' is not supported.*runtime='hf'"):
         NativeRunner.from_pretrained(bad)
+    assert choose_runtime(bad, "auto") == "hf"  # auto falls back to transformers, which implements yarn
+    assert choose_runtime(checkpoints["llama-gqa-llama3"], "auto") == "native"
 
 
 def test_cache_is_static_and_rollback_moves_a_position(checkpoints: dict[str, Path]) -> None:

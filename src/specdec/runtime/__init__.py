@@ -18,7 +18,7 @@ RUNTIMES: dict[str, RunnerFactory] = {"hf": HFRunner.from_pretrained}
 NATIVE_MODEL_TYPES: frozenset[str] = frozenset()
 
 try:  # the native runtime registers itself here
-    from specdec.runtime.native import SUPPORTED_MODEL_TYPES, NativeRunner
+    from specdec.runtime.native import SUPPORTED_MODEL_TYPES, NativeRunner, native_unsupported_reason
 
     RUNTIMES["native"] = NativeRunner.from_pretrained
     NATIVE_MODEL_TYPES = frozenset(SUPPORTED_MODEL_TYPES)
@@ -67,7 +67,10 @@ def choose_runtime(path: str | Path, runtime: str) -> str:
             raise InvalidRequestError(f"unknown runtime {runtime!r}; choose one of: auto, {', '.join(RUNTIMES)}", "runtime")
         return runtime
     model_type = json.loads((check_checkpoint_dir(path) / "config.json").read_text()).get("model_type")
-    return "native" if model_type in NATIVE_MODEL_TYPES else "hf"
+    # A supported architecture with a feature the native runtime lacks (e.g. yarn RoPE) falls back to transformers.
+    if model_type in NATIVE_MODEL_TYPES and native_unsupported_reason(path) is None:
+        return "native"
+    return "hf"
 
 
 def load_runner(path: str | Path, *, runtime: str = "auto", device: torch.device, dtype: torch.dtype,

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdec.errors import ContextLengthError, ModelLoadError
+from specdec.errors import ContextLengthError, ModelLoadError, UnsupportedError
 from specdec.runtime.base import KVCache, ModelRunner, check_batch_one
 from specdec.runtime.hf import check_checkpoint_dir
 from specdec.runtime.native_config import DEFAULT_CACHE_LIMIT, FAMILIES, NativeConfig, read_config, rope_tables
@@ -193,7 +193,10 @@ class NativeRunner(ModelRunner):
         h = F.layer_norm(x2, self._norm_shape, None, None, cfg.eps)[:, :d]
         qkv = ops.linear(h, lw.wqkv, lw.bqkv).view(k, heads + 2 * kv_heads, hd)  # [k, H+2KV, hd]
         qk = qkv[:, : heads + kv_heads]
-        torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin, out=qk)  # RoPE on queries and keys, in place
+        if torch.compiler.is_compiling():  # the compiler refuses out= into a strided view, and fuses this anyway
+            qk.copy_(torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin))
+        else:  # RoPE on queries and keys, in place
+            torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin, out=qk)
         kv[:, :, pos:end] = qkv[:, heads:].view(k, 2, kv_heads, hd).permute(1, 2, 0, 3)
         keys = kv[0, :, start:end].transpose(1, 2)  # [KV, hd, T']
         values = kv[1, :, start:end]  # [KV, T', hd]
@@ -205,13 +208,13 @@ class NativeRunner(ModelRunner):
         if lw.bo is not None:
             x.add_(lw.bo)
         x.addmm_(out, lw.wo_t)
-        torch.neg(x, out=x_neg)
+        _negate_into(x, x_neg)
         h = F.layer_norm(x2, self._norm_shape, None, None, cfg.eps)[:, :d]
         act = ops.swiglu(h, lw)  # [k, ff]
         if lw.bd is not None:
             x.add_(lw.bd)
         x.addmm_(act, lw.wd_t)
-        torch.neg(x, out=x_neg)
+        _negate_into(x, x_neg)
 
     def _span(self, window: int | None, pos: int, k: int) -> tuple[int, torch.Tensor | None]:
         """First cache position any of the k queries can see, and the additive mask over ``start..pos+k``.
@@ -240,6 +243,23 @@ class NativeRunner(ModelRunner):
             seen &= keys > query_pos[:, None] - window
         mask = torch.zeros(seen.shape, device=self.device, dtype=self.dtype).masked_fill_(~seen, float("-inf"))
         return mask.repeat_interleave(self.config.groups, dim=0)
+
+
+def _negate_into(x: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = -x`` in one op; the compiler refuses ``out=`` into a strided view, so it gets a copy (that it fuses)."""
+    if torch.compiler.is_compiling():
+        out.copy_(x.neg())
+    else:
+        torch.neg(x, out=out)
+
+
+def native_unsupported_reason(path: str | Path) -> str | None:
+    """Why the native runtime cannot run this checkpoint (an unsupported feature), or None if it can."""
+    try:
+        read_config(Path(path))
+    except UnsupportedError as e:
+        return str(e)
+    return None
 
 
 def _eos_ids(path: Path, raw: dict[str, Any]) -> frozenset[int]:
