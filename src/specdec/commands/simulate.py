@@ -38,7 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="cost model: cpu (measured on this machine, or defaults), gpu-70b, or a JSON file "
         "(default: each workload's own, else cpu)",
     )
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 to average over (default: 3)")
+    p.add_argument(
+        "--seeds", type=int, default=None, help="seeds 0..N-1 to average over (default: 3; 5 with --check-goals)"
+    )
     p.add_argument("--requests", type=int, default=None, help="requests per workload (default: the workload's)")
     p.add_argument("--json", default=None, metavar="FILE", help="write results as JSON")
     p.add_argument("--plot", default=None, metavar="FILE", help="write a PNG bar chart of speedups (matplotlib)")
@@ -53,8 +55,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from specdec.simulate.costs import COSTS, load_costs, measured_costs_path
-    from specdec.simulate.workloads import WORKLOADS, get_workload
+    from specdec.simulate.costs import COSTS, CostModel, load_costs, measured_costs_path
+    from specdec.simulate.workloads import WORKLOADS, Workload, get_workload
 
     if args.list:
         for w in WORKLOADS.values():
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
             )
         print(f"(measured costs are read from {measured_costs_path()} when present)")
         return 0
-    if args.seeds < 1:
+    if args.seeds is not None and args.seeds < 1:
         raise InvalidRequestError(f"--seeds must be >= 1, got {args.seeds}", "seeds")
     if args.requests is not None and args.requests < 1:
         raise InvalidRequestError(f"--requests must be >= 1, got {args.requests}", "requests")
@@ -81,12 +83,12 @@ def run(args: argparse.Namespace) -> int:
         workloads = [replace(w, requests=args.requests) for w in workloads]
     fixed_cost = load_costs(args.cost) if args.cost else None
 
-    def cost_for(w):  # type: ignore[no-untyped-def]
+    def cost_for(w: Workload) -> CostModel:
         return fixed_cost or load_costs(w.cost or "cpu")
 
-    seeds = list(range(args.seeds))
+    seeds = list(range(args.seeds or 3))
     rows = run_grid(args.policy or DEFAULT_POLICIES, workloads, cost_for, seeds)
-    print(format_table(rows, {w.name: w.slo_s for w in workloads}))
+    print(format_table(rows))
     print(
         f"(mean over seeds {seeds}; speedup = tokens/s over target-only on the same requests; passes = target "
         "verify passes per request; cut = requests ended by a pass budget)"
@@ -104,7 +106,7 @@ def _check_goals(args: argparse.Namespace) -> int:
     from specdec.simulate.goals import check_goals
 
     costs = [args.cost] if args.cost else ["cpu", "gpu-70b"]
-    seeds = list(range(max(args.seeds, 5))) if args.seeds == 3 else list(range(args.seeds))
+    seeds = list(range(args.seeds or 5))
     goals = check_goals(costs, seeds, args.requests)
     for g in goals:
         print(g.line())

@@ -5,7 +5,8 @@
 development machine (2-core Zen4 CPU, 8.4M-parameter Llama target in bf16 through the native
 runtime, 1.9M 2-layer draft in fp32: verify 3.80 ms for 1 token + 0.047 ms per extra token,
 draft 0.59 ms per token, c ≈ 0.16). ``gpu-70b`` is the issue's planning example: a 70B target on
-one GPU (verify 25 ms + 0.3 ms per extra token) with a 1B draft at 4 ms per token.
+one GPU (verify 25 ms + 0.3 ms per extra token) with a 1B draft at 4 ms per token; its prefill,
+0.02 ms per prompt token, assumes most of a prompt is prefix-cached (as in a writing assistant).
 """
 
 from __future__ import annotations
@@ -135,7 +136,7 @@ def fit_costs(records: list[StepRecord], name: str = "measured", prefill_per_tok
         raise InvalidRequestError("no step records to fit a cost model to", "records")
     table = {k: _median(v) for k, v in sorted(by_block.items())}
     ks = sorted(table)
-    base = table[ks[0]] if ks[0] == 1 else table[ks[0]]
+    base = table[ks[0]]
     slope = (table[ks[-1]] - base) / (ks[-1] - ks[0]) if len(ks) > 1 else 0.0
     if ks[0] != 1:
         base = max(base - slope * (ks[0] - 1), 1e-9)

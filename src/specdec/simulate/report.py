@@ -101,7 +101,7 @@ def run_grid(
     return rows
 
 
-def format_table(rows: list[Row], slo: dict[str, float | None]) -> str:
+def format_table(rows: list[Row]) -> str:
     head = (
         f"{'workload':<18} {'policy':<22} {'tok/s':>8} {'speedup':>8} {'passes/req':>10} {'max':>5} "
         f"{'p95 lat':>9} {'SLO met':>8} {'cut':>6} {'tok/req':>8}"

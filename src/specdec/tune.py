@@ -1,0 +1,224 @@
+"""``specdec tune``: which draft, which policy, how far to draft, answered from the user's own prompts.
+
+For each candidate draft: run the prompts at τ = ``max_tau`` (greedy) and target-only, measure the
+per-position conditional acceptance a_k and the costs (draft seconds per token, verify seconds for a
+block of 1 and of τ+1 tokens, c = draft per token / verify of 1), and predict the speedup of every τ:
+
+    speedup(τ) = E[n̂+1 | τ] / (τ·t_draft + t_verify(τ+1) + t_other)  ×  (t_verify(1) + t_other)
+
+Then recommend the draft with the best prediction and a policy, and measure that configuration
+against target-only on the same prompts, interleaved, to print predicted vs measured.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from specdec.errors import InvalidRequestError
+from specdec.policy.estimates import expected_emitted_all
+from specdec.records import StepRecord
+from specdec.simulate.costs import CostModel, fit_costs
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "heldout_prompts.jsonl"
+
+
+def load_prompts(path: str | Path | None, limit: int | None = None) -> list[str]:
+    """Prompts from a JSONL file with a ``"prompt"`` field per line (default: the shipped held-out set)."""
+    path = Path(path) if path is not None else DEFAULT_PROMPTS
+    prompts: list[str] = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise InvalidRequestError(f"cannot read prompts file {path}: {e.strerror or e}", "prompts") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InvalidRequestError(f"{path} line {n} is not JSON: {e.msg}", "prompts") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+            raise InvalidRequestError(f'{path} line {n} has no non-empty "prompt" string', "prompts")
+        prompts.append(obj["prompt"])
+    if not prompts:
+        raise InvalidRequestError(f"prompts file {path} has no prompts", "prompts")
+    return prompts[:limit] if limit else prompts
+
+
+@dataclass
+class DraftReport:
+    draft: str
+    rates: list[float]  # conditional acceptance a_k by draft position (measured at τ = max_tau)
+    acceptance_rate: float  # α = accepted / drafted
+    alpha_by_prompt: list[float]
+    costs: dict[str, Any]  # the fitted CostModel as JSON
+    c: float
+    predicted: dict[int, float]  # τ -> predicted speedup over target-only
+    best_tau: int
+    calibration: list[tuple[float, float, int]] = field(default_factory=list)  # (bin low, P(accept), count)
+
+    @property
+    def best_speedup(self) -> float:
+        return self.predicted[self.best_tau]
+
+
+def position_rates(records: Sequence[StepRecord], max_tau: int) -> list[float]:
+    """Conditional acceptance by position from steps' n̂ (only the accepted prefix and first rejection count)."""
+    wins, trials = [0] * max_tau, [0] * max_tau
+    for r in records:
+        for k in range(min(r.n_accepted + 1, r.tau, max_tau)):
+            trials[k] += 1
+            wins[k] += k < r.n_accepted
+    rates, prev = [], 0.5
+    for w, t in zip(wins, trials):
+        prev = (w + prev) / (t + 1)  # one pseudo-count toward the position before: deep positions are rare
+        rates.append(prev)
+    return rates
+
+
+def predict(rates: list[float], cost: CostModel) -> dict[int, float]:
+    emitted = expected_emitted_all(rates)
+    plain = cost.verify(1) + cost.other_s
+    return {
+        tau: emitted[tau] / (tau * cost.draft_per_token_s + cost.verify(tau + 1) + cost.other_s) * plain
+        for tau in range(len(rates) + 1)
+    }
+
+
+def calibration(records: Sequence[StepRecord]) -> list[tuple[float, float, int]]:
+    """P(draft token accepted | its draft probability), by tenths: where a confidence threshold pays."""
+    wins, trials = [0] * 10, [0] * 10
+    for r in records:
+        for k in range(min(r.n_accepted + 1, r.tau, len(r.draft_token_probs))):
+            b = min(int(r.draft_token_probs[k] * 10), 9)
+            trials[b] += 1
+            wins[b] += k < r.n_accepted
+    return [(b / 10, wins[b] / trials[b], trials[b]) for b in range(10) if trials[b]]
+
+
+Runner = Callable[..., tuple[list[StepRecord], float, int, float]]
+
+
+def run_prompts(
+    engine: Any, prompts: list[str], max_new_tokens: int, **kwargs: Any
+) -> tuple[list[StepRecord], float, int, float]:
+    """Generate each prompt greedily; returns (records, decode seconds, new tokens, prefill s per token)."""
+    records: list[StepRecord] = []
+    decode = 0.0
+    tokens = 0
+    prefill, prompt_tokens = 0.0, 0
+    for i, prompt in enumerate(prompts):
+        res = engine.generate(prompt, max_new_tokens=max_new_tokens, request_id=f"tune-{i}", **kwargs)
+        records.extend(res.records)
+        decode += res.stats.latency - res.stats.prefill_time
+        tokens += res.stats.new_tokens
+        prefill += res.stats.prefill_time
+        prompt_tokens += res.stats.prompt_tokens
+    return records, decode, tokens, prefill / max(1, prompt_tokens)
+
+
+def measure_draft(engine: Any, name: str, prompts: list[str], max_new_tokens: int, max_tau: int) -> DraftReport:
+    run_prompts(engine, prompts[:1], min(8, max_new_tokens), tau=max_tau)  # warm-up: first calls pay allocation
+    plain_recs, _, _, prefill = run_prompts(engine, prompts, max_new_tokens, tau=0)
+    spec_recs, _, _, _ = run_prompts(engine, prompts, max_new_tokens, tau=max_tau)
+    cost = fit_costs(plain_recs + spec_recs, name=f"measured:{name}", prefill_per_token_s=prefill)
+    rates = position_rates(spec_recs, max_tau)
+    drafted = sum(r.tau for r in spec_recs)
+    by_prompt: dict[str, list[int]] = {}
+    for r in spec_recs:
+        acc = by_prompt.setdefault(r.request_id, [0, 0])
+        acc[0] += r.n_accepted
+        acc[1] += r.tau
+    pred = predict(rates, cost)
+    best = max(pred, key=lambda t: (pred[t], -t))
+    return DraftReport(
+        draft=name,
+        rates=rates,
+        acceptance_rate=sum(r.n_accepted for r in spec_recs) / drafted if drafted else 0.0,
+        alpha_by_prompt=[a / d for a, d in by_prompt.values() if d],
+        costs=cost.to_json(),
+        c=cost.c,
+        predicted=pred,
+        best_tau=best,
+        calibration=calibration(spec_recs),
+    )
+
+
+@dataclass
+class Recommendation:
+    draft: str | None
+    policy: str
+    settings: dict[str, Any]
+    predicted_speedup: float
+    why: str
+
+
+def recommend(reports: list[DraftReport], margin: float = 0.03) -> Recommendation:
+    best = max(reports, key=lambda r: r.best_speedup)
+    if best.best_speedup < 1.0 + margin:
+        return Recommendation(
+            None,
+            "fixed",
+            {"tau": 0},
+            1.0,
+            f"no draft beats target-only by {100 * margin:.0f}% (best {best.best_speedup:.2f}x)",
+        )
+    spread = _spread(best.alpha_by_prompt)
+    if spread >= 0.2:
+        return Recommendation(
+            best.draft,
+            "adaptive",
+            {"max_tau": max(8, 2 * best.best_tau)},
+            best.best_speedup,
+            f"acceptance varies by prompt (10th-90th percentile spread {spread:.2f}): adapt τ per request",
+        )
+    return Recommendation(
+        best.draft,
+        "fixed",
+        {"tau": best.best_tau},
+        best.best_speedup,
+        f"acceptance is steady across prompts (spread {spread:.2f}): one τ fits",
+    )
+
+
+def _spread(xs: list[float]) -> float:
+    if len(xs) < 2:
+        return 0.0
+    s = sorted(xs)
+    return s[int(0.9 * (len(s) - 1))] - s[int(0.1 * (len(s) - 1))]
+
+
+def measure_recommended(engine: Any, rec: Recommendation, prompts: list[str], max_new_tokens: int) -> dict[str, float]:
+    """Recommended config vs target-only, interleaved per prompt so drift hits both alike."""
+    kwargs: dict[str, Any] = {"tau": rec.settings["tau"]} if rec.policy == "fixed" else {}
+    if rec.policy != "fixed":
+        from specdec.policy import make_policy
+
+        kwargs["policy"] = make_policy(rec.policy, **rec.settings)
+    spec_s = plain_s = 0.0
+    spec_n = plain_n = 0
+    for i, prompt in enumerate(prompts):
+        for which in ("plain", "spec"):
+            t0 = time.perf_counter()
+            res = engine.generate(
+                prompt,
+                max_new_tokens=max_new_tokens,
+                request_id=f"measure-{which}-{i}",
+                **(kwargs if which == "spec" else {"tau": 0}),
+            )
+            seconds = res.stats.latency - res.stats.prefill_time if res.stats.latency else time.perf_counter() - t0
+            if which == "spec":
+                spec_s, spec_n = spec_s + seconds, spec_n + res.stats.new_tokens
+            else:
+                plain_s, plain_n = plain_s + seconds, plain_n + res.stats.new_tokens
+    spec_tps, plain_tps = spec_n / spec_s, plain_n / plain_s
+    return {"tokens_per_s": spec_tps, "target_only_tokens_per_s": plain_tps, "speedup": spec_tps / plain_tps}
+
+
+def to_json(reports: list[DraftReport], rec: Recommendation, measured: dict[str, float] | None) -> dict[str, Any]:
+    return {"drafts": [asdict(r) for r in reports], "recommendation": asdict(rec), "measured": measured}

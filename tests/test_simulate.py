@@ -1,0 +1,164 @@
+"""The simulator: deterministic, consistent with the closed forms, drives real policies, CLI contract."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from specdec.cli import main
+from specdec.policy import make_policy
+from specdec.simulate import WORKLOADS, load_costs, simulate
+from specdec.simulate.goals import check_goals
+from specdec.simulate.processes import Replay
+from specdec.simulate.workloads import replay_workload
+
+CPU = load_costs("gpu-70b")  # fixed, given numbers: independent of any measured-costs file on the machine
+
+
+def small(name: str, requests: int = 12):
+    return replace(WORKLOADS[name], requests=requests)
+
+
+def test_same_seed_same_result_other_seed_differs() -> None:
+    w = small("mixed-requests")
+    a = simulate(make_policy("adaptive"), w, CPU, seed=3).summary()
+    b = simulate(make_policy("adaptive"), w, CPU, seed=3).summary()
+    c = simulate(make_policy("adaptive"), w, CPU, seed=4).summary()
+    assert a == b
+    assert a != c
+
+
+def test_target_only_takes_one_pass_per_token() -> None:
+    res = simulate(make_policy("fixed", tau=0), small("iid-0.8"), CPU, seed=0)
+    assert all(r.passes == r.new_tokens for r in res.requests)
+    assert res.summary()["acceptance_rate"] == 0.0
+
+
+def test_mean_accepted_length_matches_the_iid_formula() -> None:
+    # E[n̂+1] = (1 - α^(τ+1)) / (1 - α) for i.i.d. acceptance; ~4,000 steps, so the standard error is ~0.02
+    alpha, tau = 0.8, 4
+    res = simulate(make_policy("fixed", tau=tau), replace(WORKLOADS["iid-0.8"], requests=150), CPU, seed=1)
+    steps = sum(r.passes for r in res.requests)
+    emitted = sum(r.new_tokens for r in res.requests)
+    assert emitted / steps == pytest.approx((1 - alpha ** (tau + 1)) / (1 - alpha), abs=0.1)
+
+
+def test_adaptive_falls_back_with_a_useless_draft_and_fixed_does_not() -> None:
+    w = small("useless", 30)
+    plain = simulate(make_policy("fixed", tau=0), w, CPU, seed=0).tokens_per_s
+    assert simulate(make_policy("adaptive"), w, CPU, seed=0).tokens_per_s >= 0.97 * plain
+    assert simulate(make_policy("fixed", tau=4), w, CPU, seed=0).tokens_per_s < 0.8 * plain
+
+
+def test_fleet_budget_holds_in_the_writing_assistant_scenario() -> None:
+    w = small("writing-assistant", 80)
+    for name in ("adaptive", "fixed"):
+        res = simulate(make_policy(name), w, CPU, seed=2)
+        assert res.max_window_passes() <= w.fleet_budget
+        assert res.slo_attainment() is not None
+
+
+def _write_trace(path: Path) -> list[tuple[int, int]]:
+    steps = [(4, 4), (4, 1), (4, 0), (4, 3), (4, 2), (4, 4)]
+    with path.open("w") as f:
+        for i, (tau, n) in enumerate(steps):
+            emitted = [0] * (n + 1)
+            f.write(
+                json.dumps(
+                    {
+                        "type": "step",
+                        "request_id": "a",
+                        "step": i,
+                        "prompt_len": 50,
+                        "tau": tau,
+                        "n_accepted": n,
+                        "emitted": emitted,
+                    }
+                )
+                + "\n"
+            )
+        f.write(json.dumps({"type": "request", "request_id": "a", "new_tokens": 20}) + "\n")
+    return steps
+
+
+def test_replay_reproduces_the_recorded_greedy_run_at_its_own_tau(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    steps = _write_trace(trace)
+    assert Replay.from_trace(trace).requests[0]["ok"][:6] == [True, True, True, True, None, True]
+    w = replay_workload(str(trace))
+    seen: list[tuple[int, int]] = []
+    policy = make_policy("fixed", tau=4)
+    original = policy.observe
+    policy.observe = lambda rec: (seen.append((rec.tau, rec.n_accepted)), original(rec))  # type: ignore[method-assign]
+    simulate(policy, w, CPU, seed=0)
+    assert seen[:5] == steps[:5]
+
+
+def test_cli_table_json_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    code = main(
+        [
+            "simulate",
+            "--workload",
+            "iid-0.8",
+            "--requests",
+            "4",
+            "--seeds",
+            "1",
+            "--policy",
+            "adaptive",
+            "--policy",
+            "fixed:tau=3",
+            "--cost",
+            "gpu-70b",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    table = capsys.readouterr().out
+    assert "adaptive" in table and "fixed:tau=3" in table
+    rows = json.loads(out.read_text())["results"]
+    assert {r["policy"] for r in rows} == {"adaptive", "fixed:tau=3"}
+    assert all(r["speedup"] > 1 for r in rows)
+    assert main(["simulate", "--workload", "nope"]) == 2
+    assert "unknown workload 'nope'" in capsys.readouterr().err
+    assert main(["simulate", "--workload", "iid-0.8", "--policy", "fixed:tau"]) == 2
+    assert main(["simulate", "--workload", "iid-0.8", "--cost", "missing.json"]) == 2
+
+
+def test_plot_writes_a_png_or_says_matplotlib_is_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "p.png"
+    code = main(
+        [
+            "simulate",
+            "--workload",
+            "iid-0.6",
+            "--requests",
+            "3",
+            "--seeds",
+            "1",
+            "--policy",
+            "adaptive",
+            "--plot",
+            str(png),
+        ]
+    )
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert code == 2 and "matplotlib" in capsys.readouterr().err
+    else:
+        assert code == 0 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_goal_check_reports_every_goal_with_figures() -> None:
+    goals = check_goals(["gpu-70b"], seeds=[0], requests=6)
+    names = " ".join(g.name for g in goals)
+    for expected in ("iid-0.8", "phases", "useless", "writing-assistant", "hard cap"):
+        assert expected in names
+    assert all("x" in g.detail or "max" in g.detail for g in goals)
+    assert next(g for g in goals if g.name.startswith("hard cap")).passed

@@ -1,0 +1,117 @@
+"""specdec tune: acceptance by position, predictions, and the command end to end on tiny checkpoints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from specdec.cli import main
+from specdec.records import StepRecord
+from specdec.simulate.costs import CostModel
+from specdec.tune import load_prompts, position_rates, predict
+
+
+def rec(tau: int, n: int) -> StepRecord:
+    return StepRecord(
+        request_id="r",
+        step=0,
+        prompt_len=5,
+        context_len=5,
+        policy="fixed",
+        reason="",
+        tau=tau,
+        draft_tokens=[0] * tau,
+        accept_flags=[k < n for k in range(tau)],
+        n_accepted=n,
+        correction="bonus" if n == tau else "recovered",
+        emitted=[0] * (n + 1),
+        draft_time=0.0,
+        verify_time=0.0,
+        other_time=0.0,
+    )
+
+
+def test_position_rates_count_only_the_accepted_prefix_and_first_rejection() -> None:
+    # position 1: 4 trials, 3 passed; position 2: 3 trials, 1 passed; position 3: 1 trial, 1 passed
+    rates = position_rates([rec(3, 0), rec(3, 1), rec(3, 1), rec(3, 3)], 3)
+    assert rates[0] == pytest.approx((3 + 0.5) / 5)
+    assert rates[1] == pytest.approx((1 + rates[0]) / 4)
+    assert rates[2] == pytest.approx((1 + rates[1]) / 2)
+
+
+def test_predicted_speedup_is_one_at_tau_zero_and_follows_the_formula() -> None:
+    cost = CostModel("t", draft_per_token_s=1.0, verify_base_s=10.0, verify_per_extra_s=0.0)
+    pred = predict([0.5, 0.5], cost)
+    assert pred[0] == 1.0
+    assert pred[2] == pytest.approx((1 + 0.5 + 0.25) / 12 * 10)
+
+
+def test_prompts_file_errors_name_the_line(tmp_path: Path) -> None:
+    bad = tmp_path / "p.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
+    with pytest.raises(ValueError, match="line 2"):
+        load_prompts(bad)
+
+
+def test_tune_recommends_and_measures_on_tiny_checkpoints(
+    tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specdec.testing import tiny_checkpoint
+
+    # A draft with the target's own weights agrees with it on every greedy token: α must come out as 1.
+    same = tiny_checkpoint(tmp_path / "same", "llama", seed=0, tokenizer_from=tiny_models["llama"], sharpen=4.0)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def fibonacci(n):"}\n{"prompt": "class Stack:"}\n')
+    out, costs = tmp_path / "tune.json", tmp_path / "costs.json"
+    code = main(
+        [
+            "tune",
+            "--target",
+            str(tiny_models["llama"]),
+            "--draft",
+            str(tiny_models["draft"]),
+            "--draft",
+            str(same),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "12",
+            "--max-tau",
+            "4",
+            "--dtype",
+            "float32",
+            "--json",
+            str(out),
+            "--save-costs",
+            str(costs),
+        ]
+    )
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "recommendation:" in text and "predicted" in text
+    report = json.loads(out.read_text())
+    by_name = {d["draft"]: d for d in report["drafts"]}
+    assert by_name[str(same)]["acceptance_rate"] == 1.0
+    assert all(0.0 <= a <= 1.0 for d in report["drafts"] for a in d["rates"])
+    assert all(d["predicted"]["0"] == 1.0 for d in report["drafts"])
+    if report["recommendation"]["draft"] is not None:
+        assert report["measured"]["speedup"] > 0
+    assert json.loads(costs.read_text())["verify_base_s"] > 0
+
+
+def test_tune_rejects_a_missing_prompts_file(tiny_models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        [
+            "tune",
+            "--target",
+            str(tiny_models["llama"]),
+            "--draft",
+            str(tiny_models["draft"]),
+            "--prompts",
+            "/nonexistent/p.jsonl",
+        ]
+    )
+    assert code == 2
+    assert "cannot read prompts file" in capsys.readouterr().err
