@@ -105,7 +105,7 @@ class AuditResult:
             )
         else:
             head = (
-                f"sampling audit: {len(self.tests)} chi-square test(s) over {self.prompts} prompt(s), "
+                f"sampling audit: {len(self.tests)} distribution test(s) over {self.prompts} prompt(s), "
                 f"false-failure rate ≤ {self.alpha:g}"
             )
         if self.ok:
@@ -273,7 +273,7 @@ def fit_test(
     worst = ""
     if worst_tok is not None:
         worst = (
-            f"token {_tok(worst_tok, decode(worst_tok))} drawn {counts[worst_tok] / n:.1%} of the time, "
+            f"{_tok(worst_tok, decode(worst_tok))} drawn {counts[worst_tok] / n:.1%} of the time, "
             f"target probability {float(probs[worst_tok]):.1%}"
         )
     return DistributionTest(
