@@ -123,7 +123,8 @@ def run_prompts(
 
 
 def measure_draft(engine: Any, name: str, prompts: list[str], max_new_tokens: int, max_tau: int) -> DraftReport:
-    run_prompts(engine, prompts[:1], min(8, max_new_tokens), tau=max_tau)  # warm-up: first calls pay allocation
+    for tau in (0, max_tau):  # warm-up: first calls of each shape pay allocation
+        run_prompts(engine, prompts[:1], max_new_tokens, tau=tau)
     plain_recs, _, _, prefill = run_prompts(engine, prompts, max_new_tokens, tau=0)
     spec_recs, _, _, _ = run_prompts(engine, prompts, max_new_tokens, tau=max_tau)
     cost = fit_costs(plain_recs + spec_recs, name=f"measured:{name}", prefill_per_token_s=prefill)

@@ -122,8 +122,12 @@ def load_costs(spec: str) -> CostModel:
         raise InvalidRequestError(f"cost model file {path} is not JSON: {e}", "costs") from None
 
 
-def fit_costs(records: list[StepRecord], name: str = "measured", prefill_per_token_s: float = 0.0) -> CostModel:
-    """Fit a cost model to real step records (median per block size; draft time per drafted token)."""
+def fit_costs(
+    records: list[StepRecord], name: str = "measured", prefill_per_token_s: float = 0.0, min_count: int = 5
+) -> CostModel:
+    """Fit a cost model to real step records: median verify seconds per block size seen at least
+    ``min_count`` times (rarer sizes are too noisy to trust; the line between the kept sizes covers
+    them), and median draft seconds per drafted token."""
     by_block: dict[int, list[float]] = {}
     per_token: list[float] = []
     other: list[float] = []
@@ -134,7 +138,9 @@ def fit_costs(records: list[StepRecord], name: str = "measured", prefill_per_tok
             per_token.append(r.draft_time / r.tau)
     if not by_block:
         raise InvalidRequestError("no step records to fit a cost model to", "records")
-    table = {k: _median(v) for k, v in sorted(by_block.items())}
+    table = {k: _median(v) for k, v in sorted(by_block.items()) if len(v) >= min_count}
+    if not table:
+        table = {k: _median(v) for k, v in sorted(by_block.items())}
     ks = sorted(table)
     base = table[ks[0]]
     slope = (table[ks[-1]] - base) / (ks[-1] - ks[0]) if len(ks) > 1 else 0.0
