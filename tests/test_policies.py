@@ -216,3 +216,17 @@ def test_fleet_policy_stops_a_request_at_its_allowance() -> None:
     taus = drive(p, lambda s, t: 0, 50)  # never accepts: needs many passes
     assert len(taus) == 2  # allowance 2: B with no history to borrow from
     assert p.ledger.allowance("r") is None  # closed at end
+
+
+def test_every_policy_keeps_greedy_output_identical_in_the_engine(tiny_models: dict) -> None:
+    import specdec
+
+    engine = specdec.load(tiny_models["llama"], tiny_models["draft"], dtype="float32")
+    prompt = "def fibonacci(n):"
+    plain = engine.generate(prompt, max_new_tokens=24, tau=0).token_ids
+    for name in ("heuristic", "confidence", "adaptive"):
+        res = engine.generate(prompt, max_new_tokens=24, policy=name)
+        assert res.token_ids == plain, name
+        assert all(r.policy == name and r.reason for r in res.records)
+    capped = engine.generate(prompt, max_new_tokens=24, policy="adaptive", max_verify_passes=3)
+    assert capped.stats.target_passes <= 3 and capped.token_ids == plain[: len(capped.token_ids)]
