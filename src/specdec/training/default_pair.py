@@ -272,6 +272,12 @@ def main(argv: list[str] | None = None) -> int:
         stage_draft(args.work, args.target_steps, args.draft_steps, args.threads, args.minutes)
     if "export" in stages:
         stage_export(args.work)
+    if "report" in stages:
+        from specdec.training import pair_report
+
+        pair_report.build(args.work)
+        pair_report.plot_curves(args.work, Path("docs/models_curves.png"))
+        print(f"report: wrote {args.work / 'report.json'}", flush=True)
     return 0
 
 
