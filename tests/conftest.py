@@ -22,7 +22,9 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out["qwen2"] = tiny_checkpoint(root / "qwen2", "qwen2", seed=1, tokenizer_from=tok_dir, sharpen=4.0)
     out["mistral"] = tiny_checkpoint(root / "mistral", "mistral", seed=2, tokenizer_from=tok_dir, sharpen=4.0)
     out["gpt2"] = tiny_checkpoint(root / "gpt2", "gpt2", seed=3, tokenizer_from=tok_dir, sharpen=4.0)
-    out["draft"] = tiny_checkpoint(root / "draft", "llama", seed=4, tokenizer_from=tok_dir, layers=1, hidden=32, sharpen=4.0)
+    out["draft"] = tiny_checkpoint(
+        root / "draft", "llama", seed=4, tokenizer_from=tok_dir, layers=1, hidden=32, sharpen=4.0
+    )
     return out
 
 

@@ -83,8 +83,9 @@ def test_tau_without_drafter(tiny_models):
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "specdec.cli", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 @pytest.mark.parametrize(
@@ -97,8 +98,17 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     ],
 )
 def test_cli_bad_arguments_one_line(tiny_models, extra, words):
-    r = _cli("generate", "def f():", "--target", str(tiny_models["llama"]), "--draft", str(tiny_models["draft"]),
-             "--dtype", "float32", *extra)
+    r = _cli(
+        "generate",
+        "def f():",
+        "--target",
+        str(tiny_models["llama"]),
+        "--draft",
+        str(tiny_models["draft"]),
+        "--dtype",
+        "float32",
+        *extra,
+    )
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and words in lines[0], r.stderr
@@ -107,7 +117,9 @@ def test_cli_bad_arguments_one_line(tiny_models, extra, words):
 
 def test_cli_missing_dir_and_empty_prompt(tiny_models, tmp_path):
     r = _cli("generate", "hi", "--target", str(tmp_path / "missing"))
-    assert r.returncode != 0 and r.stderr.strip() == f"specdec: error: model directory not found: {tmp_path / 'missing'}"
+    assert (
+        r.returncode != 0 and r.stderr.strip() == f"specdec: error: model directory not found: {tmp_path / 'missing'}"
+    )
     r = _cli("generate", "", "--target", str(tiny_models["llama"]), "--no-draft")
     assert r.returncode != 0 and r.stderr.strip() == "specdec: error: prompt is empty"
 
@@ -115,8 +127,21 @@ def test_cli_missing_dir_and_empty_prompt(tiny_models, tmp_path):
 def test_cli_json_output(tiny_models):
     import json
 
-    r = _cli("generate", "def f():", "--target", str(tiny_models["llama"]), "--draft", str(tiny_models["draft"]),
-             "--dtype", "float32", "--max-new-tokens", "6", "--tau", "2", "--json")
+    r = _cli(
+        "generate",
+        "def f():",
+        "--target",
+        str(tiny_models["llama"]),
+        "--draft",
+        str(tiny_models["draft"]),
+        "--dtype",
+        "float32",
+        "--max-new-tokens",
+        "6",
+        "--tau",
+        "2",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert set(out) >= {"text", "token_ids", "stats"} and len(out["token_ids"]) == 6

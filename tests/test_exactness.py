@@ -77,7 +77,7 @@ def test_loaded_transformers_objects(tiny_models):
     with torch.no_grad():
         ref = target.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
     got = engine.generate(PROMPTS[0], max_new_tokens=12, tau=3)
-    assert got.token_ids == ref[0, ids.shape[1]:].tolist()
+    assert got.token_ids == ref[0, ids.shape[1] :].tolist()
 
 
 def test_stream_concatenates_to_generate(tiny_models):

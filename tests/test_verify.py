@@ -96,8 +96,9 @@ def test_first_rejection_counts_leading_trues():
 def test_tau_zero_is_a_plain_step():
     p = torch.zeros(1, V)
     p[0, 3] = 1.0
-    v = verify_with_uniforms(torch.empty(0, dtype=torch.long), torch.empty(0, V), p, torch.empty(0),
-                             torch.Generator().manual_seed(0))
+    v = verify_with_uniforms(
+        torch.empty(0, dtype=torch.long), torch.empty(0, V), p, torch.empty(0), torch.Generator().manual_seed(0)
+    )
     assert v.tokens == [3] and v.correction == "plain" and v.n_accepted == 0
 
 

@@ -34,11 +34,15 @@ def load_tokenizer(path: str | Path) -> Any:
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as e:
-        raise ModelLoadError(f"cannot load a tokenizer from {path}: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from e
+        raise ModelLoadError(
+            f"cannot load a tokenizer from {path}: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}"
+        ) from e
 
 
 def has_tokenizer(path: Path) -> bool:
-    return any((path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"))
+    return any(
+        (path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+    )
 
 
 def check_same_vocab(target_tok: Any, draft_tok: Any, target_name: str, draft_name: str) -> None:
@@ -94,8 +98,9 @@ def load(
     drafter: Drafter | None = None
     max_context = target_runner.max_context
     if draft is not None:
-        draft_runner, draft_tok = _load_model(draft, None, runtime, dev, ddt, trust_remote_code, "draft",
-                                              tokenizer_fallback=target_tok)
+        draft_runner, draft_tok = _load_model(
+            draft, None, runtime, dev, ddt, trust_remote_code, "draft", tokenizer_fallback=target_tok
+        )
         if draft_tok is not target_tok:
             check_same_vocab(target_tok, draft_tok, target_runner.name, draft_runner.name)
         elif min(draft_runner.vocab_size, target_runner.vocab_size) < len(target_tok):
@@ -109,8 +114,10 @@ def load(
     elif prompt_lookup:
         drafter = PromptLookupDrafter(target_runner.vocab_size, target_runner.device)
 
-    chosen = policy if isinstance(policy, Policy) else (
-        make_policy("fixed", tau=tau if drafter else 0) if policy == "fixed" else make_policy(policy)
+    chosen = (
+        policy
+        if isinstance(policy, Policy)
+        else (make_policy("fixed", tau=tau if drafter else 0) if policy == "fixed" else make_policy(policy))
     )
     observers = list(observers or [])
     if trace is not None:
@@ -132,8 +139,13 @@ def _load_model(
 ) -> tuple[ModelRunner, Any]:
     if isinstance(spec, (str, Path)):
         path = check_checkpoint_dir(spec)
-        runner = load_runner(path, runtime=runtime, device=device, dtype=dtype,
-                             **({"trust_remote_code": True} if trust_remote_code else {}))
+        runner = load_runner(
+            path,
+            runtime=runtime,
+            device=device,
+            dtype=dtype,
+            **({"trust_remote_code": True} if trust_remote_code else {}),
+        )
         if tokenizer is None:
             if has_tokenizer(path):
                 tokenizer = load_tokenizer(path)
@@ -143,9 +155,13 @@ def _load_model(
                 raise ModelLoadError(f"{role} checkpoint {path} has no tokenizer files (tokenizer.json, ...)")
         return runner, tokenizer
     if isinstance(spec, torch.nn.Module):
-        runner = HFRunner(spec.to(device), name=getattr(getattr(spec, "config", None), "_name_or_path", "") or f"<{role} model>")
+        runner = HFRunner(
+            spec.to(device), name=getattr(getattr(spec, "config", None), "_name_or_path", "") or f"<{role} model>"
+        )
         tok = tokenizer if tokenizer is not None else tokenizer_fallback
         if tok is None:
             raise InvalidRequestError(f"pass tokenizer= when the {role} is a loaded model object", "tokenizer")
         return runner, tok
-    raise InvalidRequestError(f"{role} must be a checkpoint directory or a transformers model, got {type(spec).__name__}", role)
+    raise InvalidRequestError(
+        f"{role} must be a checkpoint directory or a transformers model, got {type(spec).__name__}", role
+    )

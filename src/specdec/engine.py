@@ -103,7 +103,9 @@ class Engine:
         """Validate a request and prefill it; advance it with ``Generation.step()``."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise InvalidRequestError(f"max_new_tokens must be a positive integer, got {max_new_tokens}", "max_new_tokens")
+            raise InvalidRequestError(
+                f"max_new_tokens must be a positive integer, got {max_new_tokens}", "max_new_tokens"
+            )
         if max_verify_passes is not None and (not isinstance(max_verify_passes, int) or max_verify_passes <= 0):
             raise InvalidRequestError(
                 f"max_verify_passes must be a positive integer, got {max_verify_passes}", "max_verify_passes"
@@ -119,8 +121,16 @@ class Engine:
                 "max_new_tokens" if len(prompt_ids) < self.max_context else "prompt",
             )
         chosen = self._resolve_policy(tau, policy)
-        return Generation(self, prompt_ids, params, chosen, stops, max_new_tokens, max_verify_passes,
-                          request_id or uuid.uuid4().hex[:16])
+        return Generation(
+            self,
+            prompt_ids,
+            params,
+            chosen,
+            stops,
+            max_new_tokens,
+            max_verify_passes,
+            request_id or uuid.uuid4().hex[:16],
+        )
 
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, **kwargs: Any) -> GenerationResult:
         """Run a request to completion. Keyword arguments as for ``start``."""
@@ -143,7 +153,8 @@ class Engine:
         elif isinstance(prompt, torch.Tensor):
             if prompt.dim() == 2 and prompt.shape[0] != 1:
                 raise InvalidRequestError(
-                    f"batch size {prompt.shape[0]} is not supported: pass one sequence per request", "prompt")
+                    f"batch size {prompt.shape[0]} is not supported: pass one sequence per request", "prompt"
+                )
             ids = prompt.reshape(-1).tolist()
         else:
             ids = [int(t) for t in prompt]
@@ -151,7 +162,9 @@ class Engine:
             raise InvalidRequestError("prompt is empty", "prompt")
         bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
         if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.target.vocab_size})", "prompt")
+            raise InvalidRequestError(
+                f"prompt token id {bad[0]} is outside the vocabulary (size {self.target.vocab_size})", "prompt"
+            )
         return ids
 
     def get_policy(self, name: str) -> Policy:
@@ -167,11 +180,15 @@ class Engine:
             return policy
         if tau is not None:
             if policy not in (None, "fixed"):
-                raise InvalidRequestError(f"tau={tau} sets a fixed policy; it cannot be combined with policy {policy!r}", "tau")
+                raise InvalidRequestError(
+                    f"tau={tau} sets a fixed policy; it cannot be combined with policy {policy!r}", "tau"
+                )
             if not isinstance(tau, int) or tau < 0:
                 raise InvalidRequestError(f"tau must be an integer >= 0, got {tau}", "tau")
             if tau > 0 and self.drafter is None:
-                raise InvalidRequestError(f"tau={tau} needs a drafter: load a draft model or enable prompt lookup", "tau")
+                raise InvalidRequestError(
+                    f"tau={tau} needs a drafter: load a draft model or enable prompt lookup", "tau"
+                )
             return FixedPolicy(tau)
         if policy is None:
             return self.policy
@@ -229,17 +246,23 @@ class Generation:
 
     @property
     def new_tokens(self) -> list[int]:
-        return self.context[len(self.prompt_ids):]
+        return self.context[len(self.prompt_ids) :]
 
     def _step_context(self) -> StepContext:
         n_new = len(self.context) - len(self.prompt_ids)
         remaining = self.max_new_tokens - n_new
         room = self.engine.max_context - len(self.context)
         return StepContext(
-            request_id=self.request_id, step=len(self.records), prompt_len=len(self.prompt_ids),
-            context_len=len(self.context), new_tokens=n_new, max_new_tokens=self.max_new_tokens,
-            verify_passes=self.stats.target_passes, max_verify_passes=self.max_verify_passes,
-            max_tau=max(0, min(remaining - 1, room)), elapsed=time.perf_counter() - self._t_start,
+            request_id=self.request_id,
+            step=len(self.records),
+            prompt_len=len(self.prompt_ids),
+            context_len=len(self.context),
+            new_tokens=n_new,
+            max_new_tokens=self.max_new_tokens,
+            verify_passes=self.stats.target_passes,
+            max_verify_passes=self.max_verify_passes,
+            max_tau=max(0, min(remaining - 1, room)),
+            elapsed=time.perf_counter() - self._t_start,
             can_draft=self.engine.drafter is not None,
         )
 
@@ -274,7 +297,9 @@ class Generation:
 
         t2 = time.perf_counter()
         base = len(self.context)
-        block = torch.cat([torch.tensor(self.context[-1:], device=engine.target.device), draft_tokens.to(engine.target.device)])
+        block = torch.cat(
+            [torch.tensor(self.context[-1:], device=engine.target.device), draft_tokens.to(engine.target.device)]
+        )
         target_logits = engine.target.forward(block, self._cache)  # [τ+1, V], one pass
         if params.greedy:
             verdict = verify_greedy(draft_tokens, target_logits)
@@ -288,12 +313,23 @@ class Generation:
         self._cache.crop(base + verdict.n_accepted)
         emitted, finish = self._commit(verdict.tokens)
         record = StepRecord(
-            request_id=self.request_id, step=len(self.records), prompt_len=len(self.prompt_ids),
-            context_len=base, policy=self.policy.name, reason=decision.reason, tau=tau,
-            draft_tokens=draft_tokens.tolist(), accept_flags=verdict.accept_flags,
-            n_accepted=verdict.n_accepted, correction=verdict.correction, emitted=emitted,
-            draft_time=t2 - t1, verify_time=t3 - t2, other_time=0.0,
-            draft_token_probs=verdict.draft_token_probs, target_token_probs=verdict.target_token_probs,
+            request_id=self.request_id,
+            step=len(self.records),
+            prompt_len=len(self.prompt_ids),
+            context_len=base,
+            policy=self.policy.name,
+            reason=decision.reason,
+            tau=tau,
+            draft_tokens=draft_tokens.tolist(),
+            accept_flags=verdict.accept_flags,
+            n_accepted=verdict.n_accepted,
+            correction=verdict.correction,
+            emitted=emitted,
+            draft_time=t2 - t1,
+            verify_time=t3 - t2,
+            other_time=0.0,
+            draft_token_probs=verdict.draft_token_probs,
+            target_token_probs=verdict.target_token_probs,
         )
         text = self._decoder.text_for(self.new_tokens, final=finish is not None)
         text_piece = self._stops.release(text, final=finish is not None)
@@ -323,7 +359,7 @@ class Generation:
             before = len(self.context)
             for i in range(len(tokens)):
                 # Decode the minimal prefix so nothing after the token completing the stop string is kept.
-                text = self._decoder.text_for(self.context[len(self.prompt_ids):] + tokens[: i + 1], final=False)
+                text = self._decoder.text_for(self.context[len(self.prompt_ids) :] + tokens[: i + 1], final=False)
                 if self._stops.find(text) is not None:
                     tokens, finish = tokens[: i + 1], "stop"
                     break
@@ -337,10 +373,18 @@ class Generation:
         self.stats.latency = time.perf_counter() - self._t_start
         self.policy.end(self.request_id, self.stats)
         summary = RequestSummary(
-            request_id=self.request_id, policy=self.policy.name, prompt_len=len(self.prompt_ids), stats=self.stats,
-            settings={"temperature": self.params.temperature, "top_k": self.params.top_k, "top_p": self.params.top_p,
-                      "seed": self.params.seed, "max_new_tokens": self.max_new_tokens,
-                      "max_verify_passes": self.max_verify_passes},
+            request_id=self.request_id,
+            policy=self.policy.name,
+            prompt_len=len(self.prompt_ids),
+            stats=self.stats,
+            settings={
+                "temperature": self.params.temperature,
+                "top_k": self.params.top_k,
+                "top_p": self.params.top_p,
+                "seed": self.params.seed,
+                "max_new_tokens": self.max_new_tokens,
+                "max_verify_passes": self.max_verify_passes,
+            },
             prompt_ids=self.prompt_ids,
         )
         for obs in self.engine.observers:
@@ -358,8 +402,12 @@ class Generation:
             raise RuntimeError("generation is not finished")
         text = self._stops.cut(self._decoder.text_for(self.new_tokens, final=True))
         return GenerationResult(
-            request_id=self.request_id, text=text, token_ids=self.new_tokens, prompt_ids=self.prompt_ids,
-            stats=self.stats, records=self.records,
+            request_id=self.request_id,
+            text=text,
+            token_ids=self.new_tokens,
+            prompt_ids=self.prompt_ids,
+            stats=self.stats,
+            records=self.records,
         )
 
 

@@ -45,33 +45,54 @@ def tiny_tokenizer(out_dir: str | Path, vocab_size: int = 320) -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator([_TEXT] * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS,
-                                   clean_up_tokenization_spaces=False)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS, clean_up_tokenization_spaces=False
+    )
     fast.save_pretrained(str(out_dir))
     return fast
 
 
-def tiny_config(arch: str, vocab_size: int, layers: int = 2, hidden: int = 64, max_positions: int = 256,
-                eos_id: int | None = None) -> Any:
+def tiny_config(
+    arch: str, vocab_size: int, layers: int = 2, hidden: int = 64, max_positions: int = 256, eos_id: int | None = None
+) -> Any:
     """A small random config of a supported architecture: llama, qwen2, mistral, gpt2."""
     import transformers as tf
 
     heads = max(2, hidden // 16)
-    common: dict[str, Any] = dict(vocab_size=vocab_size, bos_token_id=0, eos_token_id=eos_id if eos_id is not None else 0)
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size, bos_token_id=0, eos_token_id=eos_id if eos_id is not None else 0
+    )
     if arch == "gpt2":
         return tf.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_positions, **common)
     cls = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "mistral": tf.MistralConfig}[arch]
-    return cls(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers, num_attention_heads=heads,
-               num_key_value_heads=max(1, heads // 2), max_position_embeddings=max_positions,
-               tie_word_embeddings=False, **common)
+    return cls(
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        **common,
+    )
 
 
-def tiny_checkpoint(out_dir: str | Path, arch: str = "llama", *, seed: int = 0, tokenizer_from: str | Path | None = None,
-                    vocab_size: int = 320, sharpen: float = 1.0, **config_kwargs: Any) -> Path:
+def tiny_checkpoint(
+    out_dir: str | Path,
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    tokenizer_from: str | Path | None = None,
+    vocab_size: int = 320,
+    sharpen: float = 1.0,
+    **config_kwargs: Any,
+) -> Path:
     """Write a random-init checkpoint (config, safetensors, tokenizer) to ``out_dir``.
 
     ``sharpen`` scales the output embedding so the random model's distributions are peakier.

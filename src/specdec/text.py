@@ -51,6 +51,6 @@ class StopMatcher:
             safe = safe[: len(safe) - hold]
         if len(safe) <= len(self.released) or not safe.startswith(self.released):
             return ""
-        piece = safe[len(self.released):]
+        piece = safe[len(self.released) :]
         self.released = safe
         return piece

@@ -26,9 +26,17 @@ class ModelSettings:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSettings:
         return cls(
-            target=args.target, draft=args.draft, prompt_lookup=args.prompt_lookup, no_draft=args.no_draft,
-            device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype, runtime=args.runtime,
-            policy=args.policy, tau=args.tau, trust_remote_code=args.trust_remote_code,
+            target=args.target,
+            draft=args.draft,
+            prompt_lookup=args.prompt_lookup,
+            no_draft=args.no_draft,
+            device=args.device,
+            dtype=args.dtype,
+            draft_dtype=args.draft_dtype,
+            runtime=args.runtime,
+            policy=args.policy,
+            tau=args.tau,
+            trust_remote_code=args.trust_remote_code,
         )
 
     def load(self, observers: list | None = None) -> Engine:
@@ -41,9 +49,16 @@ class ModelSettings:
             draft = None
         drafting = draft is not None or self.prompt_lookup
         return load(
-            target or default_target(), draft, prompt_lookup=self.prompt_lookup and not self.no_draft,
-            device=self.device, dtype=self.dtype, draft_dtype=self.draft_dtype, runtime=self.runtime,
-            policy=self.policy, tau=self.tau if drafting else 0, observers=observers,
+            target or default_target(),
+            draft,
+            prompt_lookup=self.prompt_lookup and not self.no_draft,
+            device=self.device,
+            dtype=self.dtype,
+            draft_dtype=self.draft_dtype,
+            runtime=self.runtime,
+            policy=self.policy,
+            tau=self.tau if drafting else 0,
+            observers=observers,
             trust_remote_code=self.trust_remote_code,
         )
 
@@ -52,7 +67,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
     g.add_argument("--target", type=Path, default=None, help="target checkpoint directory (default: the shipped pair)")
     g.add_argument("--draft", type=Path, default=None, help="draft checkpoint directory sharing the target's tokenizer")
-    g.add_argument("--prompt-lookup", action="store_true", help="draft by n-gram lookup in the context (no draft model)")
+    g.add_argument(
+        "--prompt-lookup", action="store_true", help="draft by n-gram lookup in the context (no draft model)"
+    )
     g.add_argument("--no-draft", action="store_true", help="plain target decoding (with the default target)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     g.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (auto: bf16 where the hardware has it)")

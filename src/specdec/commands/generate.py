@@ -14,8 +14,11 @@ from specdec.viz import StepRenderer, Style, default_style
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate a completion with speculative decoding",
-                       description="Generate a completion. With no model options the shipped default pair is used.")
+    p = sub.add_parser(
+        "generate",
+        help="generate a completion with speculative decoding",
+        description="Generate a completion. With no model options the shipped default pair is used.",
+    )
     p.add_argument("prompt", help="prompt text ('-' reads it from standard input)")
     add_model_args(p)
     g = p.add_argument_group("generation")
@@ -30,24 +33,40 @@ def register(sub: argparse._SubParsersAction) -> None:
     o.add_argument("--stream", action="store_true", help="print text as it is verified")
     o.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
     o.add_argument("--trace", default=None, metavar="FILE", help="append a JSONL trace of every step")
-    o.add_argument("--show-steps", nargs="?", const="auto", default=None, type=_step_style, metavar="ansi|plain", help="render every step as it happens: accepted, rejected and correction "
-                   "tokens, τ and the policy's reason (default form: ansi on a terminal, plain otherwise)")
+    o.add_argument(
+        "--show-steps",
+        nargs="?",
+        const="auto",
+        default=None,
+        type=_step_style,
+        metavar="ansi|plain",
+        help="render every step as it happens: accepted, rejected and correction "
+        "tokens, τ and the policy's reason (default form: ansi on a terminal, plain otherwise)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.show_steps and args.json:
-        raise InvalidRequestError("--show-steps and --json cannot be combined: --json prints one JSON object",
-                                  "show_steps")
+        raise InvalidRequestError(
+            "--show-steps and --json cannot be combined: --json prints one JSON object", "show_steps"
+        )
     observers: list[Observer] = []
     if args.trace:
         from specdec.trace import JsonlTrace
 
         observers.append(JsonlTrace(args.trace))
     engine = ModelSettings.from_args(args).load(observers=observers)
-    kwargs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                  top_p=args.top_p, seed=args.seed, stop=args.stop, max_verify_passes=args.max_verify_passes)
+    kwargs = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop=args.stop,
+        max_verify_passes=args.max_verify_passes,
+    )
     gen = engine.start(prompt, **kwargs)
     if args.show_steps:
         return _show_steps(gen, engine, args.show_steps, observers)
@@ -66,16 +85,20 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(result.text)
     s = result.stats
     print()
-    print(f"[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s | α {s.acceptance_rate:.2f} | mean accepted length "
-          f"{s.mean_accepted_length:.2f} (incl. correction token) | {s.target_passes} target passes | "
-          f"finish: {s.finish_reason}]", file=sys.stderr)
+    print(
+        f"[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tok/s | α {s.acceptance_rate:.2f} | mean accepted length "
+        f"{s.mean_accepted_length:.2f} (incl. correction token) | {s.target_passes} target passes | "
+        f"finish: {s.finish_reason}]",
+        file=sys.stderr,
+    )
     return 0
 
 
 def _step_style(value: str) -> str:
     if value not in ("auto", "ansi", "plain"):  # "auto": the const of a bare --show-steps
-        raise argparse.ArgumentTypeError(f"expected ansi or plain, got {value!r} (put the prompt before "
-                                         "--show-steps, or write --show-steps=ansi)")
+        raise argparse.ArgumentTypeError(
+            f"expected ansi or plain, got {value!r} (put the prompt before --show-steps, or write --show-steps=ansi)"
+        )
     return value
 
 

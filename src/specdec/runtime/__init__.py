@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -25,8 +25,14 @@ try:  # the native runtime registers itself here
 except ImportError:
     pass
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -40,7 +46,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     try:
         return DTYPES[dtype]
     except KeyError:
-        raise InvalidRequestError(f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(DTYPES)}", "dtype") from None
+        raise InvalidRequestError(
+            f"unknown dtype {dtype!r}; choose one of: auto, {', '.join(DTYPES)}", "dtype"
+        ) from None
 
 
 def cpu_has_bf16() -> bool:
@@ -64,7 +72,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def choose_runtime(path: str | Path, runtime: str) -> str:
     if runtime != "auto":
         if runtime not in RUNTIMES:
-            raise InvalidRequestError(f"unknown runtime {runtime!r}; choose one of: auto, {', '.join(RUNTIMES)}", "runtime")
+            raise InvalidRequestError(
+                f"unknown runtime {runtime!r}; choose one of: auto, {', '.join(RUNTIMES)}", "runtime"
+            )
         return runtime
     model_type = json.loads((check_checkpoint_dir(path) / "config.json").read_text()).get("model_type")
     # A supported architecture with a feature the native runtime lacks (e.g. yarn RoPE) falls back to transformers.
@@ -73,8 +83,9 @@ def choose_runtime(path: str | Path, runtime: str) -> str:
     return "hf"
 
 
-def load_runner(path: str | Path, *, runtime: str = "auto", device: torch.device, dtype: torch.dtype,
-                **kwargs: object) -> ModelRunner:
+def load_runner(
+    path: str | Path, *, runtime: str = "auto", device: torch.device, dtype: torch.dtype, **kwargs: object
+) -> ModelRunner:
     return RUNTIMES[choose_runtime(path, runtime)](path, device=device, dtype=dtype, **kwargs)
 
 

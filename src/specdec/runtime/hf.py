@@ -58,7 +58,11 @@ class HFRunner(ModelRunner):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+        cls,
+        path: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
         trust_remote_code: bool = False,
     ) -> HFRunner:
         from transformers import AutoModelForCausalLM
@@ -66,7 +70,10 @@ class HFRunner(ModelRunner):
         path = check_checkpoint_dir(path)
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                str(path), dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code,
+                str(path),
+                dtype=dtype,
+                use_safetensors=True,
+                trust_remote_code=trust_remote_code,
             )
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

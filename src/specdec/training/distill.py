@@ -327,7 +327,7 @@ def export(
     from transformers import GenerationConfig
 
     out.mkdir(parents=True, exist_ok=True)
-    model = copy.deepcopy(draft).to(dtype)
+    model: Any = copy.deepcopy(draft).to(dtype)
     gen_src = target_dir / "generation_config.json" if target_dir is not None else None
     if gen_src is not None and gen_src.exists():
         model.generation_config = GenerationConfig.from_pretrained(str(target_dir))

@@ -83,7 +83,8 @@ def special_id(tok: Any, config: Any, name: str) -> int | None:
     return value[0] if isinstance(value, list) else value
 
 
-def prepare_data(job: DistillJob, target: torch.nn.Module, tok: Any, seq_len: int) -> Prepared:
+def prepare_data(job: DistillJob, target: Any, tok: Any, seq_len: int) -> Prepared:
+    val: Any
     cfg, vocab = job.config, int(target.get_output_embeddings().weight.shape[0])
     eos = special_id(tok, target.config, "eos")
     if job.from_target:

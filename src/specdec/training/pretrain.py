@@ -110,8 +110,14 @@ def train(
 
     def checkpoint() -> None:
         _atomic_save(
-            {"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "tokens": tokens,
-             "elapsed": elapsed, "rng": gen.get_state()},
+            {
+                "model": model.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step,
+                "tokens": tokens,
+                "elapsed": elapsed,
+                "rng": gen.get_state(),
+            },
             ckpt_path,
         )
 
@@ -137,8 +143,12 @@ def train(
         elapsed += now - t_last
         t_last = now
         record: dict[str, float | int | str] = {
-            "event": "step", "step": step, "tokens": tokens, "elapsed_s": round(elapsed, 1),
-            "loss": round(loss.item(), 4), "lr": lr_at(step - 1, cfg),
+            "event": "step",
+            "step": step,
+            "tokens": tokens,
+            "elapsed_s": round(elapsed, 1),
+            "loss": round(loss.item(), 4),
+            "lr": lr_at(step - 1, cfg),
         }
         if step % cfg.eval_every == 0 or step == cfg.max_steps:
             record["val_loss"] = round(evaluate(model, val), 4)
@@ -149,8 +159,10 @@ def train(
             rate = tokens / max(elapsed, 1e-9)
             eta = (cfg.max_steps - step) * (elapsed / step) / 60
             extra = f" val {record['val_loss']:.3f}" if "val_loss" in record else ""
-            print(f"step {step}/{cfg.max_steps} loss {loss.item():.3f}{extra} "
-                  f"{rate:.0f} tok/s eta {eta:.0f} min", flush=True)
+            print(
+                f"step {step}/{cfg.max_steps} loss {loss.item():.3f}{extra} {rate:.0f} tok/s eta {eta:.0f} min",
+                flush=True,
+            )
         if step % cfg.ckpt_every == 0:
             checkpoint()
     checkpoint()
