@@ -24,6 +24,10 @@ from specdec.policy.estimates import ConfidenceCalibration, PositionRates, StepC
 from specdec.records import GenerationStats, StepRecord
 
 BUDGET_SAFETY = 1.3
+REQUEST_DECAY = 0.9  # per observation of a position: a request remembers its last ~10 outcomes there
+SHIFT = 2.0  # the CUSUMs test for a shift of this much in log-odds (0.9 -> 0.55, 0.4 -> 0.83)
+CUSUM_H = 2.5  # evidence (nats) that declares a shift; the request then forgets what came before
+FORGET = 0.1  # what a request keeps of its own counts after a detected shift
 EXPLORE_EVERY = 8  # steps: one in 8 drafts one token further and skips the early stop
 GAIN_PER_TOKEN = 0.02  # budget-limited: an extra draft token must add this many expected tokens
 
@@ -42,15 +46,20 @@ class _Request:
     rates: PositionRates
     bucket: int
     asked: int = 0  # τ asked for in the last decision (the drafter may stop early)
+    cut: float | None = None  # the confidence cut of the last decision, if any
     probing: bool = False
     backoff: int = 4  # plain steps before the next probe while falling back
     since_probe: int = 0
     steps: int = 0
     predicted_latency: float | None = None
+    cusum_up: float = 0.0  # log-likelihood-ratio CUSUMs: has this request's acceptance shifted up / down?
+    cusum_down: float = 0.0
+    changes: int = 0  # shifts detected so far
 
 
 @dataclass
 class _Plan:
+    rates: list[float]  # conditional acceptance by draft position 1..K
     emitted: list[float]  # E[n̂+1 | τ], τ = 0..K
     times: list[float]  # predicted step seconds
     goodput: list[float] = field(init=False)
@@ -105,7 +114,9 @@ class AdaptivePolicy(Policy):
         if req is None:
             bucket = bisect.bisect_right(self.bucket_edges, ctx.prompt_len)
             req = _Request(
-                PositionRates(max_pos=self.max_tau + 1, decay=0.7, prior_weight=2.0), bucket, backoff=self.min_backoff
+                PositionRates(max_pos=self.max_tau + 1, decay=REQUEST_DECAY, prior_weight=2.0),
+                bucket,
+                backoff=self.min_backoff,
             )
             self._requests[ctx.request_id] = req
         return req
@@ -121,7 +132,8 @@ class AdaptivePolicy(Policy):
         return own.rates(mid[:1] + [_sigmoid(_logit(p) + shift) for p in mid[1:]], self.prior, n)
 
     def _plan(self, req: _Request, k: int) -> _Plan:
-        return _Plan(expected_emitted_all(self.rates(req, k)), self.costs.step_times(k))
+        rates = self.rates(req, k)
+        return _Plan(rates, expected_emitted_all(rates), self.costs.step_times(k))
 
     def slo_margin(self) -> float:
         """p95 of observed / predicted request latency (≥ 1): how far predictions can be trusted."""
@@ -164,6 +176,10 @@ class AdaptivePolicy(Policy):
                 # Positions never drafted keep stale estimates; now and then look one further.
                 return self._decide(req, tau + 1, f"explore tau={tau + 1} (best {tau}, {ratio:.2f}x plain)", plan)
             return self._decide(req, tau, f"goodput {ratio:.2f}x plain at tau={tau}", plan)
+        if ratio >= 1.0 - self.margin and tau == 1:
+            # Near break-even a one-token draft costs next to nothing and keeps acceptance in view, so a
+            # return of acceptance is seen at once rather than at the next probe.
+            return self._decide(req, 1, f"hold tau=1: goodput {ratio:.2f}x plain, near break-even", None)
         req.since_probe += 1
         if req.since_probe >= req.backoff:
             req.since_probe = 0
@@ -198,7 +214,7 @@ class AdaptivePolicy(Policy):
         return ctx.elapsed + passes * plan.times[tau]
 
     def _decide(self, req: _Request, tau: int, reason: str, plan: _Plan | None, early_stop: bool = True) -> Decision:
-        req.asked = tau
+        req.asked, req.cut = tau, None
         if (
             tau
             and plan is not None
@@ -208,11 +224,19 @@ class AdaptivePolicy(Policy):
             and self.calibration.total >= 30
         ):
             # Drafting one more token pays when its acceptance chance beats its cost in output time.
-            d = self.costs.step_times(1)
-            extra = d[1] - d[0]
+            # Its chance: this request's acceptance at the positions drafted (weighted by how often each
+            # is reached) updated by the draft's confidence, so a doubtful token in an easy stretch goes on.
+            d = self.costs.step_times(2)
+            # A stop saves the next draft forward and a slot in the verify block; at τ = 1 there is no
+            # next forward (the one that made the token has run), so only the slot: stop much less there.
+            extra = d[2] - d[1] if tau > 1 else d[2] - d[1] - (self.costs.draft_per_token or 0.0)
             per_token = plan.times[tau] / plan.emitted[tau]
-            cut = self.calibration.threshold(extra / per_token)
+            reach, weight, mean = 1.0, 0.0, 0.0
+            for a in plan.rates[:tau]:
+                weight, mean, reach = weight + reach, mean + reach * a, reach * a
+            cut = self.calibration.threshold(extra / per_token, mean / weight)
             if cut is not None:
+                req.cut = cut
                 return Decision(tau, reason + f", stop below p={cut:.1f}", min_confidence=cut)
         return Decision(tau, reason)
 
@@ -221,24 +245,64 @@ class AdaptivePolicy(Policy):
     def observe(self, record: StepRecord) -> None:
         req = self._requests.get(record.request_id)
         asked = req.asked if req is not None else record.tau
+        stopped = record.tau < asked and record.n_accepted == record.tau  # the drafter cut a token, by confidence
         # An early stop still ran the draft forward that produced the low-confidence token.
         forwards = record.tau + (1 if record.tau < asked else 0)
         self.costs.observe(record.tau, forwards, record.draft_time, record.verify_time, record.other_time)
-        if record.tau == 0:
+        if record.tau == 0 and not stopped:
             return
-        self.global_rates.update(record.tau, record.n_accepted)
         if req is not None:
-            self.bucket_rates[req.bucket].update(record.tau, record.n_accepted)
-            req.rates.update(record.tau, record.n_accepted)
-            if req.probing:
-                req.probing = False
-                # All accepted: probe again at once; some: soon; none: back off further.
-                if record.n_accepted == record.tau:
-                    req.backoff = 1
-                else:
-                    req.backoff = self.min_backoff if record.n_accepted else min(2 * req.backoff, self.max_backoff)
-        if record.draft_token_probs:
+            self._detect_shift(req, record, stopped)
+        if stopped and req is not None and req.cut is not None:
+            # The cut token was never verified; it counts as a success with the chance Bayes gives a token
+            # below the cut at this position. Counting nothing would leave the rates stale (a hard
+            # stretch where every draft stops at once would never lower them) and biased upward.
+            k = record.tau
+            prior = self.rates(req, k + 1)[k]
+            p = self.calibration.accept_given(prior, 0, round(10 * req.cut))
+            self.global_rates.update_stopped(k, p)
+            self.bucket_rates[req.bucket].update_stopped(k, p)
+            req.rates.update_stopped(k, p)
+        else:
+            self.global_rates.update(record.tau, record.n_accepted)
+            if req is not None:
+                self.bucket_rates[req.bucket].update(record.tau, record.n_accepted)
+                req.rates.update(record.tau, record.n_accepted)
+        if req is not None and req.probing:
+            req.probing = False
+            # All accepted: probe again at once; some: soon; none: back off further.
+            if record.n_accepted == record.tau:
+                req.backoff = 1
+            else:
+                req.backoff = self.min_backoff if record.n_accepted else min(2 * req.backoff, self.max_backoff)
+        if record.draft_token_probs and (req is None or req.cut is None):
+            # Only drafts that ran without a cut: a cut hides the low bins and would bias the likelihoods.
             self.calibration.update(record.draft_token_probs, record.tau, record.n_accepted)
+
+    def _detect_shift(self, req: _Request, record: StepRecord, stopped: bool) -> None:
+        """Two-sided Bernoulli CUSUM on the positions this step tested, against the rates planned with:
+        a stretch of text where the draft does much better or worse (code <-> prose) is detected in
+        2-3 outcomes, and the request's own statistics restart from the bucket's."""
+        tested = min(record.n_accepted + 1, record.tau)
+        if tested == 0:
+            return
+        rates = self.rates(req, tested)
+        for k in range(tested):
+            p = min(max(rates[k], 0.02), 0.98)
+            x = 1.0 if k < record.n_accepted else 0.0
+            for sign in (1.0, -1.0):
+                q = _sigmoid(_logit(p) + sign * SHIFT)
+                llr = x * math.log(q / p) + (1 - x) * math.log((1 - q) / (1 - p))
+                if sign > 0:
+                    req.cusum_up = max(0.0, req.cusum_up + llr)
+                else:
+                    req.cusum_down = max(0.0, req.cusum_down + llr)
+        if max(req.cusum_up, req.cusum_down) > CUSUM_H:
+            req.cusum_up = req.cusum_down = 0.0
+            req.changes += 1
+            own = req.rates
+            own.wins = [FORGET * w for w in own.wins]
+            own.trials = [FORGET * t for t in own.trials]
 
     def end(self, request_id: str, stats: GenerationStats) -> None:
         req = self._requests.pop(request_id, None)

@@ -55,6 +55,14 @@ class PositionRates:
             self.wins[k] = self.decay * self.wins[k] + (1.0 if k < n_accepted else 0.0)
             self.trials[k] = self.decay * self.trials[k] + 1.0
 
+    def update_stopped(self, tau: int, p_accept: float) -> None:
+        """A draft stopped early (by confidence) after ``tau`` tokens, all accepted: positions 1..τ passed,
+        and the stopped token at τ+1, never verified, counts as ``p_accept`` of a success."""
+        self.update(tau, tau)
+        if tau < self.max_pos:
+            self.wins[tau] = self.decay * self.wins[tau] + p_accept
+            self.trials[tau] = self.decay * self.trials[tau] + 1.0
+
     def observed(self, k: int) -> float:
         return self.trials[k]
 
@@ -134,7 +142,14 @@ class StepCosts:
 
 @dataclass
 class ConfidenceCalibration:
-    """P(draft token accepted | the draft's probability of it), in 10 bins, EWMA with a calibrated prior."""
+    """How the draft's probability of its token (in 10 bins) predicts acceptance, EWMA with a calibrated prior.
+
+    ``rate(b)`` is the pooled P(accept | bin b). ``accept_given(prior, lo, hi)`` instead combines a
+    *current* acceptance estimate with the evidence of the bins by Bayes' rule, prior odds times the
+    likelihood ratio P(bins | accepted) / P(bins | rejected): the same draft probability means more in a
+    hard stretch (prior 0.2) than in an easy one (prior 0.9). The likelihoods are only unbiased when fed
+    tokens drafted without a confidence cut (a cut hides the low bins), so feed it those.
+    """
 
     decay: float = 0.99
     prior_weight: float = 3.0
@@ -154,9 +169,25 @@ class ConfidenceCalibration:
     def rate(self, b: int) -> float:
         return (self.wins[b] + self.prior_weight * (b + 0.5) / 10) / (self.trials[b] + self.prior_weight)
 
-    def threshold(self, break_even: float) -> float | None:
-        """The confidence below which every bin's acceptance is under ``break_even`` (None: no such bin)."""
+    def likelihoods(self) -> tuple[list[float], list[float]]:
+        """P(bin | accepted), P(bin | rejected), each with the prior's pseudo-counts."""
+        acc = [self.wins[b] + self.prior_weight * (b + 0.5) / 10 for b in range(10)]
+        rej = [self.trials[b] - self.wins[b] + self.prior_weight * (9.5 - b) / 10 for b in range(10)]
+        sa, sr = sum(acc), sum(rej)
+        return [x / sa for x in acc], [x / sr for x in rej]
+
+    def accept_given(self, prior: float, lo: int, hi: int) -> float:
+        """P(accept | draft probability in bins [lo, hi)) for a token whose acceptance prior is ``prior``."""
+        pa, pr = self.likelihoods()
+        la, lr = prior * sum(pa[lo:hi]), (1.0 - prior) * sum(pr[lo:hi])
+        return la / (la + lr) if la + lr > 0 else prior
+
+    def threshold(self, break_even: float, prior: float | None = None) -> float | None:
+        """The confidence below which every bin's acceptance is under ``break_even`` (None: no such bin);
+        with ``prior``, acceptance per bin is ``accept_given(prior, b, b + 1)``, else the pooled rate."""
         edge = 0
-        while edge < 10 and self.rate(edge) < break_even:
+        while (
+            edge < 10 and (self.rate(edge) if prior is None else self.accept_given(prior, edge, edge + 1)) < break_even
+        ):
             edge += 1
         return edge / 10 if edge else None
