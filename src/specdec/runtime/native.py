@@ -25,8 +25,15 @@ import torch.nn.functional as F
 from specdec.errors import ContextLengthError, ModelLoadError, UnsupportedError
 from specdec.runtime.base import KVCache, ModelRunner, check_batch_one
 from specdec.runtime.hf import check_checkpoint_dir
-from specdec.runtime.native_config import DEFAULT_CACHE_LIMIT, FAMILIES, NativeConfig, read_config, rope_tables
-from specdec.runtime.native_ops import PreparedLayer, choose_ops, prepare_layer
+from specdec.runtime.native_config import (
+    DEFAULT_CACHE_LIMIT,
+    FAMILIES,
+    NativeConfig,
+    read_config,
+    rope_cis,
+    rope_tables,
+)
+from specdec.runtime.native_ops import DenseOps, HalfOps, Ops, choose_ops, half_fits, prepare_layer
 from specdec.runtime.native_weights import ModelWeights, load_weights
 
 SUPPORTED_MODEL_TYPES = set(FAMILIES)
@@ -36,12 +43,18 @@ COMPILE_MODE = "max-autotune-no-cudagraphs"
 
 
 class NativeCache(KVCache):
-    """Keys and values of one sequence: ``kv[layer, 0=key/1=value, kv_head, position, :]``."""
+    """Keys and values of one sequence: ``kv[layer, 0=key/1=value, kv_head, position, :]``.
+
+    Per-layer views (keys transposed for the score product) are made once here, not per step.
+    """
 
     def __init__(self, cfg: NativeConfig, max_context: int, device: torch.device, dtype: torch.dtype) -> None:
         # empty, not zeros: positions at or beyond ``length`` are never read.
         self.kv = torch.empty(cfg.layers, 2, cfg.kv_heads, max_context, cfg.head_dim, device=device, dtype=dtype)
         self._length = 0
+        self.layer_kv = list(self.kv.unbind(0))  # [2, KV, C, hd] each
+        self.keys_t = [lkv[0].transpose(1, 2) for lkv in self.layer_kv]  # [KV, hd, C]
+        self.values = [lkv[1] for lkv in self.layer_kv]  # [KV, C, hd]
 
     @property
     def length(self) -> int:
@@ -54,7 +67,11 @@ class NativeCache(KVCache):
 
 
 class NativeRunner(ModelRunner):
-    """A Llama-family checkpoint on ``device`` in ``dtype``; batch size 1 per cache."""
+    """A Llama-family checkpoint on ``device`` in ``dtype``; batch size 1 per cache.
+
+    ``compute_dtype`` is the dtype of activations and of the KV cache: ``dtype``, except for bf16/fp16
+    on CPUs without native bf16 products, where weights are fp16 (fbgemm) and activations fp32.
+    """
 
     def __init__(
         self,
@@ -64,27 +81,34 @@ class NativeRunner(ModelRunner):
         name: str,
         device: torch.device,
         dtype: torch.dtype,
+        ops: Ops,
         max_context: int,
         eos_token_ids: frozenset[int] = frozenset(),
         compile: bool = False,
     ) -> None:
         self.config = cfg
-        self._embed = weights.embed  # [V, 2d]
         self.name = name
         self.vocab_size = int(weights.lm_head.shape[0])
         self.max_context = max_context
         self.device = device
         self.dtype = dtype
+        self.compute_dtype = torch.float32 if ops.compute_fp32 else dtype
         self.eos_token_ids = eos_token_ids
-        cos, sin = rope_tables(cfg.rope, cfg.head_dim, max_context)
-        self._cos = cos.to(device=device, dtype=dtype)  # [T, 1, hd]
-        self._sin = sin.to(device=device, dtype=dtype)  # [T, 1, hd], sign of rotate-half folded in
-        self._bands = {w: self._band(w) for w in set(cfg.windows)}
-        self._ops = choose_ops(device, dtype, compile)
-        self._layer_plan = [(prepare_layer(lw, self._ops), win) for lw, win in zip(weights.layers, cfg.windows)]
-        self._lm_head = self._ops.prepare(weights.lm_head)
-        self._norm_shape = (2 * cfg.hidden,)
+        self._embed = weights.embed  # [V, 2d]
+        self._ops = ops
         self.compile = compile
+        # Complex RoPE needs complex arithmetic in the compute dtype: fp32/fp64, eager.
+        self.complex_rope = self.compute_dtype in (torch.float32, torch.float64) and not compile
+        if self.complex_rope:
+            self._cis = rope_cis(cfg.rope, cfg.head_dim, max_context).to(device)  # [T, 1, hd/2]
+        else:
+            cos, sin = rope_tables(cfg.rope, cfg.head_dim, max_context)
+            self._cos = cos.to(device=device, dtype=self.compute_dtype)  # [T, 1, hd]
+            self._sin = sin.to(device=device, dtype=self.compute_dtype)  # [T, 1, hd], rotate-half sign folded in
+        self._bands = {w: self._band(w) for w in set(cfg.windows)}
+        self._layer_plan = [(prepare_layer(lw, ops), win) for lw, win in zip(weights.layers, cfg.windows)]
+        self._lm_head, self._lm_bias = ops.prepare(weights.lm_head)
+        self._norm_shape = (2 * cfg.hidden,)
         self._compiled: dict[int, Callable[..., torch.Tensor]] = {}
 
     @classmethod
@@ -108,20 +132,27 @@ class NativeRunner(ModelRunner):
         limit = min(cfg.max_positions, max_context or DEFAULT_CACHE_LIMIT)
         if limit < 1:
             raise ModelLoadError(f"max_context must be positive, got {max_context}")
-        weights = load_weights(path, cfg, dev, dtype)
+        ops = choose_ops(dev, dtype, compile)
+        interleave = (torch.float32 if ops.compute_fp32 else dtype) in (torch.float32, torch.float64) and not compile
+        load_dtype = torch.float32 if ops is HalfOps else dtype
+        weights = load_weights(path, cfg, dev, load_dtype, interleave_rope=interleave, embed_dtype=dtype)
+        if ops is HalfOps and not half_fits([weights.lm_head, *(w for lw in weights.layers for w in lw.matrices())]):
+            ops = DenseOps  # a weight beyond fp16's range: plain products in ``dtype`` instead
+            weights = load_weights(path, cfg, dev, dtype)
         return cls(
             cfg,
             weights,
             name=str(path),
             device=dev,
             dtype=dtype,
+            ops=ops,
             max_context=limit,
             eos_token_ids=_eos_ids(path, raw),
             compile=compile,
         )
 
     def new_cache(self) -> NativeCache:
-        return NativeCache(self.config, self.max_context, self.device, self.dtype)
+        return NativeCache(self.config, self.max_context, self.device, self.compute_dtype)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
@@ -138,8 +169,10 @@ class NativeRunner(ModelRunner):
             raise ContextLengthError(
                 f"{self.name}: {pos + k} tokens do not fit the context window of {self.max_context}", "max_tokens"
             )
-        step = self._step_fn(k) if self.compile else self.step
-        logits = step(ids, cache.kv, pos, last_only)
+        if self.compile:
+            logits = self._step_fn(k)(ids, cache.kv, pos, last_only)
+        else:
+            logits = self._eager_step(ids, cache, pos, last_only)
         cache._length = pos + k
         return logits
 
@@ -155,66 +188,74 @@ class NativeRunner(ModelRunner):
         return fn
 
     def step(self, ids: torch.Tensor, kv: torch.Tensor, pos: int, last_only: bool) -> torch.Tensor:
-        """The whole forward over ``ids`` ``[k]`` at positions ``pos..pos+k-1``; writes ``kv``; float32 logits."""
+        """The whole forward over ``ids`` ``[k]`` at positions ``pos..pos+k-1``; writes ``kv``; float32 logits.
+
+        The traceable form (``torch.compile``): the per-layer cache views are derived from ``kv`` here.
+        """
+        layer_kv = list(kv.unbind(0))
+        return self._run(
+            ids, layer_kv, [lkv[0].transpose(1, 2) for lkv in layer_kv], [lkv[1] for lkv in layer_kv], pos, last_only
+        )
+
+    def _eager_step(self, ids: torch.Tensor, cache: NativeCache, pos: int, last_only: bool) -> torch.Tensor:
+        return self._run(ids, cache.layer_kv, cache.keys_t, cache.values, pos, last_only)
+
+    def _run(
+        self,
+        ids: torch.Tensor,
+        layer_kv: list[torch.Tensor],
+        keys_t: list[torch.Tensor],
+        values: list[torch.Tensor],
+        pos: int,
+        last_only: bool,
+    ) -> torch.Tensor:
+        cfg, ops = self.config, self._ops
         k = ids.shape[0]
         end = pos + k
-        d = self.config.hidden
+        d, hd, heads, kv_heads, groups = cfg.hidden, cfg.head_dim, cfg.heads, cfg.kv_heads, cfg.groups
+        rot = heads + kv_heads  # heads that get RoPE: queries, then keys
         x2 = F.embedding(ids, self._embed)  # [k, 2d] = [x, -x]
+        if x2.dtype != self.compute_dtype:
+            x2 = x2.to(self.compute_dtype)
         x, x_neg = x2[:, :d], x2[:, d:]  # views: the residual stream is updated in place
-        cos, sin = self._cos[pos:end], self._sin[pos:end]  # [k, 1, hd]
+        if self.complex_rope:
+            cis = self._cis[pos:end]  # [k, 1, hd/2]
+        else:
+            cos, sin = self._cos[pos:end], self._sin[pos:end]  # [k, 1, hd]
         spans = {win: self._span(win, pos, k) for win in self._bands}
-        for i, (layer, win) in enumerate(self._layer_plan):
+        norm_shape, eps = self._norm_shape, cfg.eps
+        for i, (lw, win) in enumerate(self._layer_plan):
             start, mask = spans[win]
-            self._layer(x2, x, x_neg, layer, kv[i], pos, end, start, mask, cos, sin)
+            # LayerNorm of [x, -x] is RMSNorm of x (the mean is 0); its weight is folded into the projection.
+            h = torch.layer_norm(x2, norm_shape, None, None, eps)[:, :d]
+            qkv = ops.linear(h, lw.wqkv, lw.bqkv).view(k, heads + 2 * kv_heads, hd)  # [k, H+2KV, hd]
+            if self.complex_rope:  # RoPE on queries and keys: one in-place complex multiply
+                torch.view_as_complex(qkv.view(k, -1, hd // 2, 2))[:, :rot].mul_(cis)
+            else:
+                _rope_real(qkv[:, :rot], cos, sin, hd)
+            # Write this block's keys and values at their positions.
+            layer_kv[i].narrow(2, pos, k).copy_(qkv[:, rot - kv_heads :].view(k, 2, kv_heads, hd).permute(1, 2, 0, 3))
+            keys = keys_t[i].narrow(2, start, end - start)  # [KV, hd, T']
+            vals = values[i].narrow(1, start, end - start)  # [KV, T', hd]
+            if k == 1:  # queries of one token: [KV, G, hd] is a view
+                q = qkv[0, :heads].view(kv_heads, groups, hd)
+            else:  # fold the query groups of each key/value head into rows (order: token, group): [KV, k·G, hd]
+                q = qkv[:, :heads].reshape(k, kv_heads, groups, hd).transpose(0, 1).reshape(kv_heads, k * groups, hd)
+            scores = torch.bmm(q, keys) if mask is None else torch.baddbmm(mask, q, keys)  # [KV, k·G, T']
+            out = torch.bmm(torch.softmax(scores, dim=-1), vals)  # [KV, k·G, hd]
+            if k == 1:
+                out = out.view(1, heads * hd)
+            else:
+                out = out.view(kv_heads, k, groups, hd).transpose(0, 1).reshape(k, heads * hd)
+            ops.add_linear_(x, out, lw.wo, lw.bo)
+            _negate_into(x, x_neg)
+            h = torch.layer_norm(x2, norm_shape, None, None, eps)[:, :d]
+            ops.add_linear_(x, ops.swiglu(h, lw), lw.wd, lw.bd)
+            _negate_into(x, x_neg)
         if last_only:
             x2 = x2[-1:]
-        h = F.layer_norm(x2, self._norm_shape, None, None, self.config.eps)[:, :d]
-        return self._ops.linear(h, self._lm_head).float()  # [k, V]
-
-    def _layer(
-        self,
-        x2: torch.Tensor,
-        x: torch.Tensor,
-        x_neg: torch.Tensor,
-        lw: PreparedLayer,
-        kv: torch.Tensor,
-        pos: int,
-        end: int,
-        start: int,
-        mask: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-    ) -> None:
-        """One decoder layer, updating the residual stream ``x2`` = [x, -x] in place."""
-        cfg, ops = self.config, self._ops
-        k, d = x.shape
-        heads, kv_heads, groups, hd = cfg.heads, cfg.kv_heads, cfg.groups, cfg.head_dim
-        # LayerNorm of [x, -x] is RMSNorm of x (the mean is 0); its weight is folded into the projection.
-        h = F.layer_norm(x2, self._norm_shape, None, None, cfg.eps)[:, :d]
-        qkv = ops.linear(h, lw.wqkv, lw.bqkv).view(k, heads + 2 * kv_heads, hd)  # [k, H+2KV, hd]
-        qk = qkv[:, : heads + kv_heads]
-        if torch.compiler.is_compiling():  # the compiler refuses out= into a strided view, and fuses this anyway
-            qk.copy_(torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin))
-        else:  # RoPE on queries and keys, in place
-            torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin, out=qk)
-        kv[:, :, pos:end] = qkv[:, heads:].view(k, 2, kv_heads, hd).permute(1, 2, 0, 3)
-        keys = kv[0, :, start:end].transpose(1, 2)  # [KV, hd, T']
-        values = kv[1, :, start:end]  # [KV, T', hd]
-        # Fold the query groups of each key/value head into rows (order: token, group): [KV, k·G, hd].
-        q = qkv[:, :heads].reshape(k, kv_heads, groups, hd).transpose(0, 1).reshape(kv_heads, k * groups, hd)
-        scores = torch.bmm(q, keys) if mask is None else torch.baddbmm(mask, q, keys)  # [KV, k·G, T']
-        out = torch.bmm(torch.softmax(scores, dim=-1), values)  # [KV, k·G, hd]
-        out = out.view(kv_heads, k, groups, hd).transpose(0, 1).reshape(k, heads * hd)
-        if lw.bo is not None:
-            x.add_(lw.bo)
-        x.addmm_(out, lw.wo_t)
-        _negate_into(x, x_neg)
-        h = F.layer_norm(x2, self._norm_shape, None, None, cfg.eps)[:, :d]
-        act = ops.swiglu(h, lw)  # [k, ff]
-        if lw.bd is not None:
-            x.add_(lw.bd)
-        x.addmm_(act, lw.wd_t)
-        _negate_into(x, x_neg)
+        h = torch.layer_norm(x2, norm_shape, None, None, eps)[:, :d]
+        return ops.linear(h, self._lm_head, self._lm_bias).float()  # [k, V]
 
     def _span(self, window: int | None, pos: int, k: int) -> tuple[int, torch.Tensor | None]:
         """First cache position any of the k queries can see, and the additive mask over ``start..pos+k``.
@@ -241,8 +282,8 @@ class NativeRunner(ModelRunner):
         seen = keys <= query_pos[:, None]
         if window is not None:
             seen &= keys > query_pos[:, None] - window
-        mask = torch.zeros(seen.shape, device=self.device, dtype=self.dtype).masked_fill_(~seen, float("-inf"))
-        return mask.repeat_interleave(self.config.groups, dim=0)
+        mask = torch.zeros(seen.shape, device=self.device, dtype=self.compute_dtype)
+        return mask.masked_fill_(~seen, float("-inf")).repeat_interleave(self.config.groups, dim=0)
 
 
 def _negate_into(x: torch.Tensor, out: torch.Tensor) -> None:
@@ -251,6 +292,14 @@ def _negate_into(x: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(x.neg())
     else:
         torch.neg(x, out=out)
+
+
+def _rope_real(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hd: int) -> None:
+    """RoPE in place as ``x·cos + roll(x, hd/2)·sin`` (rotate-half layout; bf16/fp16 and compiled steps)."""
+    if torch.compiler.is_compiling():  # the compiler refuses out= into a strided view, and fuses this anyway
+        qk.copy_(torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin))
+    else:
+        torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin, out=qk)
 
 
 def native_unsupported_reason(path: str | Path) -> str | None:

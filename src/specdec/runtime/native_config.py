@@ -103,6 +103,17 @@ def rope_tables(spec: RopeSpec, head_dim: int, positions: int) -> tuple[torch.Te
     return cos[:, None, :], sin[:, None, :]
 
 
+def rope_cis(spec: RopeSpec, head_dim: int, positions: int) -> torch.Tensor:
+    """complex64 ``cos + i·sin`` ``[positions, 1, head_dim/2]``: RoPE on (x1[j], x2[j]) pairs as one complex multiply.
+
+    ``(x1 + i·x2)(cos + i·sin) = (x1·cos - x2·sin) + i·(x2·cos + x1·sin)``, i.e. ``x·cos + rotate_half(x)·sin``
+    on heads whose rows were interleaved into pairs at load (``native_weights._pairs``).
+    """
+    inv_freq = ROPE_SCALINGS[spec.scaling](spec, head_dim)
+    freqs = torch.arange(positions, dtype=torch.int64).float()[:, None] * inv_freq[None]  # fp32, as transformers
+    return torch.polar(torch.ones_like(freqs), freqs)[:, None, :]
+
+
 def read_rope(raw: dict[str, Any], path: Path) -> RopeSpec:
     """RoPE settings from either the transformers-5 ``rope_parameters`` or the older ``rope_theta``/``rope_scaling``."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})

@@ -3,7 +3,11 @@
 Per layer, q/k/v are concatenated into one projection and gate/up into another. Constant factors are
 folded into weights (in fp32, before rounding to the runtime dtype): each RMSNorm weight into the
 columns of the projection that reads the normalised vector, and the attention scale 1/sqrt(head_dim)
-into the query rows (RoPE is linear, so scaling before or after it is the same). The embedding is
+into the query rows (RoPE is linear, so scaling before or after it is the same). With
+``interleave_rope`` the rows of each query and key head are reordered from halves (``x1 | x2``, the
+Hugging Face rotate-half layout) to pairs (``x1[0], x2[0], x1[1], ...``) so that RoPE is one complex
+multiply; queries and keys are permuted alike, so their dot products, and the logits, are unchanged.
+The embedding is
 stored as [E, -E]: the runtime carries the residual stream as [x, -x], whose LayerNorm (one fused
 kernel, mean exactly 0) is x's RMSNorm twice over.
 """
@@ -26,12 +30,15 @@ INDEX_FILE = "model.safetensors.index.json"
 class LayerWeights:
     wqkv: torch.Tensor  # [(H + 2·KV)·hd, d], input norm folded in
     bqkv: torch.Tensor | None  # [(H + 2·KV)·hd]
-    wo_t: torch.Tensor  # [H·hd, d] (transposed: x + attn @ wo_t is one addmm)
+    wo: torch.Tensor  # [d, H·hd]
     bo: torch.Tensor | None  # [d]
     wgu: torch.Tensor  # [2·ff, d], post-attention norm folded in
     bgu: torch.Tensor | None  # [2·ff]
-    wd_t: torch.Tensor  # [ff, d]
+    wd: torch.Tensor  # [d, ff]
     bd: torch.Tensor | None  # [d]
+
+    def matrices(self) -> list[torch.Tensor]:
+        return [self.wqkv, self.wo, self.wgu, self.wd]
 
 
 @dataclass
@@ -89,13 +96,24 @@ class _Picker:
         return self.get(name) if present else None
 
 
-def _fused_qkv(p: _Picker, prefix: str, cfg: NativeConfig, suffix: str, norm: torch.Tensor) -> torch.Tensor:
+def _pairs(w: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of each head reordered from halves to interleaved pairs (see the module docstring)."""
+    half = head_dim // 2
+    order = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+    return w.reshape(-1, head_dim, *w.shape[1:])[:, order].reshape(w.shape)
+
+
+def _fused_qkv(
+    p: _Picker, prefix: str, cfg: NativeConfig, suffix: str, norm: torch.Tensor, interleave: bool
+) -> torch.Tensor:
     q, k, v = (p.raw(f"{prefix}.self_attn.{n}_proj.{suffix}").float() for n in "qkv")
+    if interleave:
+        q, k = _pairs(q, cfg.head_dim), _pairs(k, cfg.head_dim)
     qkv = torch.cat([q * cfg.head_dim**-0.5, k, v], dim=0)
     return p.put(qkv * norm if suffix == "weight" else qkv)
 
 
-def _layer(p: _Picker, i: int, cfg: NativeConfig) -> LayerWeights:
+def _layer(p: _Picker, i: int, cfg: NativeConfig, interleave: bool) -> LayerWeights:
     pre = f"model.layers.{i}"
     mlp = f"{pre}.mlp"
     bias_gu = None
@@ -105,18 +123,27 @@ def _layer(p: _Picker, i: int, cfg: NativeConfig) -> LayerWeights:
     ln2 = p.raw(f"{pre}.post_attention_layernorm.weight").float()[None, :]
     gate_up = torch.cat([p.raw(f"{mlp}.gate_proj.weight"), p.raw(f"{mlp}.up_proj.weight")], dim=0).float()
     return LayerWeights(
-        wqkv=_fused_qkv(p, pre, cfg, "weight", ln1),
-        bqkv=_fused_qkv(p, pre, cfg, "bias", ln1) if cfg.qkv_bias else None,
-        wo_t=p.put(p.raw(f"{pre}.self_attn.o_proj.weight").t()),
+        wqkv=_fused_qkv(p, pre, cfg, "weight", ln1, interleave),
+        bqkv=_fused_qkv(p, pre, cfg, "bias", ln1, interleave) if cfg.qkv_bias else None,
+        wo=p.get(f"{pre}.self_attn.o_proj.weight"),
         bo=p.maybe(f"{pre}.self_attn.o_proj.bias", cfg.o_bias),
         wgu=p.put(gate_up * ln2),
         bgu=bias_gu,
-        wd_t=p.put(p.raw(f"{mlp}.down_proj.weight").t()),
+        wd=p.get(f"{mlp}.down_proj.weight"),
         bd=p.maybe(f"{mlp}.down_proj.bias", cfg.mlp_bias),
     )
 
 
-def load_weights(path: Path, cfg: NativeConfig, device: torch.device, dtype: torch.dtype) -> ModelWeights:
+def load_weights(
+    path: Path,
+    cfg: NativeConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    interleave_rope: bool = False,
+    embed_dtype: torch.dtype | None = None,
+) -> ModelWeights:
+    """Weights in ``dtype`` (the embedding in ``embed_dtype``, default ``dtype``)."""
     p = _Picker(read_tensors(path), path, device, dtype)
     embed = p.raw("model.embed_tokens.weight")
     if cfg.tie_embeddings:
@@ -129,8 +156,7 @@ def load_weights(path: Path, cfg: NativeConfig, device: torch.device, dtype: tor
         raise ModelLoadError(
             f"checkpoint {path}: embedding is {tuple(embed.shape)}, config.json says {(cfg.vocab_size, cfg.hidden)}"
         )
-    layers = [_layer(p, i, cfg) for i in range(cfg.layers)]
+    layers = [_layer(p, i, cfg, interleave_rope) for i in range(cfg.layers)]
     norm = p.raw("model.norm.weight").float()[None, :]
-    return ModelWeights(
-        embed=p.put(torch.cat([embed, -embed], dim=1)), layers=layers, lm_head=p.put(lm_head.float() * norm)
-    )
+    embed2 = torch.cat([embed, -embed], dim=1).to(device=device, dtype=embed_dtype or dtype).contiguous()
+    return ModelWeights(embed=embed2, layers=layers, lm_head=p.put(lm_head.float() * norm))
