@@ -179,6 +179,76 @@ def test_adaptive_learns_long_prompts_separately() -> None:
     assert p.next_tau(ctx_for("l", 0, 0, 0, prompt_len=3000)).tau == 0
 
 
+def test_adaptive_counts_a_confidence_stop_as_a_likely_rejection() -> None:
+    p = AdaptivePolicy()
+    # Uncut drafts teach the calibration: confident tokens (0.9) pass, doubtful ones (0.1) fail.
+    for i in range(40):
+        p.observe(record_for("warm", i, 4, 3, probs=[0.9, 0.9, 0.9, 0.1]))
+        p.observe(record_for("warm", i, 4, 0, probs=[0.1, 0.5, 0.5, 0.5]))
+    p.begin(ctx_for("r", 0, 0, 0))
+    req = p._requests["r"]
+    before = p.rates(req, 1)[0]
+    for step in range(12):
+        d = p.next_tau(ctx_for("r", step, step, step))
+        if d.min_confidence is None:
+            continue
+        assert "stop below p=" in d.reason
+        # The drafter stopped before the first token: nothing verified, yet the estimate must move.
+        p.observe(record_for("r", step, 0, 0, probs=[]))
+    assert req.rates.trials[0] > 0
+    assert p.rates(req, 1)[0] < before - 0.2
+
+
+def test_adaptive_holds_tau_one_near_break_even_and_falls_back_below() -> None:
+    # One draft in 6 accepted (α ≈ 0.17) with these costs: a drafted token is worth about what it
+    # costs (1.17 / 1.14 of a plain step), so it neither speculates in earnest nor stops looking.
+    p = AdaptivePolicy(early_stop=False)
+    reasons, drafts = [], 0
+    p.begin(ctx_for("r", 0, 0, 0))
+    for step in range(200):
+        d = p.next_tau(ctx_for("r", step, step, step))
+        reasons.append(d.reason)
+        drafts += d.tau > 0
+        p.observe(record_for("r", step, d.tau, int(d.tau > 0 and drafts % 6 == 0)))
+    assert sum(r.startswith("hold tau=1") for r in reasons[100:]) >= 30, reasons[100:]
+    useless = drive(AdaptivePolicy(early_stop=False), lambda s, t: 0, 200)
+    assert useless[100:].count(0) >= 90  # well below break-even it still falls back
+
+
+def test_adaptive_detects_a_shift_within_a_request() -> None:
+    # A code span where everything is accepted, then prose where nothing is: the CUSUM flags the shift
+    # at once and τ falls to plain steps. Known limit: after a perfect history the deeper positions'
+    # rates stay stale (nothing tests them once position 1 fails), so it takes ~15 steps, not 2.
+    p = AdaptivePolicy(early_stop=False)
+    p.begin(ctx_for("q", 0, 0, 0))
+    taus, changes_at_switch = [], 0
+    for step in range(80):
+        d = p.next_tau(ctx_for("q", step, step, step))
+        taus.append(d.tau)
+        if step == 40:
+            changes_at_switch = p._requests["q"].changes
+        p.observe(record_for("q", step, d.tau, d.tau if step < 40 else 0))
+        if step == 42:
+            assert p._requests["q"].changes > changes_at_switch  # detected within 3 outcomes
+    assert min(taus[30:40]) >= 6
+    assert taus[60:].count(0) >= 15 and max(taus[60:]) <= 1 + max(p.min_backoff, 1), taus[40:]
+
+
+def test_adaptive_reasons_reach_the_step_records_in_the_simulator() -> None:
+    from dataclasses import replace
+
+    from specdec.simulate import WORKLOADS, load_costs, simulate
+
+    seen: list[StepRecord] = []
+    policy = AdaptivePolicy()
+    observe = policy.observe
+    policy.observe = lambda r: (seen.append(r), observe(r))  # type: ignore[method-assign]
+    simulate(policy, replace(WORKLOADS["phases"], requests=10), load_costs("gpu-70b"), seed=0)
+    reasons = {r.reason.split(":")[0].split(" ")[0] for r in seen}
+    assert all(r.reason for r in seen)
+    assert {"goodput", "explore"} <= reasons, reasons
+
+
 def test_adaptive_uses_the_measured_verify_curve() -> None:
     p = AdaptivePolicy()
     for k in range(1, 9):  # block of k+1 tokens costs k+1 times one token: no parallelism at all

@@ -27,7 +27,7 @@ BUDGET_SAFETY = 1.3
 REQUEST_DECAY = 0.9  # per observation of a position: a request remembers its last ~10 outcomes there
 SHIFT = 2.0  # the CUSUMs test for a shift of this much in log-odds (0.9 -> 0.55, 0.4 -> 0.83)
 CUSUM_H = 2.5  # evidence (nats) that declares a shift; the request then forgets what came before
-FORGET = 0.1  # what a request keeps of its own counts after a detected shift
+REQUEST_PRIOR = 2.0  # pseudo-observations of the bucket's rates in a request's own
 EXPLORE_EVERY = 8  # steps: one in 8 drafts one token further and skips the early stop
 GAIN_PER_TOKEN = 0.02  # budget-limited: an extra draft token must add this many expected tokens
 
@@ -55,6 +55,9 @@ class _Request:
     cusum_up: float = 0.0  # log-likelihood-ratio CUSUMs: has this request's acceptance shifted up / down?
     cusum_down: float = 0.0
     changes: int = 0  # shifts detected so far
+    # steps since each CUSUM last stood at 0, i.e. since the shift it tests may have begun: (τ, n̂, p of a cut token)
+    recent_up: list[tuple[int, int, float | None]] = field(default_factory=list)
+    recent_down: list[tuple[int, int, float | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -114,7 +117,7 @@ class AdaptivePolicy(Policy):
         if req is None:
             bucket = bisect.bisect_right(self.bucket_edges, ctx.prompt_len)
             req = _Request(
-                PositionRates(max_pos=self.max_tau + 1, decay=REQUEST_DECAY, prior_weight=2.0),
+                PositionRates(max_pos=self.max_tau + 1, decay=REQUEST_DECAY, prior_weight=REQUEST_PRIOR),
                 bucket,
                 backoff=self.min_backoff,
             )
@@ -251,23 +254,26 @@ class AdaptivePolicy(Policy):
         self.costs.observe(record.tau, forwards, record.draft_time, record.verify_time, record.other_time)
         if record.tau == 0 and not stopped:
             return
-        if req is not None:
-            self._detect_shift(req, record, stopped)
+        tested = min(record.n_accepted + 1, record.tau)
+        predicted = self.rates(req, tested) if req is not None and tested else []
+        p_cut: float | None = None
         if stopped and req is not None and req.cut is not None:
             # The cut token was never verified; it counts as a success with the chance Bayes gives a token
             # below the cut at this position. Counting nothing would leave the rates stale (a hard
             # stretch where every draft stops at once would never lower them) and biased upward.
             k = record.tau
             prior = self.rates(req, k + 1)[k]
-            p = self.calibration.accept_given(prior, 0, round(10 * req.cut))
-            self.global_rates.update_stopped(k, p)
-            self.bucket_rates[req.bucket].update_stopped(k, p)
-            req.rates.update_stopped(k, p)
+            p_cut = self.calibration.accept_given(prior, 0, round(10 * req.cut))
+            self.global_rates.update_stopped(k, p_cut)
+            self.bucket_rates[req.bucket].update_stopped(k, p_cut)
+            req.rates.update_stopped(k, p_cut)
         else:
             self.global_rates.update(record.tau, record.n_accepted)
             if req is not None:
                 self.bucket_rates[req.bucket].update(record.tau, record.n_accepted)
                 req.rates.update(record.tau, record.n_accepted)
+        if req is not None and predicted:
+            self._detect_shift(req, record, predicted, p_cut)
         if req is not None and req.probing:
             req.probing = False
             # All accepted: probe again at once; some: soon; none: back off further.
@@ -279,16 +285,12 @@ class AdaptivePolicy(Policy):
             # Only drafts that ran without a cut: a cut hides the low bins and would bias the likelihoods.
             self.calibration.update(record.draft_token_probs, record.tau, record.n_accepted)
 
-    def _detect_shift(self, req: _Request, record: StepRecord, stopped: bool) -> None:
-        """Two-sided Bernoulli CUSUM on the positions this step tested, against the rates planned with:
-        a stretch of text where the draft does much better or worse (code <-> prose) is detected in
-        2-3 outcomes, and the request's own statistics restart from the bucket's."""
-        tested = min(record.n_accepted + 1, record.tau)
-        if tested == 0:
-            return
-        rates = self.rates(req, tested)
-        for k in range(tested):
-            p = min(max(rates[k], 0.02), 0.98)
+    def _detect_shift(self, req: _Request, record: StepRecord, predicted: list[float], p_cut: float | None) -> None:
+        """Two-sided Bernoulli CUSUM on the positions this step tested, against the rates it was planned
+        with: a stretch where the draft does much better or worse (code <-> prose) is flagged within 2-3
+        outcomes, and the request's own statistics restart from the steps since the shift began."""
+        for k, rate in enumerate(predicted):
+            p = min(max(rate, 0.02), 0.98)
             x = 1.0 if k < record.n_accepted else 0.0
             for sign in (1.0, -1.0):
                 q = _sigmoid(_logit(p) + sign * SHIFT)
@@ -297,12 +299,25 @@ class AdaptivePolicy(Policy):
                     req.cusum_up = max(0.0, req.cusum_up + llr)
                 else:
                     req.cusum_down = max(0.0, req.cusum_down + llr)
-        if max(req.cusum_up, req.cusum_down) > CUSUM_H:
-            req.cusum_up = req.cusum_down = 0.0
-            req.changes += 1
-            own = req.rates
-            own.wins = [FORGET * w for w in own.wins]
-            own.trials = [FORGET * t for t in own.trials]
+        step = (record.tau, record.n_accepted, p_cut)
+        for cusum, recent in ((req.cusum_up, req.recent_up), (req.cusum_down, req.recent_down)):
+            if cusum > 0:
+                recent.append(step)
+            else:
+                recent.clear()
+        side = req.recent_up if req.cusum_up > CUSUM_H else req.recent_down if req.cusum_down > CUSUM_H else None
+        if side is None:
+            return
+        req.changes += 1
+        own = req.rates
+        own.wins, own.trials = [0.0] * own.max_pos, [0.0] * own.max_pos
+        for tau, n_acc, p_stop in side:
+            if p_stop is None:
+                own.update(tau, n_acc)
+            else:
+                own.update_stopped(tau, p_stop)
+        req.cusum_up = req.cusum_down = 0.0
+        req.recent_up, req.recent_down = [], []
 
     def end(self, request_id: str, stats: GenerationStats) -> None:
         req = self._requests.pop(request_id, None)
