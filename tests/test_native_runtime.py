@@ -223,3 +223,45 @@ def test_greedy_text_identical_to_transformers_runtime(tiny_models: dict[str, Pa
     assert outputs["native"] == outputs["hf"]
     plain, *speculative = outputs["native"]
     assert plain and all(ids == plain for ids in speculative)  # greedy speculation reproduces plain decoding
+
+
+def test_ops_follow_the_cpu() -> None:
+    """fp32 is dense everywhere; bf16 on CPU is oneDNN-packed where the CPU has bf16 products, else fp16 weights."""
+    from specdec.runtime.native_ops import DenseOps, HalfOps, PackedOps, choose_ops, half_available, packed_available
+
+    cpu = torch.device("cpu")
+    assert choose_ops(cpu, torch.float32, False) is DenseOps
+    assert choose_ops(cpu, torch.bfloat16, True) is DenseOps  # the compiler packs on its own
+    want = PackedOps if packed_available() else HalfOps if half_available() else DenseOps
+    assert choose_ops(cpu, torch.bfloat16, False) is want
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_runs_close_to_fp32(checkpoints: dict[str, Path], dtype: torch.dtype) -> None:
+    """bf16/fp16 through whichever products this CPU gets (fp16 weights + fp32 activations on AVX2-only CPUs)."""
+    path = checkpoints["llama-gqa-llama3"]
+    ids = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(1))
+    ref = run_script(NativeRunner.from_pretrained(path, dtype=torch.float32), ids)
+    runner = NativeRunner.from_pretrained(path, dtype=dtype)
+    assert runner.dtype == dtype and runner.new_cache().kv.dtype == runner.compute_dtype
+    for i, (g, w) in enumerate(zip(run_script(runner, ids), ref)):
+        assert g.dtype == torch.float32 and g.shape == w.shape
+        assert rel_err(g, w) < 0.05, f"call {i}: relative error {rel_err(g, w):.2e}"
+
+
+def test_fp16_weights_fall_back_when_out_of_range(
+    checkpoints: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weight beyond fp16's range (folded norms can make one) sends the model to plain products instead."""
+    import specdec.runtime.native as native
+    from specdec.runtime.native_ops import DenseOps, HalfOps
+
+    if native.choose_ops(torch.device("cpu"), torch.bfloat16, False) is not HalfOps:
+        pytest.skip("this CPU runs bf16 through oneDNN, not fp16 weights")
+    monkeypatch.setattr(native, "half_fits", lambda weights: False)
+    path = checkpoints["qwen2-mqa-bias"]
+    runner = NativeRunner.from_pretrained(path, dtype=torch.bfloat16)
+    assert runner._ops is DenseOps and runner.compute_dtype == torch.bfloat16
+    ids = torch.arange(30) % VOCAB
+    ref = NativeRunner.from_pretrained(path, dtype=torch.float32)
+    assert rel_err(runner.forward(ids, runner.new_cache()), ref.forward(ids, ref.new_cache())) < 0.05
