@@ -5,10 +5,13 @@ safetensors) without its model classes. What keeps a decode step cheap (see docs
 
 - one preallocated KV cache tensor per request ``[layers, 2, kv_heads, max_context, head_dim]``,
   written by position, so rolling back rejected drafts is moving an integer;
-- fused q/k/v and gate/up projections (oneDNN-packed with fused SiLU·up in bf16 on CPU), residual
-  adds fused into in-place ``addmm``, RMSNorm as one LayerNorm kernel over [x, -x], norm weights and
-  the attention scale folded into the projections at load;
-- RoPE from precomputed cos/sin tables as ``x·cos + roll(x)·sin`` written in place;
+- fused q/k/v and gate/up projections, products chosen per CPU and dtype (``native_ops``: fp32
+  ``x @ Wt``; oneDNN-packed bf16; fbgemm fp16 weights with fp32 activations where the CPU has no
+  bf16 products), residual adds fused into in-place ``addmm``, RMSNorm as one LayerNorm kernel over
+  [x, -x], norm weights and the attention scale folded into the projections at load;
+- RoPE from precomputed tables: one in-place complex multiply on pair-interleaved q/k rows (fp32
+  activations), else ``x·cos + roll(x)·sin`` written in place;
+- per-layer cache views made once per cache, so attention reads a ``narrow`` of them;
 - grouped-query attention with the query groups folded into the rows of one ``bmm`` (no repeated
   keys), and causal/sliding-window masks sliced from a precomputed band instead of built per step.
 """
