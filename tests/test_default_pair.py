@@ -13,7 +13,10 @@ from specdec.training.corpus import stdlib_dir
 
 # Measured greedy α of the shipped pair on these prompts is recorded in docs/models.md; the floor sits far
 # below it so that only a broken or mismatched pair (α of a random draft is ~0) fails.
-ALPHA_FLOOR = 0.08  # measured greedy α of the shipped draft: 0.20 on 32 prompts (docs/models.md)
+# Shipped draft: greedy α 0.76 on the 32 prompts of docs/models.md and 0.59 on the 4 prompts of this test
+# (32 new tokens, τ = 4); the session-1 one-layer draft it replaced scored ~0.2. The engine is deterministic
+# in greedy mode, so this cannot fail by chance; it fails if the pair is broken or mismatched.
+ALPHA_FLOOR = 0.30
 
 
 def _validation_files(target: Path) -> list[Path]:

@@ -3,7 +3,8 @@
 Stages, each resumable and skipped when its output exists:
   data    split the stdlib sources, train the tokenizer, encode train/validation streams
   target  pretrain the Llama target (bf16 autocast) on the training stream
-  draft   distill the one-layer draft from the target (KL(target || draft) + corpus loss)
+  draft   distil the two-layer draft from the target on its own continuations plus corpus windows
+          (KL(target || draft) + some CE; training/onpolicy.py), beside a same-shape CE-only baseline
   export  write both as Hugging Face checkpoints (bf16 safetensors) into the package
 Seed, corpus and settings are recorded in each exported model directory (``specdec_training.json``).
 """
@@ -15,7 +16,6 @@ import json
 import platform
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +34,18 @@ TARGET_SHAPE = dict(
 DRAFT_SHAPE = dict(
     hidden_size=256,
     intermediate_size=768,
-    num_hidden_layers=1,
+    num_hidden_layers=2,
     num_attention_heads=4,
     num_key_value_heads=4,
 )
 MAX_POSITIONS = 1024
-DRAFT_STEPS = 600
-DRAFT_KL_WEIGHT = 0.8  # the rest is corpus cross-entropy
+# The shipped draft's recipe (training/onpolicy.py): names of the drafts trained side by side, the step
+# count and the number of target continuations in the pool. It needs a GPU to finish in minutes (4.6 min
+# of training on one H100); on 2 CPU cores the same schedule would take days.
+ONPOLICY_DRAFTS = "d256x2,d256x2_ce,d256x3,d256x1"
+ONPOLICY_STEPS = 1919
+ONPOLICY_POOL_ROWS = 6144
+SHIPPED_DRAFT, BASELINE_DRAFT = "d256x2", "d256x2_ce"
 TARGET_EVAL_WINDOWS = 128
 REPRODUCE = "python -m specdec.training.default_pair --work runs/default --target-steps 1400"
 PACKAGE_MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -101,57 +106,6 @@ def stage_target(work: Path, max_steps: int, deadline: float | None) -> None:
     train(model, np.load(work / "train.npy"), np.load(work / "val.npy"), work / "target", cfg, deadline)
 
 
-def draft_settings(steps: int, threads: int, kl_weight: float) -> Any:  # -> DistillConfig
-    from specdec.training.distill import DistillConfig
-
-    return DistillConfig(
-        steps=steps,
-        seq_len=512,
-        batch_size=8,
-        lr=2e-3,
-        min_lr=2e-4,
-        warmup_steps=50,
-        kl_weight=kl_weight,
-        seed=0,
-        threads=threads,
-        eval_every=50,
-        eval_windows=16,
-    )
-
-
-def stage_baseline(work: Path, steps: int, threads: int, deadline: float | None) -> None:
-    """The comparison draft: same shape, corpus cross-entropy only (not shipped)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaForCausalLM
-
-    from specdec.training import distill
-    from specdec.training.distill_data import StreamSource, fixed_windows
-
-    cfg = draft_settings(steps, threads, kl_weight=0.0)
-    torch.manual_seed(cfg.seed)
-    draft = LlamaForCausalLM(llama_config(DRAFT_SHAPE))
-    val = fixed_windows(np.load(work / "val.npy"), cfg.seq_len, cfg.eval_windows)
-    distill.check_resumable(work / "baseline", {"shape": DRAFT_SHAPE, "config": cfg.resume_key()})
-    st = distill.train(
-        draft, None, StreamSource(np.load(work / "train.npy"), "train.npy"), val, work / "baseline", cfg, deadline
-    )
-    meta = {
-        "seed": cfg.seed,
-        "role": "CE-only baseline draft (not shipped)",
-        "settings": asdict(cfg),
-        "draft_shape": DRAFT_SHAPE,
-        "parameters": distill.count_params(draft),
-        "steps": st.step,
-        "finished": st.finished,
-        "tokens": st.tokens,
-        "train_seconds": round(st.elapsed, 1),
-        "validation": distill.evaluate(draft, None, val),
-        "corpus": corpus_meta(work),
-    }
-    distill.export(draft, AutoTokenizer.from_pretrained(str(work / "tokenizer")), None, work / "baseline_hf", meta)
-    print(f"baseline: wrote {work / 'baseline_hf'} at step {st.step}", flush=True)
-
-
 def export_target(work: Path, target_steps: int) -> Path:
     """The trained target as a bf16 Hugging Face checkpoint in ``work/target_hf`` (skipped when present)."""
     import torch
@@ -200,24 +154,27 @@ def export_target(work: Path, target_steps: int) -> Path:
     return out
 
 
-def stage_draft(work: Path, target_steps: int, steps: int, threads: int, minutes: float | None) -> None:
-    """Distil the draft from the exported target on the training stream: KL(target ‖ draft) + some CE."""
-    from specdec.training.distill_run import DistillJob, run
+def stage_draft(work: Path, target_steps: int, device: str | None) -> None:
+    """Distil the draft (and its CE-only baseline) from the exported target: training/onpolicy.py's recipe."""
+    import shutil
+
+    from specdec.training import onpolicy
 
     target = export_target(work, target_steps)
-    job = DistillJob(
-        target=target,
-        out=work / "draft_hf",
-        work=work / "draft",
-        draft_config=json.dumps(DRAFT_SHAPE),
-        data=[work / "train.npy"],
-        val_data=[work / "val.npy"],
-        config=draft_settings(steps, threads, kl_weight=DRAFT_KL_WEIGHT),
-        minutes=minutes,
-        prompts=32,
-        meta={"role": "default draft", "corpus": corpus_meta(work), "command": REPRODUCE},
-    )
-    run(job, report=lambda line: print(line, flush=True))
+    out = work / "onpolicy"
+    if not (out / "onpolicy.json").exists():
+        argv = ["--work", str(out), "--target", str(target), "--train", str(work / "train.npy")]
+        argv += ["--val", str(work / "val.npy"), "--drafts", ONPOLICY_DRAFTS, "--steps", str(ONPOLICY_STEPS)]
+        argv += ["--pool-rows", str(ONPOLICY_POOL_ROWS), "--pool-seconds", "1e9", "--minutes", "1e9"]
+        onpolicy.main(argv + (["--device", device] if device else []))
+    for name, dst in ((SHIPPED_DRAFT, "draft_hf"), (BASELINE_DRAFT, "baseline_hf")):
+        if (work / dst).exists():
+            shutil.rmtree(work / dst)
+        shutil.copytree(out / name, work / dst)
+        meta = json.loads((work / dst / "specdec_training.json").read_text())
+        meta.update({"seed": 0, "corpus": corpus_meta(work), "reproduce": REPRODUCE})
+        (work / dst / "specdec_training.json").write_text(json.dumps(meta, indent=2) + "\n")
+    print(f"draft: wrote {work / 'draft_hf'} ({SHIPPED_DRAFT}) and {work / 'baseline_hf'} ({BASELINE_DRAFT})")
 
 
 SHIPPED_FILES = (
@@ -256,8 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, default=Path("runs/default"))
     ap.add_argument("--stages", default="data,target,draft,export")
     ap.add_argument("--target-steps", type=int, default=1400)
-    ap.add_argument("--draft-steps", type=int, default=DRAFT_STEPS)
-    ap.add_argument("--threads", type=int, default=2, help="CPU threads for the draft stages")
+    ap.add_argument("--device", default=None, help="device for the draft stage (default: cuda when available)")
     ap.add_argument("--minutes", type=float, default=None, help="stop the current stage after this long")
     args = ap.parse_args(argv)
     deadline = time.time() + 60 * args.minutes if args.minutes else None
@@ -266,10 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         stage_data(args.work)
     if "target" in stages:
         stage_target(args.work, args.target_steps, deadline)
-    if "baseline" in stages:
-        stage_baseline(args.work, args.draft_steps, args.threads, deadline)
     if "draft" in stages:
-        stage_draft(args.work, args.target_steps, args.draft_steps, args.threads, args.minutes)
+        stage_draft(args.work, args.target_steps, args.device)
     if "export" in stages:
         stage_export(args.work)
     if "report" in stages:

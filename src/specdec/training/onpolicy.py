@@ -42,6 +42,8 @@ PACKAGE_MODELS = Path(__file__).resolve().parent.parent / "models"
 DRAFTS: dict[str, tuple[dict[str, int], str]] = {
     "d256x1": (dict(hidden_size=256, intermediate_size=768, num_hidden_layers=1, num_attention_heads=4), "kl"),
     "d256x1_ce": (dict(hidden_size=256, intermediate_size=768, num_hidden_layers=1, num_attention_heads=4), "ce"),
+    "d256x2_ce": (dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4), "ce"),
+    "d256x3": (dict(hidden_size=256, intermediate_size=768, num_hidden_layers=3, num_attention_heads=4), "kl"),
     "d384x1": (dict(hidden_size=384, intermediate_size=1152, num_hidden_layers=1, num_attention_heads=6), "kl"),
     "d256x2": (dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4), "kl"),
     "d512x1": (dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=8), "kl"),
@@ -111,32 +113,42 @@ def windows(stream: np.ndarray, n: int, length: int, gen: torch.Generator) -> to
 def continue_rows(
     target: Any, prompts: torch.Tensor, total_len: int, temperature: float, gen: torch.Generator, device: str
 ) -> torch.Tensor:
-    """Let the target continue each prompt row to ``total_len`` tokens (greedy when temperature is 0)."""
+    """Let the target continue each prompt row to ``total_len`` tokens (greedy when temperature is 0).
+
+    Recomputes the whole prefix each step instead of growing a dynamic KV cache: on a GPU, for short
+    rows and large batches, that is faster and its cost is predictable. ``gen`` lives on ``device``.
+    """
     ids = prompts.to(device)
-    out = target(input_ids=ids, use_cache=True)
-    rows = [ids]
-    for _ in range(total_len - prompts.shape[1]):
-        logits = out.logits[:, -1].float()  # [B, V]
+    dev_type = torch.device(device).type
+    while ids.shape[1] < total_len:
+        with torch.autocast(device_type=dev_type, dtype=torch.bfloat16):
+            logits = target(input_ids=ids, logits_to_keep=1).logits[:, -1].float()  # [B, V]
         if temperature == 0:
             nxt = logits.argmax(-1, keepdim=True)
         else:
-            probs = torch.softmax(logits / temperature, dim=-1)
-            nxt = torch.multinomial(probs.cpu(), 1, generator=gen).to(device)
-        rows.append(nxt)
-        out = target(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
-    return torch.cat(rows, dim=1).cpu()
+            nxt = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=gen)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids.cpu()
 
 
-def build_pool(target: Any, stream: np.ndarray, s: Settings, gen: torch.Generator, device: str) -> torch.Tensor:
-    """``[pool_rows, seq_len + 1]`` target continuations of training-split windows."""
-    chunks, made = [], 0
-    n_greedy = int(s.pool_rows * s.greedy_share)
-    while made < s.pool_rows:
+def build_pool(
+    target: Any,
+    stream: np.ndarray,
+    s: Settings,
+    gen: torch.Generator,
+    dgen: torch.Generator,
+    device: str,
+    seconds: float,
+) -> torch.Tensor:
+    """``[rows, seq_len + 1]`` target continuations of training-split windows, within ``seconds``."""
+    chunks, made, t0 = [], 0, time.time()
+    while made < s.pool_rows and time.time() - t0 < seconds:
         b = min(s.gen_batch, s.pool_rows - made)
-        plen = s.prompt_lens[(made // s.gen_batch) % len(s.prompt_lens)]
-        temp = 0.0 if made < n_greedy else 1.0
-        chunks.append(continue_rows(target, windows(stream, b, plen, gen), s.seq_len + 1, temp, gen, device))
+        plen = min(s.prompt_lens[(made // s.gen_batch) % len(s.prompt_lens)], s.seq_len // 2)
+        temp = 0.0 if (made // s.gen_batch) % 3 != 2 else 1.0  # two greedy chunks, then one sampled
+        chunks.append(continue_rows(target, windows(stream, b, plen, gen), s.seq_len + 1, temp, dgen, device))
         made += b
+        print(f"pool: {made} rows ({time.time() - t0:.1f}s)", flush=True)
     pool = torch.cat(chunks)
     return pool[torch.randperm(len(pool), generator=gen)]
 
@@ -214,7 +226,7 @@ def greedy_alpha_from_matches(matches: torch.Tensor, tau: int) -> dict[str, floa
 @torch.no_grad()
 def emulate_acceptance(drafts: dict[str, Any], target: Any, prompts: torch.Tensor, s: Settings, device: str) -> dict:
     """Greedy α (τ = s.tau) by replay, and mean per-token acceptance Σ min(p, q) at temperature 1."""
-    gen = torch.Generator().manual_seed(1234)
+    gen = torch.Generator(device=device).manual_seed(1234)
     total = s.eval_prompt_len + s.eval_new_tokens
     greedy = continue_rows(target, prompts, total, 0.0, gen, device).to(device)
     sampled = continue_rows(target, prompts, total, 1.0, gen, device).to(device)
@@ -248,8 +260,16 @@ def export(draft: Any, out: Path, tokenizer_dir: Path, meta: dict[str, Any]) -> 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    s = Settings(steps=args.steps, minutes=args.minutes, batch_size=args.batch_size, seq_len=args.seq_len,
-                 pool_rows=args.pool_rows, gen_batch=args.gen_batch, eval_prompts=args.eval_prompts, seed=args.seed)
+    s = Settings(
+        steps=args.steps,
+        minutes=args.minutes,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        pool_rows=args.pool_rows,
+        gen_batch=args.gen_batch,
+        eval_prompts=args.eval_prompts,
+        seed=args.seed,
+    )
     device, work = args.device, args.work
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(s.seed)
@@ -277,8 +297,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for n, d in drafts.items()
     }
     t0 = time.time()
-    pool = build_pool(target, train_stream, s, gen, device)
-    pool_s = time.time() - t0
+    dgen = torch.Generator(device=device).manual_seed(s.seed)
+    pool = build_pool(target, train_stream, s, gen, dgen, device, args.pool_seconds)
+    pool_s, pool_rows = time.time() - t0, len(pool)
     print(f"pool: {tuple(pool.shape)} continuations in {pool_s:.1f}s", flush=True)
     val = windows(val_stream, 128, s.seq_len + 1, torch.Generator().manual_seed(99))
     eval_prompts = windows(val_stream, s.eval_prompts, s.eval_prompt_len, torch.Generator().manual_seed(7))
@@ -292,8 +313,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if pool_pos + n_on > len(pool):
             pool = pool[torch.randperm(len(pool), generator=gen)]
             pool_pos = 0
-        mixed = torch.cat([pool[pool_pos : pool_pos + n_on], windows(train_stream, s.batch_size - n_on,
-                                                                     s.seq_len + 1, gen)]).to(device)
+        mixed = torch.cat(
+            [pool[pool_pos : pool_pos + n_on], windows(train_stream, s.batch_size - n_on, s.seq_len + 1, gen)]
+        ).to(device)
         pool_pos += n_on
         corpus = windows(train_stream, s.batch_size, s.seq_len + 1, gen).to(device)
         with torch.no_grad(), torch.autocast(device_type=dev_type, dtype=torch.bfloat16):
@@ -325,6 +347,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             log.flush()
             print(json.dumps(rec), flush=True)
     train_s = time.time() - t_train
+    for n, d in drafts.items():  # exported now, so an interrupted evaluation loses nothing
+        export(d, work / n, args.target, {"steps": step, "note": "figures follow in onpolicy.json"})
     final_val = {n: validate(d, target, val, device) for n, d in drafts.items()}
     compare = {
         f"compare:{path.name}": AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
@@ -339,6 +363,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "steps": step,
         "planned_steps": total,
         "tokens_per_draft": tokens,
+        "pool_rows": pool_rows,
         "pool_seconds": round(pool_s, 1),
         "train_seconds": round(train_s, 1),
         "wall_seconds": round(time.time() - t_start, 1),
@@ -349,8 +374,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shape, mode = DRAFTS[n]
         meta = {
             "role": "draft (on-policy distillation)" if mode == "kl" else "draft (corpus cross-entropy only)",
-            "command": f"python -m specdec.training.onpolicy --device {device} --steps {step} --drafts {n}",
-            "method": "KL(target || draft) + CE on target continuations and corpus windows" if mode == "kl"
+            "command": f"python -m specdec.training.onpolicy --device {device} --steps {step} "
+            f"--pool-rows {pool_rows} --pool-seconds 1e9 --minutes 1e9 --drafts {args.drafts}",
+            "method": "KL(target || draft) + CE on target continuations and corpus windows"
+            if mode == "kl"
             else "cross-entropy on corpus windows only",
             "shape": shape,
             "parameters": sum(p.numel() for p in d.parameters()),
@@ -377,12 +404,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-size", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--pool-rows", type=int, default=24576)
-    ap.add_argument("--gen-batch", type=int, default=2048)
+    ap.add_argument("--gen-batch", type=int, default=1024)
+    ap.add_argument("--pool-seconds", type=float, default=90.0, help="time cap for generating continuations")
     ap.add_argument("--eval-prompts", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--compare", type=Path, nargs="*", default=[], help="existing drafts to measure beside")
-    ap.add_argument("--prepare-data", type=Path, default=None, metavar="DIR",
-                    help="only encode the stdlib split into DIR/{train,val}.npy.xz and exit")
+    ap.add_argument(
+        "--prepare-data",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="only encode the stdlib split into DIR/{train,val}.npy.xz and exit",
+    )
     args = ap.parse_args(argv)
     if args.prepare_data is not None:
         prepare_streams(args.prepare_data)

@@ -125,16 +125,28 @@ def plot_curves(work: Path, out: Path) -> bool:
     a.plot([e["tokens"] / 1e6 for e in tv], [e["val_loss"] for e in tv], "o-", label="validation loss")
     a.set(title="target (23.4M, 4 layers)", xlabel="training tokens (M)", ylabel="nats/token")
     a.legend()
-    for name, sub, key, style in (
-        ("distilled: val KL(target‖draft)", "draft", "val_kl", "o-"),
-        ("distilled: val CE", "draft", "val_ce", "s-"),
-        ("CE-only: val CE", "baseline", "val_ce", "^-"),
-    ):
-        pts = [e for e in _read_log(work / sub / "distill_log.jsonl") if key in e]
-        b.plot([e["tokens"] / 1e6 for e in pts], [e[key] for e in pts], style, ms=3, label=name)
-    b.set(title="draft (1 layer, 2.95M)", xlabel="training tokens (M)", ylabel="nats/token", ylim=(0, 8))
-    b.legend()
+    plot_draft_curves(b, work / "onpolicy" / "log.jsonl")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
     return True
+
+
+def plot_draft_curves(ax: Any, log: Path) -> None:
+    """Validation KL(target‖draft) and top-1 agreement of every draft of an on-policy run, by tokens."""
+    rows = [e for e in _read_log(log) if "val" in e]
+    if not rows:
+        return
+    twin = ax.twinx()
+    for name in rows[0]["val"]:
+        steps = [e["step"] for e in rows]
+        ax.plot(steps, [e["val"][name]["kl"] for e in rows], "o-", ms=3, label=f"{name}: KL")
+        twin.plot(steps, [e["val"][name]["agree"] for e in rows], "x--", ms=3, label=f"{name}: top-1 agree")
+    ax.set(
+        title="drafts (on-policy distillation; _ce = corpus CE only)",
+        xlabel="step (32,768 tokens each)",
+        ylabel="validation KL (nats/token)",
+    )
+    twin.set_ylabel("top-1 agreement with the target")
+    ax.legend(loc="upper left", fontsize=7)
+    twin.legend(loc="upper right", fontsize=7)
