@@ -32,6 +32,7 @@ class RunResult:
     other_time: float | None = None
     prefill_time: float | None = None
     counts_exact: bool = True  # False: drafted/accepted inferred from forward-call counts
+    rejections: int | None = None  # drafting steps that ended in a rejection (n̂ < τ)
     steps: list[StepCost] = field(default_factory=list)
 
 
@@ -72,6 +73,7 @@ class EngineContender(Contender):
             other_time=s.other_time,
             prefill_time=s.prefill_time,
             steps=[(r.tau, r.draft_time, r.verify_time, r.other_time) for r in res.records],
+            rejections=sum(1 for r in res.records if r.tau > 0 and r.n_accepted < r.tau),
         )
 
     def describe(self) -> dict[str, Any]:

@@ -41,7 +41,9 @@ def summary(report: dict[str, Any]) -> str:
     s = report["settings"]
     out = [
         f"{len(s['prompts'])} prompts, {s['max_new_tokens']} new tokens, greedy, {s['repeats']} repeat(s); "
-        f"acc.len = tokens per target pass incl. the correction token; c = draft s/token ÷ target s/pass"
+        f"acc.len = tokens per target pass incl. the correction token; c = draft s/token ÷ target s/pass",
+        "α = accepted / drafted; ideal = (1 − a^(τ+1)) / ((1 − a)(τc + 1)) with the per-token acceptance "
+        "a = accepted / (accepted + rejections), the α of Leviathan et al.",
     ]
     for g in report["goals"]:
         value = "n/a" if g["value"] is None else f"{g['value']:.2f}"
@@ -115,10 +117,10 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
 
 def _ideal_curve(ax: Any, fixed: list[dict[str, Any]]) -> None:
     """The formula as a smooth curve over τ with the pooled α and c of the fixed-τ runs."""
-    pts = [r for r in fixed if r["alpha"] is not None and r["c"] is not None]
+    pts = [r for r in fixed if r.get("alpha_per_token") is not None and r["c"] is not None]
     if not pts:
         return
-    alpha = sum(r["alpha"] for r in pts) / len(pts)
+    alpha = sum(r["alpha_per_token"] for r in pts) / len(pts)
     c = sum(r["c"] for r in pts) / len(pts)
     xs = [x / 10 for x in range(0, 10 * max(r["tau"] for r in pts) + 1)]
     ax.plot(
@@ -126,7 +128,7 @@ def _ideal_curve(ax: Any, fixed: list[dict[str, Any]]) -> None:
         [ideal_speedup(alpha, x, c) if x > 0 else 1.0 for x in xs],
         color="grey",
         alpha=0.5,
-        label=f"formula, mean α={alpha:.2f}, c={c:.3f}",
+        label=f"formula, mean per-token α={alpha:.2f}, c={c:.3f}",
     )
 
 

@@ -87,13 +87,22 @@ def summarize_contender(
     drafted, accepted = _sum([r.drafted for r in all_runs]), _sum([r.accepted for r in all_runs])
     row["mean_accepted_length"] = new / passes if passes else None
     row["alpha"] = accepted / drafted if drafted and accepted is not None else None
+    # Leviathan et al.'s α is the probability that one draft token is accepted given that it is reached;
+    # accepted / drafted undercounts it (tokens drafted after a rejection are never tried). Its estimate
+    # from the counts: accepted / (accepted + rejections).
+    rejections = _sum([r.rejections for r in all_runs])
+    row["alpha_per_token"] = (
+        accepted / (accepted + rejections)
+        if accepted is not None and rejections is not None and accepted + rejections
+        else None
+    )
     row["counts_exact"] = all(r.counts_exact for r in all_runs)
     row["t_draft_per_token"], row["t_target_pass"] = _unit_costs(all_runs)
     # c: draft cost per token over the cost of a plain (one-token) target pass, as in the formula.
     row["c"] = row["t_draft_per_token"] / t_target_pass if row["t_draft_per_token"] and t_target_pass else None
     row["ideal_speedup"] = row["ideal_speedup_from_length"] = None
-    if c.kind == "fixed" and c.tau and row["alpha"] is not None and row["c"] is not None:
-        row["ideal_speedup"] = ideal_speedup(row["alpha"], c.tau, row["c"])
+    if c.kind == "fixed" and c.tau and row["alpha_per_token"] is not None and row["c"] is not None:
+        row["ideal_speedup"] = ideal_speedup(row["alpha_per_token"], c.tau, row["c"])
         # Same cost model but the measured tokens per pass: separates clustered rejections from overhead.
         row["ideal_speedup_from_length"] = row["mean_accepted_length"] / (c.tau * row["c"] + 1.0)
     row["time_breakdown"] = _breakdown(all_runs)
