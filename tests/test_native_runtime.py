@@ -265,3 +265,15 @@ def test_fp16_weights_fall_back_when_out_of_range(
     ids = torch.arange(30) % VOCAB
     ref = NativeRunner.from_pretrained(path, dtype=torch.float32)
     assert rel_err(runner.forward(ids, runner.new_cache()), ref.forward(ids, ref.new_cache())) < 0.05
+
+
+def test_auto_dtype_follows_the_runtime_on_cpus_without_bf16_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    import specdec.runtime as rt
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(rt, "cpu_has_bf16", lambda: False)
+    assert rt.resolve_dtype("auto", cpu, "native") == torch.bfloat16  # 16-bit weights, fp32 activations
+    assert rt.resolve_dtype("auto", cpu, "hf") == torch.float32  # transformers' bf16 is slow there
+    assert rt.resolve_dtype("float32", cpu, "native") == torch.float32  # a forced dtype is kept
+    monkeypatch.setattr(rt, "cpu_has_bf16", lambda: True)
+    assert rt.resolve_dtype("auto", cpu, "hf") == torch.bfloat16

@@ -85,8 +85,9 @@ def load(
     ``trace``: append a JSONL trace of every step and request to this file (see docs/trace.md).
     """
     dev = resolve_device(device)
-    dt = resolve_dtype(dtype, dev)
-    ddt = resolve_dtype(draft_dtype, dev) if draft_dtype is not None else dt
+    # "auto" stays unresolved until the runtime of each checkpoint is known (see resolve_dtype).
+    dt: torch.dtype | str = "auto" if dtype in (None, "auto") else resolve_dtype(dtype, dev)
+    ddt = resolve_dtype(draft_dtype, dev) if draft_dtype not in (None, "auto") else dt
     if target is None:
         target = default_target()
         if draft is None and not prompt_lookup:
@@ -132,7 +133,7 @@ def _load_model(
     tokenizer: Any,
     runtime: str,
     device: torch.device,
-    dtype: torch.dtype,
+    dtype: torch.dtype | str,
     trust_remote_code: bool,
     role: str,
     tokenizer_fallback: Any = None,

@@ -112,6 +112,7 @@ def load_models(settings: ModelSettings, with_hf: bool) -> Any:
     from specdec.drafters.model import ModelDrafter
     from specdec.engine import Engine
     from specdec.policy import FixedPolicy
+    from specdec.runtime import resolve_dtype
 
     spec = settings.load()
     target_only = Engine(spec.target, spec.tokenizer, None, FixedPolicy(0), max_context=spec.max_context)
@@ -124,12 +125,16 @@ def load_models(settings: ModelSettings, with_hf: bool) -> Any:
     drafter = spec.drafter
     draft_runner = drafter.runner if isinstance(drafter, ModelDrafter) else None
     hf = None
+    # transformers runs in the dtype a user of it would pick here: the forced one, else its own "auto"
+    # (fp32 on CPUs without native bf16, where its bf16 products are several times slower).
+    hf_dtype = resolve_dtype(settings.dtype, spec.target.device, "hf")
+    hf_draft_dtype = resolve_dtype(settings.draft_dtype, spec.target.device, "hf") if settings.draft_dtype else hf_dtype
     if with_hf:
         hf = HFModels.load(
             str(target_dir),
             str(draft_dir) if draft_runner is not None and draft_dir else None,
-            spec.target.dtype,
-            draft_runner.dtype if draft_runner else spec.target.dtype,
+            hf_dtype,
+            hf_draft_dtype,
             spec.target.device,
         )
     info = {
@@ -140,6 +145,8 @@ def load_models(settings: ModelSettings, with_hf: bool) -> Any:
         "draft_runtime": type(draft_runner).__name__ if draft_runner else None,
         "dtype": str(spec.target.dtype).removeprefix("torch."),
         "draft_dtype": str(draft_runner.dtype).removeprefix("torch.") if draft_runner else None,
+        "hf_dtype": str(hf_dtype).removeprefix("torch.") if with_hf else None,
+        "hf_draft_dtype": str(hf_draft_dtype).removeprefix("torch.") if with_hf and draft_runner else None,
         "device": str(spec.target.device),
     }
     return BenchModels(spec=spec if drafter is not None else None, target_only=target_only, hf=hf, info=info)

@@ -72,7 +72,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--no-draft", action="store_true", help="plain target decoding (with the default target)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
-    g.add_argument("--dtype", default="auto", help="auto, float32 or bfloat16 (auto: bf16 where the hardware has it)")
+    g.add_argument(
+        "--dtype",
+        default="auto",
+        help="auto, float32 or bfloat16 (auto: bf16 on CUDA, on CPUs with bf16 units and for the native runtime; fp32 for transformers elsewhere)",
+    )
     g.add_argument("--draft-dtype", default=None, help="dtype of the draft model (default: as --dtype)")
     g.add_argument("--runtime", default="auto", help="auto, native or hf (auto: native for Llama-family checkpoints)")
     g.add_argument("--policy", default="fixed", help="how τ is chosen each step (default: fixed)")
