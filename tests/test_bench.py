@@ -168,6 +168,12 @@ def test_ratios_consistent_with_tokens_per_s(report: dict[str, Any]) -> None:
             assert math.isclose(r["ideal_speedup"], expected, rel_tol=1e-12)
             assert math.isclose(r["efficiency"], r["speedup_vs_target_only"] / expected, rel_tol=1e-12)
             assert 0.0 <= r["alpha"] <= 1.0 and 0.0 < r["mean_accepted_length"] <= r["tau"] + 1
+            # Decode-only figures exclude prefill, so they are faster, and use the same ideal.
+            assert r["decode_tokens_per_s"] > r["tokens_per_s"]
+            decode_speedup = r["decode_tokens_per_s"] / rows["target_only"]["decode_tokens_per_s"]
+            assert math.isclose(r["decode_efficiency"], decode_speedup / expected, rel_tol=1e-12)
+        if r["kind"].startswith("hf_"):
+            assert r["decode_tokens_per_s"] is None  # generate() does not report its prefill time
 
 
 def test_identity_check(report: dict[str, Any]) -> None:

@@ -209,6 +209,15 @@ def summarize(contenders: Sequence[Contender], cfg: BenchConfig, runs: Runs, not
             if r.get("ideal_speedup") and r["speedup_vs_target_only"] is not None
             else None
         )
+        base_decode = base.get("decode_tokens_per_s") if base else None
+        r["decode_speedup_vs_target_only"] = (
+            r["decode_tokens_per_s"] / base_decode if base_decode and r.get("decode_tokens_per_s") else None
+        )
+        r["decode_efficiency"] = (
+            r["decode_speedup_vs_target_only"] / r["ideal_speedup"]
+            if r.get("ideal_speedup") and r["decode_speedup_vs_target_only"] is not None
+            else None
+        )
     best = best_speculative(rows)
     return {
         "version": SCHEMA_VERSION,

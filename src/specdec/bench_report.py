@@ -48,6 +48,14 @@ def summary(report: dict[str, Any]) -> str:
     for g in report["goals"]:
         value = "n/a" if g["value"] is None else f"{g['value']:.2f}"
         out.append(f"goal: {g['goal']}: {value} ({g['contender']}) -> {'MET' if g['met'] else 'not met'}")
+    rows = {r["key"]: r for r in report["contenders"]}
+    fixed = rows.get(report["best"].get("fixed_key") or "")
+    if fixed and fixed.get("decode_speedup_vs_target_only") is not None:
+        out.append(
+            f"decode only (prefill excluded) at the best fixed τ={fixed['tau']}: "
+            f"{fixed['decode_speedup_vs_target_only']:.2f}× target-only, "
+            f"efficiency {fixed['decode_efficiency']:.0%} of the ideal formula"
+        )
     t = report.get("trace_overhead") or {}
     if "overhead" in t:
         out.append(

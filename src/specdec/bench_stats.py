@@ -82,6 +82,13 @@ def summarize_contender(
         "seconds": seconds,
         "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
     }
+    # Decode only (prefill excluded), where the contender reports its prefill time: the formula has no
+    # prefill term, and prefill (both models' for a speculative contender) is the same work for every τ.
+    if all(r.prefill_time is not None for r in all_runs):
+        decode = sum(statistics.median(r.seconds - (r.prefill_time or 0.0) for r in runs[p.id]) for p in prompts)
+        row["decode_tokens_per_s"] = tokens / decode if decode > 0 else None
+    else:
+        row["decode_tokens_per_s"] = None
     passes = sum(r.target_passes for r in all_runs)
     new = sum(len(r.tokens) for r in all_runs)
     drafted, accepted = _sum([r.drafted for r in all_runs]), _sum([r.accepted for r in all_runs])
