@@ -153,22 +153,14 @@ def build_pool(
     return pool[torch.randperm(len(pool), generator=gen)]
 
 
-def make_draft(shape: dict[str, int], vocab: int, device: str) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def make_draft(shape: dict[str, int], target_config: Any, device: str) -> Any:
+    """A Llama draft of ``shape`` (no GQA) with the target's vocabulary and special ids."""
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        max_position_embeddings=1024,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-5,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-        num_key_value_heads=shape["num_attention_heads"],
-        **shape,
-    )
-    return LlamaForCausalLM(cfg).to(device)
+    from specdec.training.distill import draft_config
+
+    full = {**shape, "num_key_value_heads": shape["num_attention_heads"]}
+    return LlamaForCausalLM(draft_config(target_config, full, max_positions=1024)).to(device)
 
 
 def loss_parts(dl: torch.Tensor, tl: torch.Tensor | None, labels: torch.Tensor, w: float) -> dict[str, torch.Tensor]:
@@ -281,9 +273,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     target = AutoModelForCausalLM.from_pretrained(str(args.target), dtype=torch.bfloat16).to(device).eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    vocab = target.config.vocab_size
     names = args.drafts.split(",")
-    drafts = {n: make_draft(DRAFTS[n][0], vocab, device) for n in names}
+    drafts = {n: make_draft(DRAFTS[n][0], target.config, device) for n in names}
     opts = {
         n: torch.optim.AdamW(
             [
