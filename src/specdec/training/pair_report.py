@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
+# No trailing newline: the tokenizer merges "\n" with the next line's indentation (see docs/models.md).
 SAMPLE_PROMPTS = (
-    "def fibonacci(n):\n",
-    "class Stack:\n    def __init__(self):\n",
-    "import os\n\n\ndef list_python_files(root):\n",
+    "def fibonacci(n):",
+    "class Stack:\n    def __init__(self):",
+    "import os\n\n\ndef list_python_files(root):",
 )
 
 
