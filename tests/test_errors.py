@@ -95,6 +95,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
         (["--max-new-tokens", "0"], "max_new_tokens must be a positive integer"),
         (["--tau", "-2"], "tau must be an integer >= 0"),
         (["--top-p", "2"], "top_p must be in (0, 1]"),
+        (["--runtime", "hf", "--compile"], "--compile needs the native runtime"),
     ],
 )
 def test_cli_bad_arguments_one_line(tiny_models, extra, words):

@@ -11,9 +11,9 @@ from specdec.drafters.base import Drafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.engine import Engine, Observer
-from specdec.errors import InvalidRequestError, ModelLoadError, VocabMismatchError
+from specdec.errors import InvalidRequestError, ModelLoadError, UnsupportedError, VocabMismatchError
 from specdec.policy import Policy, make_policy
-from specdec.runtime import load_runner, resolve_device, resolve_dtype
+from specdec.runtime import choose_runtime, load_runner, resolve_device, resolve_dtype
 from specdec.runtime.base import ModelRunner
 from specdec.runtime.hf import HFRunner, check_checkpoint_dir
 
@@ -76,6 +76,7 @@ def load(
     observers: list[Observer] | None = None,
     trace: str | Path | None = None,
     trust_remote_code: bool = False,
+    compile: bool = False,
 ) -> Engine:
     """Build an engine.
 
@@ -83,6 +84,8 @@ def load(
     ``tokenizer``). With no target, the shipped default pair is used (its draft included, unless
     ``prompt_lookup``). ``policy``/``tau``: the default for requests that do not choose their own.
     ``trace``: append a JSONL trace of every step and request to this file (see docs/trace.md).
+    ``compile``: ``torch.compile`` each native-runtime model's step, one graph per block size (slow to
+    start; see docs/runtime.md for when it pays). Checkpoints on the ``transformers`` runtime refuse it.
     """
     dev = resolve_device(device)
     # "auto" stays unresolved until the runtime of each checkpoint is known (see resolve_dtype).
@@ -95,12 +98,14 @@ def load(
     if draft is not None and prompt_lookup:
         raise InvalidRequestError("choose either a draft model or prompt lookup, not both", "draft")
 
-    target_runner, target_tok = _load_model(target, tokenizer, runtime, dev, dt, trust_remote_code, "target")
+    target_runner, target_tok = _load_model(
+        target, tokenizer, runtime, dev, dt, trust_remote_code, "target", compile=compile
+    )
     drafter: Drafter | None = None
     max_context = target_runner.max_context
     if draft is not None:
         draft_runner, draft_tok = _load_model(
-            draft, None, runtime, dev, ddt, trust_remote_code, "draft", tokenizer_fallback=target_tok
+            draft, None, runtime, dev, ddt, trust_remote_code, "draft", tokenizer_fallback=target_tok, compile=compile
         )
         if draft_tok is not target_tok:
             check_same_vocab(target_tok, draft_tok, target_runner.name, draft_runner.name)
@@ -137,15 +142,22 @@ def _load_model(
     trust_remote_code: bool,
     role: str,
     tokenizer_fallback: Any = None,
+    compile: bool = False,
 ) -> tuple[ModelRunner, Any]:
     if isinstance(spec, (str, Path)):
         path = check_checkpoint_dir(spec)
+        if compile and choose_runtime(path, runtime) != "native":
+            raise UnsupportedError(
+                f"--compile needs the native runtime, but the {role} {path} runs on transformers "
+                "(a model type or feature the native runtime lacks, or --runtime hf)"
+            )
         runner = load_runner(
             path,
             runtime=runtime,
             device=device,
             dtype=dtype,
             **({"trust_remote_code": True} if trust_remote_code else {}),
+            **({"compile": True} if compile else {}),
         )
         if tokenizer is None:
             if has_tokenizer(path):
@@ -156,6 +168,8 @@ def _load_model(
                 raise ModelLoadError(f"{role} checkpoint {path} has no tokenizer files (tokenizer.json, ...)")
         return runner, tokenizer
     if isinstance(spec, torch.nn.Module):
+        if compile:
+            raise UnsupportedError(f"--compile needs the native runtime; the {role} is a loaded transformers model")
         runner = HFRunner(
             spec.to(device), name=getattr(getattr(spec, "config", None), "_name_or_path", "") or f"<{role} model>"
         )

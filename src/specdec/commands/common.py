@@ -22,6 +22,7 @@ class ModelSettings:
     policy: str
     tau: int
     trust_remote_code: bool
+    compile: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSettings:
@@ -37,6 +38,7 @@ class ModelSettings:
             policy=args.policy,
             tau=args.tau,
             trust_remote_code=args.trust_remote_code,
+            compile=getattr(args, "compile", False),
         )
 
     def load(self, observers: list | None = None) -> Engine:
@@ -60,6 +62,7 @@ class ModelSettings:
             tau=self.tau if drafting else 0,
             observers=observers,
             trust_remote_code=self.trust_remote_code,
+            compile=self.compile,
         )
 
 
@@ -78,6 +81,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="auto, float32 or bfloat16 (auto: bf16 on CUDA, on CPUs with bf16 units and for the native runtime; fp32 for transformers elsewhere)",
     )
     g.add_argument("--draft-dtype", default=None, help="dtype of the draft model (default: as --dtype)")
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile each native-runtime model's step per block size (slow start; pays on GPUs, see docs)",
+    )
     g.add_argument("--runtime", default="auto", help="auto, native or hf (auto: native for Llama-family checkpoints)")
     g.add_argument("--policy", default="fixed", help="how τ is chosen each step (default: fixed)")
     g.add_argument("--tau", type=int, default=4, help="draft tokens per step for the fixed policy (default: 4)")

@@ -172,7 +172,7 @@ class NativeRunner(ModelRunner):
             raise ContextLengthError(
                 f"{self.name}: {pos + k} tokens do not fit the context window of {self.max_context}", "max_tokens"
             )
-        if self.compile:
+        if self.compile and k <= BAND_ROWS:  # decode and verify blocks; a prompt's prefill (any length) stays eager
             logits = self._step_fn(k)(ids, cache.kv, pos, last_only)
         else:
             logits = self._eager_step(ids, cache, pos, last_only)
