@@ -51,7 +51,7 @@ def test_predicted_speedup_is_one_at_tau_zero_and_follows_the_formula() -> None:
 def test_prompts_file_errors_name_the_line(tmp_path: Path) -> None:
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
-    with pytest.raises(ValueError, match="line 2"):
+    with pytest.raises(ValueError, match="p.jsonl:2: expected an object"):
         load_prompts(bad)
 
 
@@ -114,4 +114,4 @@ def test_tune_rejects_a_missing_prompts_file(tiny_models: dict[str, Path], capsy
         ]
     )
     assert code == 2
-    assert "cannot read prompts file" in capsys.readouterr().err
+    assert "prompt file not found: /nonexistent/p.jsonl" in capsys.readouterr().err

@@ -69,8 +69,13 @@ def load_prompts(path: str | Path) -> list[Prompt]:
     p = Path(path)
     if not p.is_file():
         raise InvalidRequestError(f"prompt file not found: {p}", "prompts")
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise InvalidRequestError(f"cannot read prompt file {p}: {reason}", "prompts") from None
     prompts: list[Prompt] = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:

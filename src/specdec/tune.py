@@ -12,41 +12,24 @@ against target-only on the same prompts, interleaved, to print predicted vs meas
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdec.errors import InvalidRequestError
+from specdec import bench
 from specdec.policy.estimates import expected_emitted_all
 from specdec.records import StepRecord
 from specdec.simulate.costs import CostModel, fit_costs
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "heldout_prompts.jsonl"
+DEFAULT_PROMPTS = bench.DEFAULT_PROMPTS
 
 
 def load_prompts(path: str | Path | None, limit: int | None = None) -> list[str]:
-    """Prompts from a JSONL file with a ``"prompt"`` field per line (default: the shipped held-out set)."""
-    path = Path(path) if path is not None else DEFAULT_PROMPTS
-    prompts: list[str] = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as e:
-        raise InvalidRequestError(f"cannot read prompts file {path}: {e.strerror or e}", "prompts") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"{path} line {n} is not JSON: {e.msg}", "prompts") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-            raise InvalidRequestError(f'{path} line {n} has no non-empty "prompt" string', "prompts")
-        prompts.append(obj["prompt"])
-    if not prompts:
-        raise InvalidRequestError(f"prompts file {path} has no prompts", "prompts")
+    """Prompt texts from a JSONL file (format and errors: :func:`specdec.bench.load_prompts`; default: the shipped
+    held-out set), the first ``limit`` of them if given."""
+    prompts = [p.text for p in bench.load_prompts(path if path is not None else DEFAULT_PROMPTS)]
     return prompts[:limit] if limit else prompts
 
 
