@@ -22,6 +22,11 @@ class KVCache(ABC):
     def crop(self, length: int) -> None:
         """Keep only the first ``length`` tokens (``0 <= length <= self.length``)."""
 
+    def check_crop(self, length: int) -> None:
+        """Refuse a ``crop`` target outside ``0 .. self.length`` (for implementations of ``crop``)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot crop a cache of {self.length} tokens to {length}")
+
 
 class ModelRunner(ABC):
     """A causal LM loaded for inference, batch size 1 per sequence."""

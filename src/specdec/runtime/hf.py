@@ -23,8 +23,7 @@ class HFCache(KVCache):
         return self._length
 
     def crop(self, length: int) -> None:
-        if not 0 <= length <= self._length:
-            raise ValueError(f"cannot crop a cache of {self._length} tokens to {length}")
+        self.check_crop(length)
         if length < self._length:
             # transformers >= 5 takes a negative count of tokens to remove.
             self.cache.crop(length - self._length)

@@ -64,8 +64,7 @@ class NativeCache(KVCache):
         return self._length
 
     def crop(self, length: int) -> None:
-        if not 0 <= length <= self._length:
-            raise ValueError(f"cannot crop a cache of {self._length} tokens to {length}")
+        self.check_crop(length)
         self._length = length
 
 
