@@ -7,6 +7,7 @@ Unknown fields are ignored, as OpenAI clients send new ones over time.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
@@ -132,21 +133,14 @@ class SpeculativeSummary(BaseModel):
     steps: list[dict[str, Any]] | None = Field(None, description="every step's record, when speculative.steps")
 
 
+FinishReason = Literal["stop", "length", "verify_budget"]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: None = None
-    finish_reason: Literal["stop", "length", "verify_budget"] | None
-
-
-class CompletionResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage
-    speculative: SpeculativeSummary
+    finish_reason: FinishReason | None
 
 
 class AssistantMessage(BaseModel):
@@ -158,17 +152,29 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     logprobs: None = None
-    finish_reason: Literal["stop", "length", "verify_budget"] | None
+    finish_reason: FinishReason | None
 
 
-class ChatCompletionResponse(BaseModel):
+class _Response(BaseModel):
+    """Fields shared by completion and chat completion responses; subclasses narrow ``object`` and ``choices``."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int
     model: str
-    choices: list[ChatChoice]
+    choices: Sequence[CompletionChoice | ChatChoice]
     usage: Usage
     speculative: SpeculativeSummary
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: Sequence[CompletionChoice]
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: Sequence[ChatChoice]
 
 
 class ModelCard(BaseModel):
