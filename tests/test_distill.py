@@ -115,6 +115,60 @@ def test_distill_other_architecture_and_samples_from_target(tiny_models: dict[st
     assert json.loads((out / "config.json").read_text())["vocab_size"] == target_vocab
 
 
+def test_on_policy_rows_are_the_targets_greedy_continuations(tiny_models: dict[str, Path]) -> None:
+    """Half of each batch: a quarter of a corpus window, then exactly the target's argmax continuation."""
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specdec.training.distill_data import OnPolicySource, StreamSource
+
+    target = AutoModelForCausalLM.from_pretrained(str(tiny_models["llama"]), dtype=torch.float32).eval()
+    vocab = target.config.vocab_size
+    stream = np.random.default_rng(0).integers(1, vocab, 5_000).astype(np.int64)
+    base = StreamSource(stream, "random")
+    source = OnPolicySource(base, target, 0.5, torch.device("cpu"))
+    rows = source.batch(4, 31, torch.Generator().manual_seed(0))  # [4, 32]; rows 0-1 continued from 8 tokens
+    plain = base.batch(4, 31, torch.Generator().manual_seed(0))  # the same windows, untouched
+    assert torch.equal(rows[:, :8], plain[:, :8]) and torch.equal(rows[2:], plain[2:])
+    with torch.no_grad():
+        argmax = target(input_ids=rows[:2, :-1]).logits.argmax(-1)  # teacher-forced on the rows themselves
+    # Incremental (cached) and full fp32 forwards agree up to rounding; random-model near-ties are rare.
+    agree = (argmax[:, 7:] == rows[:2, 8:]).float().mean().item()
+    assert agree >= 0.95, agree
+    assert not torch.equal(rows[:2, 8:], plain[:2, 8:])  # the continuation replaced the corpus text
+    assert source.generated_tokens == 2 * 24 and source.describe()["kind"] == "on-policy"
+
+
+def test_distill_on_policy_run_records_its_source(tiny_models: dict[str, Path], text_dir: Path, tmp_path: Path) -> None:
+    meta = run(
+        DistillJob(
+            target=tiny_models["llama"],
+            out=tmp_path / "draft",
+            draft_config=SMALL,
+            data=[text_dir],
+            on_policy=0.5,
+            config=_config(3),
+            prompts=0,
+        ),
+        report=lambda s: None,
+    )
+    assert meta["steps"] == 3 and meta["source"]["kind"] == "on-policy" and meta["source"]["share"] == 0.5
+    with pytest.raises(InvalidRequestError, match="--on-policy needs --data"):
+        run(
+            DistillJob(
+                target=tiny_models["llama"],
+                out=tmp_path / "d2",
+                draft_config=SMALL,
+                from_target=True,
+                on_policy=0.5,
+                config=_config(1),
+                prompts=0,
+            ),
+            report=lambda s: None,
+        )
+
+
 def test_cli_distill_prints_progress_and_alpha(
     tiny_models: dict[str, Path], text_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -160,6 +214,7 @@ def test_cli_distill_prints_progress_and_alpha(
         (["--draft-config", '{"hidden_size": 30, "num_attention_heads": 4}'], "must divide"),
         (["--steps", "0"], "steps must be at least 1"),
         (["--minutes", "-1"], "--minutes must be positive"),
+        (["--on-policy", "1.5"], "--on-policy must be in [0, 1)"),
     ],
 )
 def test_cli_distill_bad_input_is_one_line(

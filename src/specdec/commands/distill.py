@@ -36,6 +36,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     src.add_argument("--from-target", action="store_true", help="train on sequences sampled from the target")
     p.add_argument(
+        "--on-policy",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="with --data: the target greedily continues this share of each batch's windows (after their first "
+        "quarter), so the draft learns on the contexts greedy speculation tests it on (default 0; the shipped draft "
+        "used 0.6; costs one batched target pass per generated token)",
+    )
+    p.add_argument(
         "--val-data",
         type=Path,
         nargs="+",
@@ -97,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         data=list(args.data or []),
         val_data=list(args.val_data),
         from_target=args.from_target,
+        on_policy=args.on_policy,
         glob=args.glob,
         config=config,
         minutes=args.minutes,

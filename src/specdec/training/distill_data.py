@@ -76,6 +76,46 @@ class TargetSampleSource:
         return {"kind": "target-samples", "bos_id": self.bos_id, "sampled_tokens": self.sampled_tokens}
 
 
+class OnPolicySource:
+    """Windows of another source, a share of whose rows the target continues greedily (on-policy data).
+
+    Greedy speculative decoding asks the draft to predict the target's own continuation of a prompt; a
+    draft trained only on text is judged on contexts it never saw. For ``share`` of each batch's rows this
+    keeps the first quarter of the window as a prompt and replaces the rest by the target's greedy
+    continuation (one batched target pass per token, with a KV cache).
+    """
+
+    def __init__(self, base: TokenSource, target: torch.nn.Module, share: float, device: torch.device) -> None:
+        self.base, self.target, self.share, self.device = base, target, share, device
+        self.generated_tokens = 0
+
+    def batch(self, batch_size: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+        rows = self.base.batch(batch_size, seq_len, gen)  # [B, T+1]
+        n_on = round(batch_size * self.share)
+        if n_on == 0:
+            return rows
+        keep = max(1, (seq_len + 1) // 4)
+        rows[:n_on] = greedy_continue(self.target, rows[:n_on, :keep].to(self.device), seq_len + 1).cpu()
+        self.generated_tokens += n_on * (seq_len + 1 - keep)
+        return rows
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "on-policy", "share": self.share, "base": self.base.describe()}
+
+
+@torch.no_grad()
+def greedy_continue(target: torch.nn.Module, prompts: torch.Tensor, total: int) -> torch.Tensor:
+    """``prompts`` ``[N, P]`` continued by the target's argmax to ``[N, total]`` tokens."""
+    out = target(input_ids=prompts, use_cache=True)
+    rows = [prompts]
+    for i in range(total - prompts.shape[1]):
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)  # [N, 1]
+        rows.append(nxt)
+        if i + 1 < total - prompts.shape[1]:
+            out = target(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+    return torch.cat(rows, dim=1)
+
+
 def expand_files(paths: list[Path], pattern: str = "*") -> list[Path]:
     """Files as given; directories expand to their files matching ``pattern`` (recursively), sorted."""
     out: list[Path] = []

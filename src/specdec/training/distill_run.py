@@ -15,6 +15,7 @@ import torch
 from specdec.errors import InvalidRequestError, ModelLoadError
 from specdec.training import distill as D
 from specdec.training.distill_data import (
+    OnPolicySource,
     StreamSource,
     TargetSampleSource,
     TokenSource,
@@ -36,6 +37,7 @@ class DistillJob:
     data: list[Path] = field(default_factory=list)
     val_data: list[Path] = field(default_factory=list)
     from_target: bool = False
+    on_policy: float = 0.0  # share of each batch continued greedily by the target (with --data)
     glob: str = "*"
     config: D.DistillConfig = field(default_factory=D.DistillConfig)
     minutes: float | None = None
@@ -88,18 +90,24 @@ def prepare_data(job: DistillJob, target: Any, tok: Any, seq_len: int) -> Prepar
     cfg, vocab = job.config, int(target.get_output_embeddings().weight.shape[0])
     eos = special_id(tok, target.config, "eos")
     if job.from_target:
+        if job.on_policy:
+            raise InvalidRequestError(
+                "--on-policy needs --data: with --from-target every sequence is already the target's own", "on_policy"
+            )
         bos = special_id(tok, target.config, "bos")
         bos = bos if bos is not None else eos
         if bos is None:
             raise InvalidRequestError("--from-target needs a BOS or EOS token to start samples from", "from_target")
-        source = TargetSampleSource(target, bos, next(target.parameters()).device)
+        sampler = TargetSampleSource(target, bos, next(target.parameters()).device)
         held_out = torch.Generator().manual_seed(cfg.seed + 1_000_003)  # never the training sampler's stream
-        val = source.batch(max(cfg.eval_windows, job.prompts), seq_len, held_out)
-        source.sampled_tokens = 0  # count training samples only
+        val = sampler.batch(max(cfg.eval_windows, job.prompts), seq_len, held_out)
+        sampler.sampled_tokens = 0  # count training samples only
         prompts = [row[: job.prompt_len].tolist() for row in val[: job.prompts]]
-        return Prepared(source, val[: cfg.eval_windows], prompts, {"kind": "target-samples", "bos_id": bos})
+        return Prepared(sampler, val[: cfg.eval_windows], prompts, {"kind": "target-samples", "bos_id": bos})
     if not job.data:
         raise InvalidRequestError("give training text with --data FILES... or use --from-target", "data")
+    if not 0.0 <= job.on_policy < 1.0:
+        raise InvalidRequestError(f"--on-policy must be in [0, 1), got {job.on_policy}", "on_policy")
     train, val = split_streams(tok, expand_files(job.data, job.glob), vocab, eos, hold_out=not job.val_data)
     if job.val_data:
         files = expand_files(job.val_data, job.glob)
@@ -120,7 +128,11 @@ def prepare_data(job: DistillJob, target: Any, tok: Any, seq_len: int) -> Prepar
         "train_tokens": int(len(train)),
         "validation_tokens": int(len(val)),
     }
-    return Prepared(StreamSource(train, "data"), fixed_windows(val, seq_len, cfg.eval_windows), prompts, desc)
+    source: TokenSource = StreamSource(train, "data")
+    if job.on_policy > 0:
+        source = OnPolicySource(source, target, job.on_policy, next(target.parameters()).device)
+        desc["on_policy"] = job.on_policy
+    return Prepared(source, fixed_windows(val, seq_len, cfg.eval_windows), prompts, desc)
 
 
 def measure_acceptance(
