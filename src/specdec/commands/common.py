@@ -84,7 +84,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--compile",
         action="store_true",
-        help="torch.compile each native-runtime model's step per block size (slow start; pays on GPUs, see docs)",
+        help="torch.compile each native-runtime model's decode/verify step per block size (slow start; see docs/runtime.md)",
     )
     g.add_argument("--runtime", default="auto", help="auto, native or hf (auto: native for Llama-family checkpoints)")
     g.add_argument("--policy", default="fixed", help="how τ is chosen each step (default: fixed)")
