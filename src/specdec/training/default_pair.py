@@ -40,8 +40,8 @@ DRAFT_SHAPE = dict(
 )
 MAX_POSITIONS = 1024
 # The shipped draft's recipe (training/onpolicy.py): names of the drafts trained side by side, the step
-# count and the number of target continuations in the pool. It needs a GPU to finish in minutes (4.6 min
-# of training on one H100); on 2 CPU cores the same schedule would take days.
+# count and the number of target continuations in the pool. It needs a GPU to finish in minutes (~4 min
+# on one H100, continuations and training); on 2 CPU cores the same schedule would take days.
 ONPOLICY_DRAFTS = "d256x2,d256x2_ce,d256x3,d256x1"
 ONPOLICY_STEPS = 1919
 ONPOLICY_POOL_ROWS = 6144
