@@ -34,7 +34,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 PACKAGE_MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -163,33 +162,6 @@ def make_draft(shape: dict[str, int], target_config: Any, device: str) -> Any:
     return LlamaForCausalLM(draft_config(target_config, full, max_positions=1024)).to(device)
 
 
-def loss_parts(dl: torch.Tensor, tl: torch.Tensor | None, labels: torch.Tensor, w: float) -> dict[str, torch.Tensor]:
-    logq = F.log_softmax(dl.float(), dim=-1).flatten(0, 1)
-    ce = F.nll_loss(logq, labels.flatten())
-    if tl is None:
-        return {"loss": ce, "ce": ce}
-    logp = F.log_softmax(tl.float(), dim=-1).flatten(0, 1)
-    kl = F.kl_div(logq, logp, log_target=True, reduction="batchmean")
-    return {"loss": w * kl + (1 - w) * ce, "ce": ce, "kl": kl}
-
-
-@torch.no_grad()
-def validate(draft: Any, target: Any, val: torch.Tensor, device: str) -> dict[str, float]:
-    draft.eval()
-    sums = {"ce": 0.0, "kl": 0.0, "agree": 0.0}
-    for i in range(0, len(val), 32):
-        w = val[i : i + 32].to(device)
-        with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16):
-            dl = draft(input_ids=w[:, :-1]).logits
-            tl = target(input_ids=w[:, :-1]).logits
-        parts = loss_parts(dl, tl, w[:, 1:], 1.0)
-        sums["ce"] += parts["ce"].item() * len(w)
-        sums["kl"] += parts["kl"].item() * len(w)
-        sums["agree"] += (dl.argmax(-1) == tl.argmax(-1)).float().mean().item() * len(w)
-    draft.train()
-    return {k: round(v / len(val), 4) for k, v in sums.items()}
-
-
 def greedy_alpha_from_matches(matches: torch.Tensor, tau: int) -> dict[str, float]:
     """Replay greedy speculation over per-position draft/target agreement (``[N, T]`` bools).
 
@@ -236,21 +208,10 @@ def emulate_acceptance(drafts: dict[str, Any], target: Any, prompts: torch.Tenso
     return out
 
 
-def export(draft: Any, out: Path, tokenizer_dir: Path, meta: dict[str, Any]) -> None:
-    import copy
-
-    from transformers import AutoTokenizer, GenerationConfig
-
-    out.mkdir(parents=True, exist_ok=True)
-    model = copy.deepcopy(draft).to("cpu", torch.bfloat16)
-    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    model.save_pretrained(str(out), safe_serialization=True)
-    AutoTokenizer.from_pretrained(str(tokenizer_dir)).save_pretrained(str(out))
-    (out / "specdec_training.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from specdec.training.distill import evaluate, export, export_meta, losses
 
     s = Settings(
         steps=args.steps,
@@ -271,6 +232,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.time()
     train_stream, val_stream = load_stream(args.train), load_stream(args.val)
     target = AutoModelForCausalLM.from_pretrained(str(args.target), dtype=torch.bfloat16).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(args.target))
     for p in target.parameters():
         p.requires_grad_(False)
     names = args.drafts.split(",")
@@ -318,7 +280,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 g["lr"] = lr_at(step, total, s)
             with torch.autocast(device_type=dev_type, dtype=torch.bfloat16):
                 dl = d(input_ids=batch[:, :-1]).logits
-            parts = loss_parts(dl, teacher, batch[:, 1:], s.kl_weight)
+            parts = losses(dl, teacher, batch[:, 1:], s.kl_weight)
             opts[n].zero_grad(set_to_none=True)
             parts["loss"].backward()
             torch.nn.utils.clip_grad_norm_(d.parameters(), s.grad_clip)
@@ -333,14 +295,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if step % 100 == 0:
             rec["elapsed_s"] = round(time.time() - t_train, 1)
             if step % 500 == 0:
-                rec["val"] = {n: validate(d, target, val, device) for n, d in drafts.items()}
+                rec["val"] = {n: evaluate(d, target, val, batch=32) for n, d in drafts.items()}
             log.write(json.dumps(rec) + "\n")
             log.flush()
             print(json.dumps(rec), flush=True)
     train_s = time.time() - t_train
     for n, d in drafts.items():  # exported now, so an interrupted evaluation loses nothing
-        export(d, work / n, args.target, {"steps": step, "note": "figures follow in onpolicy.json"})
-    final_val = {n: validate(d, target, val, device) for n, d in drafts.items()}
+        export(d, tokenizer, args.target, work / n, {"steps": step, "note": "figures follow in onpolicy.json"})
+    final_val = {n: evaluate(d, target, val, batch=32) for n, d in drafts.items()}
     compare = {
         f"compare:{path.name}": AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device)
         for path in args.compare
@@ -376,7 +338,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "validation": final_val[n],
             "emulated_acceptance": acceptance[n],
         }
-        export(d, work / n, args.target, meta)
+        export_meta(work / n, meta)
     (work / "onpolicy.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps({"validation": final_val, "emulated_acceptance": acceptance}, indent=1), flush=True)
     return summary
