@@ -13,7 +13,7 @@ from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.engine import Engine, Observer
 from specdec.errors import InvalidRequestError, ModelLoadError, UnsupportedError, VocabMismatchError
 from specdec.policy import Policy, make_policy
-from specdec.runtime import choose_runtime, load_runner, resolve_device, resolve_dtype
+from specdec.runtime import load_runner, resolve_device, resolve_dtype
 from specdec.runtime.base import ModelRunner
 from specdec.runtime.hf import HFRunner, check_checkpoint_dir
 
@@ -146,18 +146,13 @@ def _load_model(
 ) -> tuple[ModelRunner, Any]:
     if isinstance(spec, (str, Path)):
         path = check_checkpoint_dir(spec)
-        if compile and choose_runtime(path, runtime) != "native":
-            raise UnsupportedError(
-                f"--compile needs the native runtime, but the {role} {path} runs on transformers "
-                "(a model type or feature the native runtime lacks, or --runtime hf)"
-            )
         runner = load_runner(
             path,
             runtime=runtime,
             device=device,
             dtype=dtype,
+            compile=compile,
             **({"trust_remote_code": True} if trust_remote_code else {}),
-            **({"compile": True} if compile else {}),
         )
         if tokenizer is None:
             if has_tokenizer(path):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.errors import InvalidRequestError
+from specdec.errors import InvalidRequestError, UnsupportedError
 from specdec.runtime.base import KVCache, ModelRunner
 from specdec.runtime.hf import HFRunner, check_checkpoint_dir
 
@@ -91,10 +91,19 @@ def load_runner(
     runtime: str = "auto",
     device: torch.device,
     dtype: torch.dtype | str | None,
+    compile: bool = False,
     **kwargs: object,
 ) -> ModelRunner:
-    """``dtype`` may be ``"auto"``: resolved for the runtime chosen for this checkpoint."""
+    """``dtype`` may be ``"auto"``: resolved for the runtime chosen for this checkpoint. ``compile`` needs the
+    native runtime."""
     name = choose_runtime(path, runtime)
+    if compile:
+        if name != "native":
+            raise UnsupportedError(
+                f"--compile needs the native runtime, but {path} runs on transformers "
+                "(a model type or feature the native runtime lacks, or --runtime hf)"
+            )
+        kwargs["compile"] = True
     return RUNTIMES[name](path, device=device, dtype=resolve_dtype(dtype, device, name), **kwargs)
 
 
