@@ -33,36 +33,14 @@ def test_lr_schedule_warms_up_then_decays_to_min() -> None:
     assert onpolicy.lr_at(100, 100, s) == pytest.approx(1e-4)
 
 
-@pytest.fixture()
-def tiny_target(tmp_path: Path, default_pair: tuple[Path, Path]) -> Path:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=8192,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-        tie_word_embeddings=True,
-    )
-    out = tmp_path / "target"
-    LlamaForCausalLM(cfg).save_pretrained(str(out))
-    AutoTokenizer.from_pretrained(str(default_pair[0])).save_pretrained(str(out))
-    return out
-
-
-def test_tiny_run_writes_loadable_drafts_and_figures(tmp_path: Path, tiny_target: Path) -> None:
+def test_tiny_run_writes_loadable_drafts_and_figures(tmp_path: Path, tiny_models: dict[str, Path]) -> None:
     from transformers import AutoModelForCausalLM
 
+    tiny_target = tiny_models["llama"]
+    vocab = json.loads((tiny_target / "config.json").read_text())["vocab_size"]
     rng = np.random.default_rng(0)
-    np.save(tmp_path / "train.npy", rng.integers(1, 8192, 20_000, dtype=np.uint16))
-    np.save(tmp_path / "val.npy", rng.integers(1, 8192, 5_000, dtype=np.uint16))
+    np.save(tmp_path / "train.npy", rng.integers(1, vocab, 20_000, dtype=np.uint16))
+    np.save(tmp_path / "val.npy", rng.integers(1, vocab, 5_000, dtype=np.uint16))
     work = tmp_path / "work"
     argv = [
         "--work",
