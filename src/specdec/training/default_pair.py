@@ -31,13 +31,6 @@ TARGET_SHAPE = dict(
     num_attention_heads=10,
     num_key_value_heads=5,
 )
-DRAFT_SHAPE = dict(
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-)
 MAX_POSITIONS = 1024
 # The shipped draft's recipe (training/onpolicy.py): names of the drafts trained side by side, the step
 # count and the number of target continuations in the pool. It needs a GPU to finish in minutes (~4 min
@@ -159,6 +152,7 @@ def stage_draft(work: Path, target_steps: int, device: str | None) -> None:
     import shutil
 
     from specdec.training import onpolicy
+    from specdec.training.distill import export_meta
 
     target = export_target(work, target_steps)
     out = work / "onpolicy"
@@ -172,8 +166,7 @@ def stage_draft(work: Path, target_steps: int, device: str | None) -> None:
             shutil.rmtree(work / dst)
         shutil.copytree(out / name, work / dst)
         meta = json.loads((work / dst / "specdec_training.json").read_text())
-        meta.update({"seed": 0, "corpus": corpus_meta(work), "reproduce": REPRODUCE})
-        (work / dst / "specdec_training.json").write_text(json.dumps(meta, indent=2) + "\n")
+        export_meta(work / dst, {**meta, "seed": 0, "corpus": corpus_meta(work), "reproduce": REPRODUCE})
     print(f"draft: wrote {work / 'draft_hf'} ({SHIPPED_DRAFT}) and {work / 'baseline_hf'} ({BASELINE_DRAFT})")
 
 
