@@ -10,9 +10,10 @@ cross-entropy draft of the shipped shape is trained beside them on the same numb
 comparison the report needs.
 
 Written for a GPU (``--device cuda``) but runs anywhere; on 2 CPU cores use tiny settings only.
-Reproduce the shipped draft::
+Reproduce the shipped draft (``default_pair --stages draft`` runs exactly this)::
 
-    python -m specdec.training.onpolicy --work runs/onpolicy --device cuda --steps 3000
+    python -m specdec.training.onpolicy --work runs/onpolicy --device cuda --steps 1919 --pool-rows 6144 \
+        --pool-seconds 1e9 --minutes 1e9 --drafts d256x2,d256x2_ce,d256x3,d256x1
 
 Outputs ``WORK/<name>/`` (a Hugging Face checkpoint per draft: bf16 safetensors, config,
 generation config, tokenizer, ``specdec_training.json``) and ``WORK/onpolicy.json`` (settings,
@@ -65,7 +66,7 @@ class Settings:
     greedy_share: float = 0.67  # of the continuations: greedy; the rest sampled at temperature 1
     pool_rows: int = 24576
     prompt_lens: tuple[int, ...] = (16, 32, 64, 96, 128)
-    gen_batch: int = 2048
+    gen_batch: int = 1024
     eval_prompts: int = 128
     eval_new_tokens: int = 64
     eval_prompt_len: int = 64
