@@ -69,9 +69,7 @@ class DenseOps:
     def swiglu(x: torch.Tensor, lw: PreparedLayer) -> torch.Tensor:
         """``silu(x·gateᵀ) * (x·upᵀ)`` from the fused [gate; up] weight: one product, two in-place ops."""
         assert lw.wgu is not None
-        gu = torch.mm(x, lw.wgu) if lw.bgu is None else torch.addmm(lw.bgu, x, lw.wgu)  # [k, 2·ff]
-        g, u = gu.view(gu.shape[0], 2, -1).unbind(1)
-        return F.silu(g, inplace=True).mul_(u)
+        return _silu_mul(torch.mm(x, lw.wgu) if lw.bgu is None else torch.addmm(lw.bgu, x, lw.wgu))
 
 
 class PackedOps:
@@ -119,15 +117,18 @@ class HalfOps:
 
     @staticmethod
     def add_linear_(x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
-        assert b is not None
-        x.add_(torch.fbgemm_linear_fp16_weight(a, w, b))
+        x.add_(HalfOps.linear(a, w, b))
 
     @staticmethod
     def swiglu(x: torch.Tensor, lw: PreparedLayer) -> torch.Tensor:
         assert lw.wgu is not None and lw.bgu is not None
-        gu = torch.fbgemm_linear_fp16_weight(x, lw.wgu, lw.bgu)
-        g, u = gu.view(gu.shape[0], 2, -1).unbind(1)
-        return F.silu(g, inplace=True).mul_(u)
+        return _silu_mul(HalfOps.linear(x, lw.wgu, lw.bgu))
+
+
+def _silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in place from the fused ``[k, 2·ff]`` product of [gate; up]."""
+    g, u = gu.view(gu.shape[0], 2, -1).unbind(1)
+    return F.silu(g, inplace=True).mul_(u)
 
 
 Ops = type[DenseOps] | type[PackedOps] | type[HalfOps]
