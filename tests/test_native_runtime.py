@@ -1,4 +1,8 @@
-"""The native runtime against transformers: same checkpoints, fp32, logits within 1e-4 and identical greedy text."""
+"""The native runtime against transformers: same checkpoints, fp32, logits within 1e-4 and identical greedy text.
+
+Tests of numerics run on both of the native runtime's CPU back ends: the one-call C++ kernel
+(``native_kernel``, the default where it builds) and the PyTorch-operator path (``kernel=False``).
+"""
 
 from __future__ import annotations
 
@@ -93,6 +97,19 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: write_checkpoint(root, name) for name in CASES}
 
 
+BACKENDS = ["kernel", "ops"]
+
+
+def load(path: Path, backend: str, **kwargs: Any) -> NativeRunner:
+    from specdec.runtime.native_kernel import kernel_available, kernel_status
+
+    if backend == "kernel" and not kernel_available():
+        pytest.skip(f"CPU kernel unavailable here: {kernel_status()}")
+    runner = NativeRunner.from_pretrained(path, kernel=backend == "kernel", **kwargs)
+    assert (runner.backend == "cpu-kernel") == (backend == "kernel")
+    return runner
+
+
 def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).abs().max() / ref.abs().max())
 
@@ -112,10 +129,11 @@ def run_script(runner: Any, ids: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", list(CASES))
-def test_logits_match_transformers(checkpoints: dict[str, Path], name: str) -> None:
+def test_logits_match_transformers(checkpoints: dict[str, Path], name: str, backend: str) -> None:
     path = checkpoints[name]
-    native = NativeRunner.from_pretrained(path, dtype=torch.float32)
+    native = load(path, backend, dtype=torch.float32)
     hf = HFRunner.from_pretrained(path, dtype=torch.float32)
     ids = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(0))
     got, want = run_script(native, ids), run_script(hf, ids)
@@ -176,8 +194,9 @@ def test_unsupported_rope_scaling_is_a_clear_error(checkpoints: dict[str, Path],
     assert choose_runtime(checkpoints["llama-gqa-llama3"], "auto") == "native"
 
 
-def test_cache_is_static_and_rollback_moves_a_position(checkpoints: dict[str, Path]) -> None:
-    runner = NativeRunner.from_pretrained(checkpoints["llama-gqa-llama3"], max_context=48)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cache_is_static_and_rollback_moves_a_position(checkpoints: dict[str, Path], backend: str) -> None:
+    runner = load(checkpoints["llama-gqa-llama3"], backend, max_context=48)
     cache = runner.new_cache()
     assert isinstance(cache, NativeCache) and cache.kv.shape == (2, 2, 2, 48, 16)
     storage = cache.kv.data_ptr()
@@ -236,13 +255,15 @@ def test_ops_follow_the_cpu() -> None:
     assert choose_ops(cpu, torch.bfloat16, False) is want
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_runs_close_to_fp32(checkpoints: dict[str, Path], dtype: torch.dtype) -> None:
-    """bf16/fp16 through whichever products this CPU gets (fp16 weights + fp32 activations on AVX2-only CPUs)."""
+def test_half_precision_runs_close_to_fp32(checkpoints: dict[str, Path], dtype: torch.dtype, backend: str) -> None:
+    """bf16/fp16 through the kernel, or whichever products this CPU gets (fp16 weights + fp32 activations on
+    AVX2-only CPUs)."""
     path = checkpoints["llama-gqa-llama3"]
     ids = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(1))
-    ref = run_script(NativeRunner.from_pretrained(path, dtype=torch.float32), ids)
-    runner = NativeRunner.from_pretrained(path, dtype=dtype)
+    ref = run_script(NativeRunner.from_pretrained(path, dtype=torch.float32, kernel=False), ids)
+    runner = load(path, backend, dtype=dtype)
     assert runner.dtype == dtype and runner.new_cache().kv.dtype == runner.compute_dtype
     for i, (g, w) in enumerate(zip(run_script(runner, ids), ref)):
         assert g.dtype == torch.float32 and g.shape == w.shape
@@ -260,10 +281,10 @@ def test_fp16_weights_fall_back_when_out_of_range(
         pytest.skip("this CPU runs bf16 through oneDNN, not fp16 weights")
     monkeypatch.setattr(native, "half_fits", lambda weights: False)
     path = checkpoints["qwen2-mqa-bias"]
-    runner = NativeRunner.from_pretrained(path, dtype=torch.bfloat16)
+    runner = NativeRunner.from_pretrained(path, dtype=torch.bfloat16, kernel=False)
     assert runner._ops is DenseOps and runner.compute_dtype == torch.bfloat16
     ids = torch.arange(30) % VOCAB
-    ref = NativeRunner.from_pretrained(path, dtype=torch.float32)
+    ref = NativeRunner.from_pretrained(path, dtype=torch.float32, kernel=False)
     assert rel_err(runner.forward(ids, runner.new_cache()), ref.forward(ids, ref.new_cache())) < 0.05
 
 

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from specdec.errors import ContextLengthError, ModelLoadError, UnsupportedError
 from specdec.runtime.base import KVCache, ModelRunner, check_batch_one
 from specdec.runtime.hf import check_checkpoint_dir
+from specdec.runtime.native_kernel import WEIGHT_TYPES, FusedLlama, kernel_available, kernel_status
 from specdec.runtime.native_config import (
     DEFAULT_CACHE_LIMIT,
     FAMILIES,
@@ -87,6 +88,7 @@ class NativeRunner(ModelRunner):
         max_context: int,
         eos_token_ids: frozenset[int] = frozenset(),
         compile: bool = False,
+        fused: FusedLlama | None = None,
     ) -> None:
         self.config = cfg
         self.name = name
@@ -94,11 +96,17 @@ class NativeRunner(ModelRunner):
         self.max_context = max_context
         self.device = device
         self.dtype = dtype
-        self.compute_dtype = torch.float32 if ops.compute_fp32 else dtype
+        self.compute_dtype = torch.float32 if ops.compute_fp32 or fused is not None else dtype
         self.eos_token_ids = eos_token_ids
         self._embed = weights.embed  # [V, 2d]
         self._ops = ops
         self.compile = compile
+        self._fused = fused
+        # What runs the forward: the one-call CPU kernel, or PyTorch operators (which flavour of products).
+        self.backend = "cpu-kernel" if fused is not None else f"torch-{ops.__name__}"
+        self._compiled: dict[int, Callable[..., torch.Tensor]] = {}
+        if fused is not None:
+            return  # the kernel holds its own weights and tables
         # Complex RoPE needs complex arithmetic in the compute dtype: fp32/fp64, eager.
         self.complex_rope = self.compute_dtype in (torch.float32, torch.float64) and not compile
         if self.complex_rope:
@@ -111,7 +119,6 @@ class NativeRunner(ModelRunner):
         self._layer_plan = [(prepare_layer(lw, ops), win) for lw, win in zip(weights.layers, cfg.windows)]
         self._lm_head, self._lm_bias = ops.prepare(weights.lm_head)
         self._norm_shape = (2 * cfg.hidden,)
-        self._compiled: dict[int, Callable[..., torch.Tensor]] = {}
 
     @classmethod
     def from_pretrained(
@@ -123,10 +130,14 @@ class NativeRunner(ModelRunner):
         compile: bool = False,
         max_context: int | None = None,
         trust_remote_code: bool = False,
+        kernel: bool | None = None,
     ) -> NativeRunner:
         """Load ``path``. ``max_context`` caps the cache (default: the model's window, at most 8192 positions).
 
-        ``trust_remote_code`` is accepted for parity with the ``transformers`` runtime; no code is ever run.
+        ``kernel``: run the forward through the one-call CPU kernel (``native_kernel``); None (default) uses
+        it on CPU whenever it is available and ``compile`` is off, False never, True insists (error if it
+        cannot). ``trust_remote_code`` is accepted for parity with the ``transformers`` runtime; no code is
+        ever run.
         """
         path = check_checkpoint_dir(path)
         dev = torch.device(device)
@@ -134,6 +145,24 @@ class NativeRunner(ModelRunner):
         limit = min(cfg.max_positions, max_context or DEFAULT_CACHE_LIMIT)
         if limit < 1:
             raise ModelLoadError(f"max_context must be positive, got {max_context}")
+        if kernel and (dev.type != "cpu" or compile or dtype not in WEIGHT_TYPES or not kernel_available()):
+            why = kernel_status() if dev.type == "cpu" and not compile else "it runs on CPU, without --compile"
+            raise UnsupportedError(f"the CPU kernel cannot run {path}: {why}")
+        if kernel is None:
+            kernel = dev.type == "cpu" and not compile and dtype in WEIGHT_TYPES and kernel_available()
+        if kernel:
+            weights = load_weights(path, cfg, dev, dtype)
+            return cls(
+                cfg,
+                weights,
+                name=str(path),
+                device=dev,
+                dtype=dtype,
+                ops=DenseOps,
+                max_context=limit,
+                eos_token_ids=_eos_ids(path, raw),
+                fused=FusedLlama(cfg, weights, dtype, limit),
+            )
         ops = choose_ops(dev, dtype, compile)
         interleave = (torch.float32 if ops.compute_fp32 else dtype) in (torch.float32, torch.float64) and not compile
         load_dtype = torch.float32 if ops is HalfOps else dtype
@@ -171,7 +200,9 @@ class NativeRunner(ModelRunner):
             raise ContextLengthError(
                 f"{self.name}: {pos + k} tokens do not fit the context window of {self.max_context}", "max_tokens"
             )
-        if self.compile and k <= BAND_ROWS:  # decode and verify blocks; a prompt's prefill (any length) stays eager
+        if self._fused is not None:
+            logits = self._fused.forward(ids, cache.kv, pos, last_only)
+        elif self.compile and k <= BAND_ROWS:  # decode and verify blocks; a prompt's prefill (any length) stays eager
             logits = self._step_fn(k)(ids, cache.kv, pos, last_only)
         else:
             logits = self._eager_step(ids, cache, pos, last_only)

@@ -1,0 +1,255 @@
+"""The native runtime's CPU kernel: a whole forward pass of a Llama-family model in one C++ call.
+
+``kernels/llama_cpu.cpp`` is compiled at first use with the system C++ compiler (about 3 s) into a
+per-user cache (``$SPECDEC_CACHE_DIR``, else ``$XDG_CACHE_HOME/specdec``, else ``~/.cache/specdec``),
+keyed by the source, the flags and the compiler, and loaded with ctypes. It needs an x86-64 CPU with
+AVX2/FMA/F16C and a compiler; where either is missing, or ``SPECDEC_CPU_KERNEL=0`` is set, the runtime
+keeps its PyTorch-operator path (``native_ops``) and ``kernel_status()`` says why.
+
+It links the OpenMP runtime PyTorch itself loaded, so the two share one thread pool instead of
+fighting over the cores. Activations and the KV cache are fp32; weights stay in the checkpoint's
+dtype (bf16 rows are widened exactly; fp16 through F16C), and every dot product of a token is formed
+the same way whatever the block size, so a k-token verify pass and k one-token passes agree bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from specdec.runtime.native_config import NativeConfig, rope_tables
+from specdec.runtime.native_weights import ModelWeights
+
+SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
+ABI_VERSION = 1
+CXX_FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-fopenmp"]
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Prompts longer than this are prefilled in chunks of this many tokens (bounds the scratch memory).
+CHUNK = 128
+ENV_SWITCH = "SPECDEC_CPU_KERNEL"
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("wqkv", ctypes.c_void_p),
+        ("bqkv", ctypes.c_void_p),
+        ("wo", ctypes.c_void_p),
+        ("bo", ctypes.c_void_p),
+        ("wgu", ctypes.c_void_p),
+        ("bgu", ctypes.c_void_p),
+        ("wd", ctypes.c_void_p),
+        ("bd", ctypes.c_void_p),
+        ("window", ctypes.c_int64),
+    ]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [
+        *((n, ctypes.c_int64) for n in ("wtype", "hidden", "ff", "heads", "kv_heads", "head_dim", "vocab")),
+        *((n, ctypes.c_int64) for n in ("n_layers", "max_ctx", "embed_stride")),
+        ("eps", ctypes.c_double),
+        ("embed", ctypes.c_void_p),
+        ("lm_head", ctypes.c_void_p),
+        ("rope_cos", ctypes.c_void_p),
+        ("rope_sin", ctypes.c_void_p),
+        ("layers", ctypes.POINTER(_Layer)),
+    ]
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("SPECDEC_CACHE_DIR"):
+        return Path(os.environ["SPECDEC_CACHE_DIR"]) / "kernels"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specdec" / "kernels"
+
+
+def _openmp_link() -> list[str]:
+    """Link the OpenMP runtime torch loaded (its bundled libgomp), so both share one thread pool."""
+    lib = Path(torch.__file__).parent / "lib"
+    bundled = sorted(lib.glob("libgomp*.so*"))
+    if bundled:
+        return [str(bundled[0]), f"-Wl,-rpath,{lib}"]
+    return ["-fopenmp"]
+
+
+def _cpu_ok() -> str | None:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the CPU kernel is x86-64 only (this machine: {platform.machine()})"
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags]
+    if missing:
+        return f"the CPU lacks {', '.join(missing)}"
+    return None
+
+
+def _build(cxx: str) -> Path:
+    src = SOURCE.read_bytes()
+    link = _openmp_link()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(b"\0".join([src, " ".join(CXX_FLAGS + link).encode(), version.encode()])).hexdigest()[:16]
+    out = _cache_dir() / key / "llama_cpu.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
+        for cmd in (
+            [cxx, *CXX_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+            [cxx, "-shared", str(obj), "-o", str(lib), *link],
+        ):
+            res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if res.returncode != 0:
+                tail = (res.stderr or res.stdout).strip().splitlines()[-3:]
+                raise RuntimeError(f"compiling the CPU kernel failed: {' | '.join(tail)}")
+        os.replace(lib, out)  # atomic: concurrent builders each write a complete file
+    return out
+
+
+_STATUS: dict[str, str | None] = {}
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    why = None
+    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "off", "false", "no"):
+        why = f"disabled by {ENV_SWITCH}"
+    else:
+        why = _cpu_ok()
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if why is None and cxx is None:
+        why = "no C++ compiler found (set CXX)"
+    lib = None
+    if why is None and cxx is not None:
+        try:
+            lib = ctypes.CDLL(str(_build(cxx)))
+            if lib.sd_abi_version() != ABI_VERSION:
+                why, lib = "stale kernel build (ABI version mismatch)", None
+        except (OSError, RuntimeError) as e:
+            why = str(e)
+    if lib is not None:
+        lib.sd_forward.restype = ctypes.c_int
+        lib.sd_forward.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        lib.sd_forward.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+        lib.sd_scratch_floats.restype = ctypes.c_int64
+        lib.sd_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    _STATUS["reason"] = why
+    return lib
+
+
+def kernel_available() -> bool:
+    return _library() is not None
+
+
+def kernel_status() -> str:
+    """``"available"`` or why the CPU kernel is not used (for logs and ``specdec bench``'s JSON)."""
+    _library()
+    return _STATUS.get("reason") or "available"
+
+
+
+class FusedLlama:
+    """A checkpoint's weights laid out for ``sd_forward``; one instance per runner, shared by its caches."""
+
+    def __init__(self, cfg: NativeConfig, weights: ModelWeights, dtype: torch.dtype, max_context: int) -> None:
+        lib = _library()
+        if lib is None:
+            raise RuntimeError(f"CPU kernel unavailable: {kernel_status()}")
+        self._lib = lib
+        self.cfg = cfg
+        self.max_context = max_context
+        w = {"embed": weights.embed, "lm_head": weights.lm_head}
+        keep: list[torch.Tensor] = []
+
+        def ptr(t: torch.Tensor | None, want: torch.dtype) -> int | None:
+            if t is None:
+                return None
+            t = t.to(want).contiguous()
+            keep.append(t)
+            return t.data_ptr()
+
+        half = cfg.head_dim // 2
+        cos, sin = rope_tables(cfg.rope, cfg.head_dim, max_context)  # [T, 1, hd], sin signed
+        rope_cos, rope_sin = cos[:, 0, :half].contiguous(), sin[:, 0, half:].contiguous()
+        layers = (_Layer * cfg.layers)()
+        for i, (lw, win) in enumerate(zip(weights.layers, cfg.windows)):
+            layers[i] = _Layer(
+                ptr(lw.wqkv, dtype),
+                ptr(lw.bqkv, torch.float32),
+                ptr(lw.wo, dtype),
+                ptr(lw.bo, torch.float32),
+                ptr(lw.wgu, dtype),
+                ptr(lw.bgu, torch.float32),
+                ptr(lw.wd, dtype),
+                ptr(lw.bd, torch.float32),
+                0 if win is None else int(win),
+            )
+        self._model = _Model(
+            WEIGHT_TYPES[dtype],
+            cfg.hidden,
+            cfg.intermediate,
+            cfg.heads,
+            cfg.kv_heads,
+            cfg.head_dim,
+            int(weights.lm_head.shape[0]),
+            cfg.layers,
+            max_context,
+            int(w["embed"].shape[1]),
+            float(cfg.eps),
+            ptr(w["embed"], dtype),
+            ptr(w["lm_head"], dtype),
+            ptr(rope_cos, torch.float32),
+            ptr(rope_sin, torch.float32),
+            layers,
+        )
+        self._layers, self._keep = layers, keep
+        self._scratch = threading.local()
+        self.vocab_size = int(weights.lm_head.shape[0])
+
+    def _scratch_for(self, k: int, threads: int) -> torch.Tensor:
+        need = int(self._lib.sd_scratch_floats(ctypes.byref(self._model), k, threads))
+        buf = getattr(self._scratch, "buf", None)
+        if buf is None or buf.numel() < need:
+            buf = self._scratch.buf = torch.empty(need, dtype=torch.float32)
+        return buf
+
+    def forward(self, ids: torch.Tensor, kv: torch.Tensor, pos: int, last_only: bool) -> torch.Tensor:
+        """Logits ``[k or 1, vocab]`` of ``ids`` at ``pos..``; writes the keys/values into ``kv``."""
+        ids = ids.to(torch.int64).contiguous()
+        k = int(ids.shape[0])
+        threads = max(1, torch.get_num_threads())
+        out = torch.empty(1 if last_only else k, self.vocab_size, dtype=torch.float32)
+        done = 0
+        while done < k:  # long prompts: chunks of CHUNK tokens, logits only where asked
+            n = min(CHUNK, k - done)
+            last_chunk = done + n == k
+            rows = (1 if last_only else n) if last_chunk else (0 if last_only else n)
+            dest = out[-1:] if last_only else out[done : done + n]
+            scratch = self._scratch_for(n, threads)
+            rc = self._lib.sd_forward(
+                ctypes.byref(self._model),
+                ids.data_ptr() + 8 * done,
+                n,
+                pos + done,
+                kv.data_ptr(),
+                dest.data_ptr(),
+                rows,
+                scratch.data_ptr(),
+                threads,
+            )
+            if rc != 0:
+                raise ValueError(f"CPU kernel refused the call (ids out of range or position {pos + done} beyond the cache)")
+            done += n
+        return out

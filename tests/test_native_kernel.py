@@ -1,0 +1,118 @@
+"""The native runtime's one-call CPU kernel: block invariance, chunked prefill, threads, switches and errors.
+
+Agreement with ``transformers`` (fp32, relative error < 1e-4) is in test_native_runtime.py, which runs
+every checkpoint family on both back ends.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import specdec.runtime.native_kernel as nk
+from specdec.errors import UnsupportedError
+from specdec.runtime.native import NativeRunner
+
+pytestmark = pytest.mark.skipif(not nk.kernel_available(), reason=f"CPU kernel unavailable: {nk.kernel_status()}")
+
+
+def prefill(runner: NativeRunner, ids: torch.Tensor) -> torch.Tensor:
+    return runner.forward(ids, runner.new_cache())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_block_and_single_token_passes_agree_bit_for_bit(
+    tiny_models: dict[str, Path], arch: str, dtype: torch.dtype
+) -> None:
+    """A verify block of k tokens gives exactly the logits of k one-token steps (so greedy speculation can never
+    flip a near-tie against plain decoding), and so does a long prefill."""
+    runner = NativeRunner.from_pretrained(tiny_models[arch], dtype=dtype, kernel=True)
+    ids = torch.randint(0, runner.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    cache = runner.new_cache()
+    runner.forward(ids[:20], cache)
+    for k in (1, 2, 5, 6, 7, 9, 13):
+        block = runner.forward(ids[20 : 20 + k], cache)
+        cache.crop(20)
+        singles = torch.cat([runner.forward(ids[i : i + 1], cache) for i in range(20, 20 + k)])
+        cache.crop(20)
+        assert torch.equal(block, singles), f"k={k}"
+    whole = prefill(runner, ids)
+    steps = runner.new_cache()
+    assert torch.equal(whole, torch.cat([runner.forward(ids[i : i + 1], steps) for i in range(40)]))
+
+
+def test_chunked_prefill_equals_one_pass(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = NativeRunner.from_pretrained(tiny_models["llama"], dtype=torch.float32, kernel=True)
+    ids = torch.randint(0, runner.vocab_size, (50,), generator=torch.Generator().manual_seed(4))
+    whole, last = prefill(runner, ids), runner.forward(ids, runner.new_cache(), last_only=True)
+    monkeypatch.setattr(nk, "CHUNK", 7)  # 50 tokens: 7 chunks, the last one short
+    assert torch.equal(prefill(runner, ids), whole)
+    chunked_last = runner.forward(ids, runner.new_cache(), last_only=True)
+    assert chunked_last.shape == (1, runner.vocab_size) and torch.equal(chunked_last, last) and torch.equal(last, whole[-1:])
+
+
+def test_thread_count_does_not_change_results(tiny_models: dict[str, Path]) -> None:
+    runner = NativeRunner.from_pretrained(tiny_models["qwen2"], dtype=torch.bfloat16, kernel=True)
+    ids = torch.randint(0, runner.vocab_size, (30,), generator=torch.Generator().manual_seed(5))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = prefill(runner, ids)
+        torch.set_num_threads(3)
+        three = prefill(runner, ids)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, three)
+
+
+def test_kernel_and_operator_paths_agree_in_fp32(tiny_models: dict[str, Path]) -> None:
+    ids = torch.randint(0, 64, (33,), generator=torch.Generator().manual_seed(6))
+    a = prefill(NativeRunner.from_pretrained(tiny_models["mistral"], dtype=torch.float32, kernel=True), ids)
+    b = prefill(NativeRunner.from_pretrained(tiny_models["mistral"], dtype=torch.float32, kernel=False), ids)
+    assert float((a - b).abs().max() / b.abs().max()) < 1e-5
+
+
+def test_default_is_the_kernel_on_cpu_and_not_with_compile(tiny_models: dict[str, Path]) -> None:
+    assert NativeRunner.from_pretrained(tiny_models["llama"]).backend == "cpu-kernel"
+    with pytest.raises(UnsupportedError, match="CPU kernel cannot run"):
+        NativeRunner.from_pretrained(tiny_models["llama"], kernel=True, compile=True)
+
+
+def test_switched_off_by_environment(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(nk.ENV_SWITCH, "0")
+    nk._library.cache_clear()
+    try:
+        assert not nk.kernel_available() and nk.kernel_status() == f"disabled by {nk.ENV_SWITCH}"
+        runner = NativeRunner.from_pretrained(tiny_models["llama"])
+        assert runner.backend.startswith("torch-")
+        with pytest.raises(UnsupportedError, match=f"disabled by {nk.ENV_SWITCH}"):
+            NativeRunner.from_pretrained(tiny_models["llama"], kernel=True)
+    finally:
+        monkeypatch.delenv(nk.ENV_SWITCH)
+        nk._library.cache_clear()
+    assert nk.kernel_available()
+
+
+def test_a_failing_compiler_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake = tmp_path / "broken-c++"
+    fake.write_text("#!/bin/sh\necho 'broken-c++: fatal error: nothing works' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    nk._library.cache_clear()
+    try:
+        assert not nk.kernel_available()
+        assert "compiling the CPU kernel failed" in nk.kernel_status() and "nothing works" in nk.kernel_status()
+    finally:
+        monkeypatch.undo()
+        nk._library.cache_clear()
+    assert nk.kernel_available()
+
+
+def test_out_of_range_token_is_an_error(tiny_models: dict[str, Path]) -> None:
+    runner = NativeRunner.from_pretrained(tiny_models["llama"], kernel=True)
+    with pytest.raises(ValueError, match="CPU kernel refused"):
+        runner.forward(torch.tensor([runner.vocab_size + 3]), runner.new_cache())
