@@ -44,8 +44,10 @@ REF_8L = dict(
     tie_word_embeddings=True,
 )
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# (runtime, dtype) contenders; hf bf16 is slow where the CPU lacks native bf16 products (AVX2-only).
-CONTENDERS = ["native-bf16", "native-fp32", "hf-bf16", "hf-fp32"]
+# (runtime, dtype) contenders: "kernel" is the native runtime's one-call C++ CPU kernel (its default on CPU),
+# "native" the same runtime through PyTorch operators (kernel=False); hf bf16 is slow where the CPU lacks
+# native bf16 products (AVX2-only).
+CONTENDERS = ["kernel-bf16", "kernel-fp32", "native-bf16", "native-fp32", "hf-bf16", "hf-fp32"]
 
 
 def shape_config(name: str) -> dict[str, Any]:
@@ -70,8 +72,8 @@ def load(path: Path, contender: str) -> Any:
     from specdec.runtime.native import NativeRunner
 
     runtime, dt = contender.split("-")
-    if runtime == "native":
-        return NativeRunner.from_pretrained(path, dtype=DTYPES[dt])
+    if runtime in ("native", "kernel"):
+        return NativeRunner.from_pretrained(path, dtype=DTYPES[dt], kernel=runtime == "kernel")
     return HFRunner.from_pretrained(path, dtype=DTYPES[dt])
 
 

@@ -31,7 +31,9 @@ from specdec.runtime.native_config import NativeConfig, rope_tables
 from specdec.runtime.native_weights import ModelWeights
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 1
+ABI_VERSION = 2
+# sd_forward's profile phases, in the kernel's order (PH_*).
+PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 CXX_FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-fopenmp"]
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Prompts longer than this are prefilled in chunks of this many tokens (bounds the scratch memory).
@@ -143,6 +145,7 @@ def _library() -> ctypes.CDLL | None:
         lib.sd_forward.restype = ctypes.c_int
         lib.sd_forward.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         lib.sd_forward.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+        lib.sd_forward.argtypes += [ctypes.c_void_p]
         lib.sd_scratch_floats.restype = ctypes.c_int64
         lib.sd_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     _STATUS["reason"] = why
@@ -215,19 +218,43 @@ class FusedLlama:
             layers,
         )
         self._layers, self._keep = layers, keep
-        self._scratch = threading.local()
+        self._scratch = threading.local()  # per calling thread: concurrent requests never share scratch
+        self._scratch_floats: dict[tuple[int, int], int] = {}
+        self._model_ref = ctypes.byref(self._model)
         self.vocab_size = int(weights.lm_head.shape[0])
 
+    def profile(self, ids: torch.Tensor, kv: torch.Tensor, pos: int, last_only: bool, steps: int) -> dict[str, float]:
+        """Seconds per call of each phase, and of the whole call (``"total"``), over ``steps`` calls at ``pos``."""
+        import time
+
+        acc = torch.zeros(len(PHASES), dtype=torch.float64)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            self.forward(ids, kv, pos, last_only, profile=acc)
+        total = (time.perf_counter() - t0) / steps
+        out = {name: float(v) / steps for name, v in zip(PHASES, acc)}
+        out["outside phases (call, embedding, thread start)"] = total - sum(out.values())
+        out["total"] = total
+        return out
+
     def _scratch_for(self, k: int, threads: int) -> torch.Tensor:
-        need = int(self._lib.sd_scratch_floats(ctypes.byref(self._model), k, threads))
+        need = self._scratch_floats.get((k, threads))
+        if need is None:
+            need = self._scratch_floats[(k, threads)] = int(self._lib.sd_scratch_floats(self._model_ref, k, threads))
         buf = getattr(self._scratch, "buf", None)
         if buf is None or buf.numel() < need:
             buf = self._scratch.buf = torch.empty(need, dtype=torch.float32)
         return buf
 
-    def forward(self, ids: torch.Tensor, kv: torch.Tensor, pos: int, last_only: bool) -> torch.Tensor:
-        """Logits ``[k or 1, vocab]`` of ``ids`` at ``pos..``; writes the keys/values into ``kv``."""
-        ids = ids.to(torch.int64).contiguous()
+    def forward(
+        self, ids: torch.Tensor, kv: torch.Tensor, pos: int, last_only: bool, profile: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Logits ``[k or 1, vocab]`` of ``ids`` at ``pos..``; writes the keys/values into ``kv``.
+
+        ``profile``: a float64 tensor of ``len(PHASES)`` to which each phase's seconds are added.
+        """
+        if ids.dtype != torch.int64 or not ids.is_contiguous():
+            ids = ids.to(torch.int64).contiguous()
         k = int(ids.shape[0])
         threads = max(1, torch.get_num_threads())
         out = torch.empty(1 if last_only else k, self.vocab_size, dtype=torch.float32)
@@ -239,7 +266,7 @@ class FusedLlama:
             dest = out[-1:] if last_only else out[done : done + n]
             scratch = self._scratch_for(n, threads)
             rc = self._lib.sd_forward(
-                ctypes.byref(self._model),
+                self._model_ref,
                 ids.data_ptr() + 8 * done,
                 n,
                 pos + done,
@@ -248,6 +275,7 @@ class FusedLlama:
                 rows,
                 scratch.data_ptr(),
                 threads,
+                None if profile is None else profile.data_ptr(),
             )
             if rc != 0:
                 raise ValueError(f"CPU kernel refused the call (ids out of range or position {pos + done} beyond the cache)")

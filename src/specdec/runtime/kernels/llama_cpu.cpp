@@ -29,6 +29,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 enum { WT_F32 = 0, WT_BF16 = 1, WT_F16 = 2 };
 
@@ -54,7 +55,18 @@ struct SdModel {
     const SdLayer* layers;
 };
 
-extern "C" int sd_abi_version(void) { return 1; }
+extern "C" int sd_abi_version(void) { return 2; }
+
+// Phases of a forward, for the optional per-phase profile (sd_forward's `prof`, seconds added per phase).
+enum {
+    PH_NORM, PH_QKV, PH_ROPE_CACHE, PH_ATTENTION, PH_O_PROJ, PH_GATE_UP, PH_SILU_MUL, PH_DOWN, PH_HEAD, PH_COUNT
+};
+
+static inline double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Vector helpers
@@ -297,7 +309,20 @@ static void attend(const float* q, const float* K, const float* V, int64_t lo, i
         sum += scores[j];
     }
     const float inv = 1.0f / sum;
+    // out = sum_j scores[j] V[j], 64 columns (8 independent chains) per pass over the positions.
     int64_t c = 0;
+    for (; c + 64 <= hd; c += 64) {
+        __m256 o[8];
+        for (int i = 0; i < 8; i++) o[i] = _mm256_setzero_ps();
+        for (int64_t jj = 0; jj < n; jj++) {
+            const __m256 sj = _mm256_set1_ps(scores[jj]);
+            const float* v = V + (lo + jj) * hd + c;
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) o[i] = _mm256_fmadd_ps(sj, _mm256_loadu_ps(v + 8 * i), o[i]);
+        }
+        const __m256 iv = _mm256_set1_ps(inv);
+        for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + c + 8 * i, _mm256_mul_ps(o[i], iv));
+    }
     for (; c + 8 <= hd; c += 8) {
         __m256 o = _mm256_setzero_ps();
         for (int64_t jj = 0; jj < n; jj++)
@@ -321,9 +346,11 @@ extern "C" int64_t sd_scratch_floats(const SdModel* m, int64_t k, int64_t thread
 }
 
 // Runs ids[0..k) at positions pos..pos+k-1, writing keys/values into kv. Logits for the last
-// `out_rows` tokens (0, 1 or k) go to logits[out_rows][vocab]. Returns 0, or -1 on bad arguments.
+// `out_rows` tokens (0, 1 or k) go to logits[out_rows][vocab]. With `prof` (PH_COUNT doubles, else
+// NULL) the seconds of each phase are added to it, timed by thread 0 after each phase's barrier.
+// Returns 0, or -1 on bad arguments.
 extern "C" int sd_forward(const SdModel* m, const int64_t* ids, int64_t k, int64_t pos, float* kv, float* logits,
-               int64_t out_rows, float* scratch, int64_t threads) {
+                          int64_t out_rows, float* scratch, int64_t threads, double* prof) {
     if (k < 1 || pos < 0 || pos + k > m->max_ctx || out_rows < 0 || out_rows > k || threads < 1) return -1;
     for (int64_t t = 0; t < k; t++)
         if (ids[t] < 0 || ids[t] >= m->vocab) return -1;
@@ -343,13 +370,23 @@ extern "C" int sd_forward(const SdModel* m, const int64_t* ids, int64_t k, int64
 #pragma omp parallel num_threads((int)threads)
     {
         float* scores = score_base + (int64_t)omp_get_thread_num() * (C + 16);
+        const int timer = prof != NULL && omp_get_thread_num() == 0;
+        double last = timer ? now_s() : 0.0;
+#define PHASE_DONE(ph)                     \
+    if (timer) {                           \
+        const double t_ = now_s();         \
+        prof[ph] += t_ - last;             \
+        last = t_;                         \
+    }
         for (int64_t l = 0; l < m->n_layers; l++) {
             const SdLayer* L = m->layers + l;
             float* keys = kv + ((l * 2 + 0) * KV) * C * hd;
             float* vals = kv + ((l * 2 + 1) * KV) * C * hd;
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < k; t++) rms_norm(x + t * d, h + t * d, d, m->eps);
+            PHASE_DONE(PH_NORM)
             gemm(wt, h, d, L->wqkv, L->bqkv, qkv, nqkv, k, d, nqkv, 0);
+            PHASE_DONE(PH_QKV)
             // RoPE on query and key heads; keys and values into the cache.
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < k; t++) {
@@ -361,6 +398,7 @@ extern "C" int sd_forward(const SdModel* m, const int64_t* ids, int64_t k, int64
                     memcpy(vals + (g * C + p) * hd, row + (H + KV + g) * hd, hd * sizeof(float));
                 }
             }
+            PHASE_DONE(PH_ROPE_CACHE)
 #pragma omp for schedule(static)
             for (int64_t th = 0; th < k * H; th++) {
                 const int64_t t = th / H, head = th % H, g = head / G, p = pos + t;
@@ -368,20 +406,28 @@ extern "C" int sd_forward(const SdModel* m, const int64_t* ids, int64_t k, int64
                 attend(qkv + t * nqkv + head * hd, keys + g * C * hd, vals + g * C * hd, lo, p, hd, scores,
                        att + t * H * hd + head * hd);
             }
+            PHASE_DONE(PH_ATTENTION)
             gemm(wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1);
+            PHASE_DONE(PH_O_PROJ)
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < k; t++) rms_norm(x + t * d, h + t * d, d, m->eps);
+            PHASE_DONE(PH_NORM)
             gemm(wt, h, d, L->wgu, L->bgu, gu, 2 * ff, k, d, 2 * ff, 0);
+            PHASE_DONE(PH_GATE_UP)
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < k; t++) silu_mul(gu + t * 2 * ff, gu + t * 2 * ff + ff, act + t * ff, ff);
+            PHASE_DONE(PH_SILU_MUL)
             gemm(wt, act, ff, L->wd, L->bd, x, d, k, ff, d, 1);
+            PHASE_DONE(PH_DOWN)
         }
         if (out_rows > 0) {
             const int64_t first = k - out_rows;
 #pragma omp for schedule(static)
             for (int64_t t = first; t < k; t++) rms_norm(x + t * d, h + t * d, d, m->eps);
             gemm(wt, h + first * d, d, m->lm_head, NULL, logits, m->vocab, out_rows, d, m->vocab, 0);
+            PHASE_DONE(PH_HEAD)
         }
+#undef PHASE_DONE
     }
     return 0;
 }
