@@ -9,7 +9,8 @@ Builds random-init Llama checkpoints of the reference shapes (timing only, weigh
 For each shape, runtime/dtype and block size k, the runner holds ~100 tokens in cache; each call runs
 k tokens and is rolled back, so the context stays put. All contenders of a shape take turns in rounds
 (A B C ... A B C ...) so machine noise hits them alike; the table gives medians (and ms per token).
-Then a torch.profiler table of native k=1 decode steps (top ops by self CPU time, per step).
+Then a profile of one step: for the operator path a torch.profiler table of k=1 decode steps (top ops by
+self CPU time, per step); for the CPU kernel (one opaque call) its own per-phase timers, k=1 and k=4.
 
     python benchmarks/native_step.py                               # all shapes, 1 thread
     python benchmarks/native_step.py --shapes 8L-d256 --threads 1 2 --rounds 8
@@ -120,6 +121,8 @@ def profile_step(path: Path, contender: str, context: int, steps: int, rows: int
     cache = runner.new_cache()
     runner.forward(torch.arange(context) % 8192, cache)
     tok = torch.tensor([7])
+    if contender.startswith("kernel"):  # one opaque call: the kernel times its own phases
+        return kernel_profile(runner, cache, context, steps)
     for _ in range(20):
         runner.forward(tok, cache)
         cache.crop(context)
@@ -140,6 +143,20 @@ def profile_step(path: Path, contender: str, context: int, steps: int, rows: int
             f"{e.self_cpu_time_total / steps:13.1f} {e.count / steps:11.1f}"
         )
     return "\n".join(lines)
+
+
+def kernel_profile(runner: Any, cache: Any, context: int, steps: int) -> str:
+    """The CPU kernel's per-phase times (thread 0, after each phase's barrier) for k = 1 and a 4-token block."""
+    lines = []
+    for k, last_only in ((1, True), (4, False)):
+        ids = torch.arange(k) + 7
+        prof = runner._fused.profile(ids, cache.kv, context, last_only, steps)
+        total = prof.pop("total")
+        lines.append(f"kernel, k={k}, {steps} calls, {torch.get_num_threads()} thread(s): {total * 1e3:.3f} ms per call")
+        lines.append(f"{'phase (all layers)':48s} {'share':>6s} {'µs/call':>9s}")
+        lines += [f"{name:48s} {100 * v / total:5.1f}% {v * 1e6:9.1f}" for name, v in prof.items()]
+        lines.append("")
+    return "\n".join(lines).rstrip()
 
 
 def machine() -> str:
@@ -197,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.flush()
             print(f"\n(load average now {os.getloadavg()[0]:.2f})\n")
             if args.profile_steps and args.profile_shape in paths:
-                for c in (c for c in args.contenders if c.startswith("native")):
+                for c in (c for c in args.contenders if c.startswith(("native", "kernel"))):
                     try:
                         table = profile_step(
                             paths[args.profile_shape], c, args.context, args.profile_steps, args.profile_rows

@@ -172,6 +172,16 @@ def test_ratios_consistent_with_tokens_per_s(report: dict[str, Any]) -> None:
             assert r["decode_tokens_per_s"] > r["tokens_per_s"]
             decode_speedup = r["decode_tokens_per_s"] / rows["target_only"]["decode_tokens_per_s"]
             assert math.isclose(r["decode_efficiency"], decode_speedup / expected, rel_tol=1e-12)
+            # The variant pricing a verify pass at its measured cost v (block pass / one-token pass):
+            # E[tokens] / (τc + v), i.e. the formula with c/v, divided by v.
+            v = r["verify_cost_ratio"]
+            assert v > 0 and math.isclose(v, r["t_target_pass"] / rows["target_only"]["t_target_pass"], rel_tol=1e-12)
+            a, tau = r["alpha_per_token"], r["tau"]
+            tokens_per_pass = (1 - a ** (tau + 1)) / (1 - a) if a < 1 else tau + 1
+            assert math.isclose(r["ideal_speedup_measured_verify"], tokens_per_pass / (tau * r["c"] + v), rel_tol=1e-9)
+            assert math.isclose(
+                r["decode_efficiency_measured_verify"], decode_speedup / r["ideal_speedup_measured_verify"], rel_tol=1e-12
+            )
         if r["kind"].startswith("hf_"):
             assert r["decode_tokens_per_s"] is None  # generate() does not report its prefill time
 

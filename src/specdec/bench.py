@@ -223,6 +223,11 @@ def summarize(contenders: Sequence[Contender], cfg: BenchConfig, runs: Runs, not
             if r.get("ideal_speedup") and r["decode_speedup_vs_target_only"] is not None
             else None
         )
+        r["decode_efficiency_measured_verify"] = (
+            r["decode_speedup_vs_target_only"] / r["ideal_speedup_measured_verify"]
+            if r.get("ideal_speedup_measured_verify") and r["decode_speedup_vs_target_only"] is not None
+            else None
+        )
     best = best_speculative(rows)
     return {
         "version": SCHEMA_VERSION,

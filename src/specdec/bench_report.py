@@ -56,6 +56,12 @@ def summary(report: dict[str, Any]) -> str:
             f"{fixed['decode_speedup_vs_target_only']:.2f}× target-only, "
             f"efficiency {fixed['decode_efficiency']:.0%} of the ideal formula"
         )
+    if fixed and fixed.get("decode_efficiency_measured_verify") is not None:
+        out.append(
+            f"with the measured verify cost (a {fixed['tau'] + 1}-token pass = {fixed['verify_cost_ratio']:.2f}× a "
+            f"one-token pass) the formula gives {fixed['ideal_speedup_measured_verify']:.2f}×: decode-only "
+            f"efficiency {fixed['decode_efficiency_measured_verify']:.0%} (the rest: host overhead, clustered rejections)"
+        )
     t = report.get("trace_overhead") or {}
     if "overhead" in t:
         out.append(
