@@ -152,7 +152,9 @@ def kernel_profile(runner: Any, cache: Any, context: int, steps: int) -> str:
         ids = torch.arange(k) + 7
         prof = runner._fused.profile(ids, cache.kv, context, last_only, steps)
         total = prof.pop("total")
-        lines.append(f"kernel, k={k}, {steps} calls, {torch.get_num_threads()} thread(s): {total * 1e3:.3f} ms per call")
+        lines.append(
+            f"kernel, k={k}, {steps} calls, {torch.get_num_threads()} thread(s): {total * 1e3:.3f} ms per call"
+        )
         lines.append(f"{'phase (all layers)':48s} {'share':>6s} {'µs/call':>9s}")
         lines += [f"{name:48s} {100 * v / total:5.1f}% {v * 1e6:9.1f}" for name, v in prof.items()]
         lines.append("")

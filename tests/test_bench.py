@@ -180,7 +180,9 @@ def test_ratios_consistent_with_tokens_per_s(report: dict[str, Any]) -> None:
             tokens_per_pass = (1 - a ** (tau + 1)) / (1 - a) if a < 1 else tau + 1
             assert math.isclose(r["ideal_speedup_measured_verify"], tokens_per_pass / (tau * r["c"] + v), rel_tol=1e-9)
             assert math.isclose(
-                r["decode_efficiency_measured_verify"], decode_speedup / r["ideal_speedup_measured_verify"], rel_tol=1e-12
+                r["decode_efficiency_measured_verify"],
+                decode_speedup / r["ideal_speedup_measured_verify"],
+                rel_tol=1e-12,
             )
         if r["kind"].startswith("hf_"):
             assert r["decode_tokens_per_s"] is None  # generate() does not report its prefill time

@@ -51,7 +51,11 @@ def test_chunked_prefill_equals_one_pass(tiny_models: dict[str, Path], monkeypat
     monkeypatch.setattr(nk, "CHUNK", 7)  # 50 tokens: 7 chunks, the last one short
     assert torch.equal(prefill(runner, ids), whole)
     chunked_last = runner.forward(ids, runner.new_cache(), last_only=True)
-    assert chunked_last.shape == (1, runner.vocab_size) and torch.equal(chunked_last, last) and torch.equal(last, whole[-1:])
+    assert (
+        chunked_last.shape == (1, runner.vocab_size)
+        and torch.equal(chunked_last, last)
+        and torch.equal(last, whole[-1:])
+    )
 
 
 def test_thread_count_does_not_change_results(tiny_models: dict[str, Path]) -> None:

@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from specdec.errors import ContextLengthError, ModelLoadError, UnsupportedError
 from specdec.runtime.base import KVCache, ModelRunner, check_batch_one
 from specdec.runtime.hf import check_checkpoint_dir
-from specdec.runtime.native_kernel import WEIGHT_TYPES, FusedLlama, kernel_available, kernel_status
 from specdec.runtime.native_config import (
     DEFAULT_CACHE_LIMIT,
     FAMILIES,
@@ -37,6 +36,7 @@ from specdec.runtime.native_config import (
     rope_cis,
     rope_tables,
 )
+from specdec.runtime.native_kernel import WEIGHT_TYPES, FusedLlama, kernel_available, kernel_status
 from specdec.runtime.native_ops import DenseOps, HalfOps, Ops, choose_ops, half_fits, prepare_layer
 from specdec.runtime.native_weights import ModelWeights, load_weights
 

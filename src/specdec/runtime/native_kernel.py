@@ -162,7 +162,6 @@ def kernel_status() -> str:
     return _STATUS.get("reason") or "available"
 
 
-
 class FusedLlama:
     """A checkpoint's weights laid out for ``sd_forward``; one instance per runner, shared by its caches."""
 
@@ -278,6 +277,8 @@ class FusedLlama:
                 None if profile is None else profile.data_ptr(),
             )
             if rc != 0:
-                raise ValueError(f"CPU kernel refused the call (ids out of range or position {pos + done} beyond the cache)")
+                raise ValueError(
+                    f"CPU kernel refused the call (ids out of range or position {pos + done} beyond the cache)"
+                )
             done += n
         return out
