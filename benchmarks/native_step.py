@@ -122,7 +122,7 @@ def profile_step(path: Path, contender: str, context: int, steps: int, rows: int
     runner.forward(torch.arange(context) % 8192, cache)
     tok = torch.tensor([7])
     if contender.startswith("kernel"):  # one opaque call: the kernel times its own phases
-        return kernel_profile(runner, cache, context, steps)
+        return kernel_profile(contender, runner, cache, context, steps)
     for _ in range(20):
         runner.forward(tok, cache)
         cache.crop(context)
@@ -145,7 +145,7 @@ def profile_step(path: Path, contender: str, context: int, steps: int, rows: int
     return "\n".join(lines)
 
 
-def kernel_profile(runner: Any, cache: Any, context: int, steps: int) -> str:
+def kernel_profile(contender: str, runner: Any, cache: Any, context: int, steps: int) -> str:
     """The CPU kernel's per-phase times (thread 0, after each phase's barrier) for k = 1 and a 4-token block."""
     lines = []
     for k, last_only in ((1, True), (4, False)):

@@ -120,3 +120,16 @@ def test_out_of_range_token_is_an_error(tiny_models: dict[str, Path]) -> None:
     runner = NativeRunner.from_pretrained(tiny_models["llama"], kernel=True)
     with pytest.raises(ValueError, match="CPU kernel refused"):
         runner.forward(torch.tensor([runner.vocab_size + 3]), runner.new_cache())
+
+
+def test_status_names_the_instruction_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """AVX512-BF16 products where the CPU has them; SPECDEC_CPU_KERNEL_ISA=avx2 forces the fp32 AVX2 build."""
+    assert nk.kernel_status() == f"available ({nk.kernel_isa()})"
+    monkeypatch.setenv(nk.ISA_SWITCH, "avx2")
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    nk._library.cache_clear()
+    try:
+        assert nk.kernel_isa() == "avx2" and nk.kernel_status() == "available (avx2)"
+    finally:
+        monkeypatch.undo()
+        nk._library.cache_clear()

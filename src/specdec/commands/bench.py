@@ -113,6 +113,7 @@ def load_models(settings: ModelSettings, with_hf: bool) -> Any:
     from specdec.engine import Engine
     from specdec.policy import FixedPolicy
     from specdec.runtime import resolve_dtype
+    from specdec.runtime.native_kernel import kernel_status
 
     spec = settings.load()
     target_only = Engine(spec.target, spec.tokenizer, None, FixedPolicy(0), max_context=spec.max_context)
@@ -148,6 +149,10 @@ def load_models(settings: ModelSettings, with_hf: bool) -> Any:
         "hf_dtype": str(hf_dtype).removeprefix("torch.") if with_hf else None,
         "hf_draft_dtype": str(hf_draft_dtype).removeprefix("torch.") if with_hf and draft_runner else None,
         "device": str(spec.target.device),
+        # native runtime: "cpu-kernel" (the one-call C++ kernel) or "torch-<products>"; why the kernel is off.
+        "target_backend": getattr(spec.target, "backend", None),
+        "draft_backend": getattr(draft_runner, "backend", None),
+        "cpu_kernel": kernel_status(),
     }
     return BenchModels(spec=spec if drafter is not None else None, target_only=target_only, hf=hf, info=info)
 

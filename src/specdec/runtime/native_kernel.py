@@ -31,10 +31,14 @@ from specdec.runtime.native_config import NativeConfig, rope_tables
 from specdec.runtime.native_weights import ModelWeights
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 2
+ABI_VERSION = 3
 # sd_forward's profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 CXX_FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-fopenmp"]
+# On CPUs with AVX512-BF16, bf16 weights multiply activations rounded to bf16 (VDPBF16PS); elsewhere,
+# or with SPECDEC_CPU_KERNEL_ISA=avx2, everything runs in fp32 arithmetic on AVX2.
+ISA_FLAGS = {"avx2": [], "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-DSD_AVX512BF16=1"]}
+ISA_SWITCH = "SPECDEC_CPU_KERNEL_ISA"
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Prompts longer than this are prefilled in chunks of this many tokens (bounds the scratch memory).
 CHUNK = 128
@@ -84,24 +88,40 @@ def _openmp_link() -> list[str]:
     return ["-fopenmp"]
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def _cpu_ok() -> str | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the CPU kernel is x86-64 only (this machine: {platform.machine()})"
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        flags = set()
-    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags]
+    missing = [f for f in ("avx2", "fma", "f16c") if f not in _cpu_flags()]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
     return None
 
 
+def kernel_isa() -> str:
+    """``"avx512bf16"`` where the CPU has AVX512-BF16 (bf16 dot products) unless ``SPECDEC_CPU_KERNEL_ISA=avx2``,
+    else ``"avx2"``."""
+    has = _cpu_flags() >= {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    if os.environ.get(ISA_SWITCH, "").strip().lower() == "avx2":  # only a downgrade can be forced
+        return "avx2"
+    return "avx512bf16" if has else "avx2"
+
+
 def _build(cxx: str) -> Path:
     src = SOURCE.read_bytes()
     link = _openmp_link()
+    flags = CXX_FLAGS + ISA_FLAGS[kernel_isa()]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(b"\0".join([src, " ".join(CXX_FLAGS + link).encode(), version.encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([src, " ".join(flags + link).encode(), version.encode()])).hexdigest()[:16]
     out = _cache_dir() / key / "llama_cpu.so"
     if out.exists():
         return out
@@ -109,7 +129,7 @@ def _build(cxx: str) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
         for cmd in (
-            [cxx, *CXX_FLAGS, "-c", str(SOURCE), "-o", str(obj)],
+            [cxx, *flags, "-c", str(SOURCE), "-o", str(obj)],
             [cxx, "-shared", str(obj), "-o", str(lib), *link],
         ):
             res = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -157,9 +177,12 @@ def kernel_available() -> bool:
 
 
 def kernel_status() -> str:
-    """``"available"`` or why the CPU kernel is not used (for logs and ``specdec bench``'s JSON)."""
-    _library()
-    return _STATUS.get("reason") or "available"
+    """``"available (avx2)"`` / ``"available (avx512bf16)"``, or why the CPU kernel is not used (for logs and
+    ``specdec bench``'s JSON)."""
+    lib = _library()
+    if lib is None:
+        return _STATUS.get("reason") or "unavailable"
+    return f"available ({'avx512bf16' if lib.sd_bf16_dot() else 'avx2'})"
 
 
 class FusedLlama:
