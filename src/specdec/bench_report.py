@@ -107,6 +107,9 @@ def plot(report: dict[str, Any], path: str | Path) -> None:
     ideal = [(r["tau"], r["ideal_speedup"]) for r in fixed if r["ideal_speedup"] is not None]
     if ideal:
         ax2.plot(*zip(*ideal), "s--", label="ideal (measured α, c)")
+    priced = [(r["tau"], r["ideal_speedup_measured_verify"]) for r in fixed if r.get("ideal_speedup_measured_verify")]
+    if priced:
+        ax2.plot(*zip(*priced), "^:", label="ideal, verify at its measured cost")
     _ideal_curve(ax2, fixed)
     for i, r in enumerate(others):
         style = dict(color=f"C{(i + 2) % 10}", linestyle=":" if r["kind"].startswith("hf_") else "-.", linewidth=1.2)
