@@ -7,12 +7,41 @@ from typing import Any
 
 
 class TextDecoder:
+    """Text of a growing token sequence, without re-decoding all of it at every step.
+
+    Decoding the whole sequence each step costs O(n) per step, O(n²) per request. Instead the text of
+    the ids seen so far is cached once it is complete (no trailing U+FFFD of a cut UTF-8 sequence), and
+    a later call decodes only from ``OVERLAP`` tokens before the cached end: the overlap gives tokenizers
+    that treat a sequence's first token specially (a dropped leading space) or clean up across a
+    boundary the same left context they had, and its text must reproduce the cached text's end, else
+    (or for any sequence that does not extend the cached one) the whole sequence is decoded.
+    """
+
+    OVERLAP = 4
+
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._ids: list[int] = []  # ids whose text is cached
+        self._text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        text: str = self.tokenizer.decode(ids, skip_special_tokens=True)
+        return text
 
     def text_for(self, ids: Sequence[int], final: bool) -> str:
         """Text of ``ids``; unless ``final``, a trailing incomplete UTF-8 sequence (U+FFFD) is held back."""
-        text: str = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        ids = list(ids)
+        n = len(self._ids)
+        text = None
+        if n and len(ids) >= n and ids[:n] == self._ids:
+            start = max(0, n - self.OVERLAP)
+            head, whole = self._decode(ids[start:n]), self._decode(ids[start:])
+            if whole.startswith(head) and self._text.endswith(head):
+                text = self._text + whole[len(head) :]
+        if text is None:
+            text = self._decode(ids)
+        if not text.endswith("\ufffd"):
+            self._ids, self._text = ids, text
         if not final:
             text = text.rstrip("\ufffd")
         return text

@@ -14,7 +14,9 @@ from specdec.sampling import SamplingParams
 @dataclass
 class Draft:
     tokens: torch.Tensor  # [τ'] int64, τ' <= the τ asked for (a drafter may propose fewer)
-    probs: torch.Tensor  # [τ', V] the draft distribution q each token was drawn from
+    # [τ', V] the draft distribution q each token was drawn from; None from a greedy draft model, whose
+    # distributions greedy verification never reads (computing them costs a softmax over the vocabulary).
+    probs: torch.Tensor | None
     confidence: list[float] = field(default_factory=list)  # the draft's top probability at each position
 
 

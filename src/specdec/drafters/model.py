@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +16,21 @@ from specdec.sampling import SamplingParams, logits_to_probs, sample
 class DraftModelState:
     cache: KVCache
     held: list[int] = field(default_factory=list)  # token ids whose keys/values are in the cache
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix, by list-slice comparisons (C loops) and bisection: the
+    sequences share all but their last few tokens, so this is a few comparisons, not a Python loop."""
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 class ModelDrafter(Drafter):
@@ -49,17 +65,15 @@ class ModelDrafter(Drafter):
     ) -> Draft:
         # Roll back to the longest prefix shared with the verified context, then catch up on
         # what was verified since (e.g. held = c + [a, b, x], context = c + [a, b, y]: keep c+[a, b], feed y).
-        keep = 0
-        held = state.held
-        limit = min(len(held), len(context))
-        while keep < limit and held[keep] == context[keep]:
-            keep += 1
+        keep = _common_prefix(state.held, context)
         keep = min(keep, len(context) - 1)  # at least one token must be fed to get the next distribution
         state.cache.crop(keep)
         device = self.runner.device
         feed = torch.tensor(context[keep:], dtype=torch.long, device=device)
         state.held = list(context)
         logits = self.runner.forward(feed, state.cache, last_only=True)[-1]
+        if params.greedy:
+            return self._propose_greedy(state, logits, tau, min_confidence)
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         confidence: list[float] = []
@@ -79,3 +93,24 @@ class ModelDrafter(Drafter):
             empty = torch.empty(0, dtype=torch.long, device=device)
             return Draft(empty, torch.empty(0, self.vocab_size, device=device), [])
         return Draft(torch.cat(tokens), torch.stack(probs), confidence)
+
+    def _propose_greedy(
+        self, state: DraftModelState, logits: torch.Tensor, tau: int, min_confidence: float | None
+    ) -> Draft:
+        """Greedy drafting with the least work per token: an argmax and a log-sum-exp (the top probability,
+        for confidence stops and the policies); no distributions, which greedy verification never reads."""
+        tokens: list[int] = []
+        confidence: list[float] = []
+        for t in range(tau):
+            row = self._fit_vocab(logits).float()
+            y = int(row.argmax())
+            top = math.exp(float(row[y]) - float(torch.logsumexp(row, 0)))
+            if min_confidence is not None and top < min_confidence:
+                break
+            tokens.append(y)
+            confidence.append(top)
+            if t + 1 < tau:
+                ids = torch.tensor([y], dtype=torch.long, device=self.runner.device)
+                logits = self.runner.forward(ids, state.cache, last_only=True)[-1]
+                state.held.append(y)
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=self.runner.device), None, confidence)

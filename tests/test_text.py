@@ -1,0 +1,66 @@
+"""Incremental detokenisation: the cached text of a growing sequence equals decoding it whole, every step."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from specdec.api import default_target, load_tokenizer
+from specdec.text import TextDecoder
+
+
+def tokenizers(tiny_models: dict[str, Path]) -> list[Any]:
+    out = [load_tokenizer(tiny_models["llama"])]
+    if (default_target() / "tokenizer.json").exists():
+        out.append(load_tokenizer(default_target()))  # byte-level BPE: ids can cut UTF-8 sequences
+    return out
+
+
+class Counting:
+    """A tokenizer proxy that counts the tokens it is asked to decode."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok, self.tokens = tok, 0
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        self.tokens += len(ids)
+        text: str = self.tok.decode(ids, **kwargs)
+        return text
+
+
+def whole(tok: Any, ids: list[int], final: bool) -> str:
+    text: str = tok.decode(ids, skip_special_tokens=True)
+    return text if final else text.rstrip("\ufffd")
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_incremental_text_equals_whole_decode(tiny_models: dict[str, Path], seed: int) -> None:
+    rng = random.Random(seed)  # deterministic: no false failures
+    for tok in tokenizers(tiny_models):
+        vocab = len(tok)
+        # Real text (spaces, punctuation, newlines, non-ASCII) plus random ids, appended 1-5 at a time.
+        ids = tok.encode("def f(x):\n    return x  # naïve café, 東京 ✓ .,;", add_special_tokens=False)
+        ids += [rng.randrange(vocab) for _ in range(150)]
+        counting = Counting(tok)
+        dec, pos, steps = TextDecoder(counting), 0, 0
+        while pos < len(ids):
+            pos = min(len(ids), pos + rng.randint(1, 5))
+            final = pos == len(ids)
+            assert dec.text_for(ids[:pos], final) == whole(tok, ids[:pos], final), (seed, pos)
+            steps += 1
+        # Incremental, not quadratic: whole decodes would have cost ~steps·len/2 tokens.
+        assert counting.tokens < 0.25 * steps * len(ids) / 2, (counting.tokens, steps, len(ids))
+
+
+def test_a_sequence_that_does_not_extend_the_cached_one_is_decoded_whole(tiny_models: dict[str, Path]) -> None:
+    """The engine also asks for trial sequences (stop-string search), which need not extend the last one."""
+    tok = load_tokenizer(tiny_models["llama"])
+    ids = tok.encode("hello world, this is a test", add_special_tokens=False)
+    dec = TextDecoder(tok)
+    assert dec.text_for(ids, final=False) == whole(tok, ids, False)
+    other = ids[:3] + tok.encode(" something else", add_special_tokens=False)
+    assert dec.text_for(other, final=False) == whole(tok, other, False)
+    assert dec.text_for(ids[:2], final=True) == whole(tok, ids[:2], True)
