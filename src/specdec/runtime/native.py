@@ -150,26 +150,22 @@ class NativeRunner(ModelRunner):
             raise UnsupportedError(f"the CPU kernel cannot run {path}: {why}")
         if kernel is None:
             kernel = dev.type == "cpu" and not compile and dtype in WEIGHT_TYPES and kernel_available()
+        fused = None
         if kernel:
-            weights = load_weights(path, cfg, dev, dtype)
-            return cls(
-                cfg,
-                weights,
-                name=str(path),
-                device=dev,
-                dtype=dtype,
-                ops=DenseOps,
-                max_context=limit,
-                eos_token_ids=_eos_ids(path, raw),
-                fused=FusedLlama(cfg, weights, dtype, limit),
-            )
-        ops = choose_ops(dev, dtype, compile)
-        interleave = (torch.float32 if ops.compute_fp32 else dtype) in (torch.float32, torch.float64) and not compile
-        load_dtype = torch.float32 if ops is HalfOps else dtype
-        weights = load_weights(path, cfg, dev, load_dtype, interleave_rope=interleave, embed_dtype=dtype)
-        if ops is HalfOps and not half_fits([weights.lm_head, *(w for lw in weights.layers for w in lw.matrices())]):
-            ops = DenseOps  # a weight beyond fp16's range: plain products in ``dtype`` instead
-            weights = load_weights(path, cfg, dev, dtype)
+            weights, ops = load_weights(path, cfg, dev, dtype), DenseOps
+            fused = FusedLlama(cfg, weights, dtype, limit)
+        else:
+            ops = choose_ops(dev, dtype, compile)
+            interleave = (torch.float32 if ops.compute_fp32 else dtype) in (
+                torch.float32,
+                torch.float64,
+            ) and not compile
+            load_dtype = torch.float32 if ops is HalfOps else dtype
+            weights = load_weights(path, cfg, dev, load_dtype, interleave_rope=interleave, embed_dtype=dtype)
+            matrices = [weights.lm_head, *(w for lw in weights.layers for w in lw.matrices())]
+            if ops is HalfOps and not half_fits(matrices):
+                ops = DenseOps  # a weight beyond fp16's range: plain products in ``dtype`` instead
+                weights = load_weights(path, cfg, dev, dtype)
         return cls(
             cfg,
             weights,
@@ -180,6 +176,7 @@ class NativeRunner(ModelRunner):
             max_context=limit,
             eos_token_ids=_eos_ids(path, raw),
             compile=compile,
+            fused=fused,
         )
 
     def new_cache(self) -> NativeCache:

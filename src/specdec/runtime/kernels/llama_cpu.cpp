@@ -196,28 +196,20 @@ static inline __attribute__((always_inline)) void row_dot(const float* X, int64_
 
 // Y[t][r] (+)= X[t] . W[r] + b[r] for t < k, r < m; row blocks split over the team (an orphaned
 // `omp for`: called inside the forward's parallel region). Within a block, every token group
-// re-reads the block's rows from cache rather than memory.
-template <class WT>
-static void gemm_t(const float* X, int64_t ldx, const typename WT::T* W, const float* b, float* Y, int64_t ldy,
-                   int64_t k, int64_t n, int64_t m, int accumulate) {
+// re-reads the block's rows from cache rather than memory. `dots(t0, nt, r, s)` writes the nt sums
+// of tokens t0.. against row r into s.
+template <class Dots>
+static inline void gemm_blocked(const float* b, float* Y, int64_t ldy, int64_t k, int64_t m, int accumulate,
+                                Dots dots) {
     const int64_t blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
 #pragma omp for schedule(static)
     for (int64_t blk = 0; blk < blocks; blk++) {
         const int64_t r0 = blk * ROW_BLOCK, r1 = r0 + ROW_BLOCK < m ? r0 + ROW_BLOCK : m;
         for (int64_t t0 = 0; t0 < k; t0 += TOKEN_GROUP) {
             const int64_t nt = k - t0 < TOKEN_GROUP ? k - t0 : TOKEN_GROUP;
-            const float* xg = X + t0 * ldx;
             for (int64_t r = r0; r < r1; r++) {
                 float s[TOKEN_GROUP];
-                const typename WT::T* w = W + r * n;
-                switch (nt) {
-                    case 1: row_dot<WT, 1>(xg, ldx, w, n, s); break;
-                    case 2: row_dot<WT, 2>(xg, ldx, w, n, s); break;
-                    case 3: row_dot<WT, 3>(xg, ldx, w, n, s); break;
-                    case 4: row_dot<WT, 4>(xg, ldx, w, n, s); break;
-                    case 5: row_dot<WT, 5>(xg, ldx, w, n, s); break;
-                    default: row_dot<WT, 6>(xg, ldx, w, n, s); break;
-                }
+                dots(t0, nt, r, s);
                 for (int64_t t = 0; t < nt; t++) {
                     const float v = b ? s[t] + b[r] : s[t];
                     float* y = Y + (t0 + t) * ldy + r;
@@ -226,6 +218,23 @@ static void gemm_t(const float* X, int64_t ldx, const typename WT::T* W, const f
             }
         }
     }
+}
+
+template <class WT>
+static void gemm_t(const float* X, int64_t ldx, const typename WT::T* W, const float* b, float* Y, int64_t ldy,
+                   int64_t k, int64_t n, int64_t m, int accumulate) {
+    gemm_blocked(b, Y, ldy, k, m, accumulate, [&](int64_t t0, int64_t nt, int64_t r, float* s) {
+        const float* xg = X + t0 * ldx;
+        const typename WT::T* w = W + r * n;
+        switch (nt) {
+            case 1: row_dot<WT, 1>(xg, ldx, w, n, s); break;
+            case 2: row_dot<WT, 2>(xg, ldx, w, n, s); break;
+            case 3: row_dot<WT, 3>(xg, ldx, w, n, s); break;
+            case 4: row_dot<WT, 4>(xg, ldx, w, n, s); break;
+            case 5: row_dot<WT, 5>(xg, ldx, w, n, s); break;
+            default: row_dot<WT, 6>(xg, ldx, w, n, s); break;
+        }
+    });
 }
 
 #ifdef SD_AVX512BF16
@@ -288,32 +297,18 @@ static void to_bf16_rows(const float* X, int64_t ldx, uint16_t* Xb, int64_t k, i
 
 static void gemm_bf16dp(const uint16_t* Xb, const uint16_t* W, const float* b, float* Y, int64_t ldy, int64_t k,
                         int64_t n, int64_t m, int accumulate) {
-    const int64_t blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
-#pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        const int64_t r0 = blk * ROW_BLOCK, r1 = r0 + ROW_BLOCK < m ? r0 + ROW_BLOCK : m;
-        for (int64_t t0 = 0; t0 < k; t0 += TOKEN_GROUP) {
-            const int64_t nt = k - t0 < TOKEN_GROUP ? k - t0 : TOKEN_GROUP;
-            const uint16_t* xg = Xb + t0 * n;
-            for (int64_t r = r0; r < r1; r++) {
-                float s[TOKEN_GROUP];
-                const uint16_t* w = W + r * n;
-                switch (nt) {
-                    case 1: row_dot_bf16dp<1>(xg, n, w, s); break;
-                    case 2: row_dot_bf16dp<2>(xg, n, w, s); break;
-                    case 3: row_dot_bf16dp<3>(xg, n, w, s); break;
-                    case 4: row_dot_bf16dp<4>(xg, n, w, s); break;
-                    case 5: row_dot_bf16dp<5>(xg, n, w, s); break;
-                    default: row_dot_bf16dp<6>(xg, n, w, s); break;
-                }
-                for (int64_t t = 0; t < nt; t++) {
-                    const float v = b ? s[t] + b[r] : s[t];
-                    float* y = Y + (t0 + t) * ldy + r;
-                    *y = accumulate ? *y + v : v;
-                }
-            }
+    gemm_blocked(b, Y, ldy, k, m, accumulate, [&](int64_t t0, int64_t nt, int64_t r, float* s) {
+        const uint16_t* xg = Xb + t0 * n;
+        const uint16_t* w = W + r * n;
+        switch (nt) {
+            case 1: row_dot_bf16dp<1>(xg, n, w, s); break;
+            case 2: row_dot_bf16dp<2>(xg, n, w, s); break;
+            case 3: row_dot_bf16dp<3>(xg, n, w, s); break;
+            case 4: row_dot_bf16dp<4>(xg, n, w, s); break;
+            case 5: row_dot_bf16dp<5>(xg, n, w, s); break;
+            default: row_dot_bf16dp<6>(xg, n, w, s); break;
         }
-    }
+    });
 }
 #endif
 
