@@ -151,8 +151,9 @@ class NativeRunner(ModelRunner):
         if kernel is None:
             kernel = dev.type == "cpu" and not compile and dtype in WEIGHT_TYPES and kernel_available()
         fused = None
+        ops: Ops = DenseOps
         if kernel:
-            weights, ops = load_weights(path, cfg, dev, dtype), DenseOps
+            weights = load_weights(path, cfg, dev, dtype)
             fused = FusedLlama(cfg, weights, dtype, limit)
         else:
             ops = choose_ops(dev, dtype, compile)
