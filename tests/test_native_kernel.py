@@ -133,3 +133,43 @@ def test_status_names_the_instruction_set(monkeypatch: pytest.MonkeyPatch, tmp_p
     finally:
         monkeypatch.undo()
         nk._library.cache_clear()
+
+
+def test_odd_sizes_take_the_tail_paths_and_still_match_transformers(tmp_path: Path) -> None:
+    """hidden 72, head_dim 18, intermediate 100, vocab 97: none a multiple of the 16-wide strides (nor of the
+    AVX512 build's 64), so every product, RoPE and attention runs its remainder code."""
+    import transformers as tf
+
+    from specdec.runtime.hf import HFRunner
+
+    cfg = tf.LlamaConfig(
+        vocab_size=97,
+        hidden_size=72,
+        intermediate_size=100,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(7)
+    model = tf.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.3 + 1.0)
+            else:
+                p.mul_(8.0)
+    model.save_pretrained(str(tmp_path / "odd"), safe_serialization=True)
+    ids = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(8))
+    kernel = NativeRunner.from_pretrained(tmp_path / "odd", dtype=torch.float32, kernel=True)
+    hf = HFRunner.from_pretrained(tmp_path / "odd", dtype=torch.float32)
+    got, want = prefill(kernel, ids), hf.forward(ids, hf.new_cache())
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+    bf = NativeRunner.from_pretrained(tmp_path / "odd", dtype=torch.bfloat16, kernel=True)
+    cache = bf.new_cache()
+    bf.forward(ids[:20], cache)
+    block = bf.forward(ids[20:27], cache)
+    cache.crop(20)
+    assert torch.equal(block, torch.cat([bf.forward(ids[i : i + 1], cache) for i in range(20, 27)]))
