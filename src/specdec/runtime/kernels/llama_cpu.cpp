@@ -55,7 +55,7 @@ struct SdModel {
     const SdLayer* layers;
 };
 
-extern "C" int sd_abi_version(void) { return 3; }
+extern "C" int sd_abi_version(void) { return 4; }
 
 // Which products this build uses for bf16 weights: 1 = AVX512-BF16 dot products, 0 = AVX2 fp32.
 extern "C" int sd_bf16_dot(void) {
@@ -138,6 +138,9 @@ static inline float exp1(float x) {
 #endif
 #ifndef ROW_BLOCK
 #define ROW_BLOCK 16
+#endif
+#ifndef PACKED_MIN_K
+#define PACKED_MIN_K 32  // blocks of more tokens than this take the packed product (prefill)
 #endif
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 2
@@ -312,9 +315,112 @@ static void gemm_bf16dp(const uint16_t* Xb, const uint16_t* W, const float* b, f
 }
 #endif
 
-// Y (+)= X W^T + b. `xb`: scratch for X rounded to bf16 (k * n entries; AVX512-BF16 products only).
+// ---------------------------------------------------------------------------------------------
+// Long blocks (prefill): a packed product. Each 16-row block of W is widened to fp32 and transposed
+// into a per-thread panel [n][16] once, then tiles of 6 tokens x 16 rows accumulate
+// broadcast(x[t][c]) * panel[c] over c: 12 independent chains, two loads and six broadcasts per 12
+// multiply-adds, no per-row reductions. Rounding differs from the row-dot path, so it is used only
+// for blocks of more than PACKED_MIN_K tokens; every shorter block (verify blocks) keeps the exact
+// equality with one-token passes.
+
+static inline void transpose8(__m256& r0, __m256& r1, __m256& r2, __m256& r3, __m256& r4, __m256& r5, __m256& r6,
+                              __m256& r7) {
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+    const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+    const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+    const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r0 = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r1 = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r2 = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r3 = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r4 = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r5 = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r6 = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r7 = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+// panel[c][j] = W[r0 + j][c] as fp32 for j < rows (zeros beyond), c < n.
+template <class WT>
+static void pack_panel(const typename WT::T* W, int64_t n, int64_t r0, int64_t rows, float* panel) {
+    const int64_t n8 = n & ~(int64_t)7;
+    for (int half = 0; half < 2; half++) {
+        const typename WT::T* src[8];
+        int ok[8];
+        for (int j = 0; j < 8; j++) {
+            ok[j] = half * 8 + j < rows;
+            src[j] = W + (r0 + (ok[j] ? half * 8 + j : 0)) * n;
+        }
+        for (int64_t c = 0; c < n8; c += 8) {
+            __m256 v[8];
+            for (int j = 0; j < 8; j++) v[j] = ok[j] ? WT::load8(src[j] + c) : _mm256_setzero_ps();
+            transpose8(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(panel + (c + i) * 16 + half * 8, v[i]);
+        }
+        for (int64_t c = n8; c < n; c++)
+            for (int j = 0; j < 8; j++) panel[c * 16 + half * 8 + j] = ok[j] ? WT::scalar(src[j] + c) : 0.0f;
+    }
+}
+
+template <int NT>
+static inline __attribute__((always_inline)) void panel_tile(const float* X, int64_t ldx, const float* panel,
+                                                             int64_t n, float* out /* [NT][16] */) {
+    __m256 a0[NT], a1[NT];
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) a0[t] = a1[t] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n; c++) {
+        const __m256 p0 = _mm256_loadu_ps(panel + c * 16), p1 = _mm256_loadu_ps(panel + c * 16 + 8);
+#pragma GCC unroll 8
+        for (int t = 0; t < NT; t++) {
+            const __m256 xb = _mm256_broadcast_ss(X + t * ldx + c);
+            a0[t] = _mm256_fmadd_ps(xb, p0, a0[t]);
+            a1[t] = _mm256_fmadd_ps(xb, p1, a1[t]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < NT; t++) {
+        _mm256_storeu_ps(out + t * 16, a0[t]);
+        _mm256_storeu_ps(out + t * 16 + 8, a1[t]);
+    }
+}
+
+template <class WT>
+static void gemm_packed(const float* X, int64_t ldx, const typename WT::T* W, const float* b, float* Y, int64_t ldy,
+                        int64_t k, int64_t n, int64_t m, int accumulate, float* panel) {
+    const int64_t blocks = (m + 15) / 16;
+#pragma omp for schedule(static)
+    for (int64_t blk = 0; blk < blocks; blk++) {
+        const int64_t r0 = blk * 16, rows = m - r0 < 16 ? m - r0 : 16;
+        pack_panel<WT>(W, n, r0, rows, panel);
+        for (int64_t t0 = 0; t0 < k; t0 += 6) {
+            const int64_t nt = k - t0 < 6 ? k - t0 : 6;
+            float s[6 * 16];
+            const float* xg = X + t0 * ldx;
+            switch (nt) {
+                case 1: panel_tile<1>(xg, ldx, panel, n, s); break;
+                case 2: panel_tile<2>(xg, ldx, panel, n, s); break;
+                case 3: panel_tile<3>(xg, ldx, panel, n, s); break;
+                case 4: panel_tile<4>(xg, ldx, panel, n, s); break;
+                case 5: panel_tile<5>(xg, ldx, panel, n, s); break;
+                default: panel_tile<6>(xg, ldx, panel, n, s); break;
+            }
+            for (int64_t t = 0; t < nt; t++)
+                for (int64_t j = 0; j < rows; j++) {
+                    const float v = b ? s[t * 16 + j] + b[r0 + j] : s[t * 16 + j];
+                    float* y = Y + (t0 + t) * ldy + r0 + j;
+                    *y = accumulate ? *y + v : v;
+                }
+        }
+    }
+}
+
+// Y (+)= X W^T + b. `xb`: scratch for X rounded to bf16 (k * n entries; AVX512-BF16 products only);
+// `panel`: this thread's scratch of n * 16 floats (packed products of long blocks).
 static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, const float* b, float* Y, int64_t ldy,
-                 int64_t k, int64_t n, int64_t m, int accumulate, uint16_t* xb) {
+                 int64_t k, int64_t n, int64_t m, int accumulate, uint16_t* xb, float* panel) {
 #ifdef SD_AVX512BF16
     if (wtype == WT_BF16) {
         to_bf16_rows(X, ldx, xb, k, n);  // ends with the team's barrier: every row is ready
@@ -324,6 +430,15 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
 #else
     (void)xb;
 #endif
+    if (k > PACKED_MIN_K) {
+        if (wtype == WT_BF16)
+            gemm_packed<BF16W>(X, ldx, (const uint16_t*)W, b, Y, ldy, k, n, m, accumulate, panel);
+        else if (wtype == WT_F16)
+            gemm_packed<F16W>(X, ldx, (const uint16_t*)W, b, Y, ldy, k, n, m, accumulate, panel);
+        else
+            gemm_packed<F32W>(X, ldx, (const float*)W, b, Y, ldy, k, n, m, accumulate, panel);
+        return;
+    }
     if (wtype == WT_BF16)
         gemm_t<BF16W>(X, ldx, (const uint16_t*)W, b, Y, ldy, k, n, m, accumulate);
     else if (wtype == WT_F16)
@@ -448,7 +563,9 @@ extern "C" int64_t sd_scratch_floats(const SdModel* m, int64_t k, int64_t thread
     int64_t widest = d > m->ff ? d : m->ff;
     widest = widest > m->heads * hd ? widest : m->heads * hd;
     // ... + bf16 copies of a product's input (k * widest 16-bit entries) + per-thread attention scores.
-    return k * (d + d + qkv + m->heads * hd + 2 * m->ff + m->ff) + (k * widest + 1) / 2 + 16 + threads * (m->max_ctx + 16);
+    // Per thread: attention scores, or (at another time) a packed 16-row panel of weights.
+    const int64_t per_thread = (m->max_ctx > 16 * widest ? m->max_ctx : 16 * widest) + 16;
+    return k * (d + d + qkv + m->heads * hd + 2 * m->ff + m->ff) + (k * widest + 1) / 2 + 16 + threads * per_thread;
 }
 
 // Runs ids[0..k) at positions pos..pos+k-1, writing keys/values into kv. Logits for the last
@@ -471,14 +588,15 @@ extern "C" int sd_forward(const SdModel* m, const int64_t* ids, int64_t k, int64
     uint16_t* xb = (uint16_t*)(act + k * ff);  // [k][widest] bf16 product inputs
     int64_t widest = d > ff ? d : ff;
     widest = widest > H * hd ? widest : H * hd;
-    float* score_base = act + k * ff + (k * widest + 1) / 2 + 16;  // [threads][C + 16]
+    float* score_base = act + k * ff + (k * widest + 1) / 2 + 16;  // [threads][per_thread]
+    const int64_t per_thread = (C > 16 * widest ? C : 16 * widest) + 16;
     const int64_t wt = m->wtype;
 
     for (int64_t t = 0; t < k; t++) load_row(wt, m->embed, ids[t], m->embed_stride, x + t * d, d);
 
 #pragma omp parallel num_threads((int)threads)
     {
-        float* scores = score_base + (int64_t)omp_get_thread_num() * (C + 16);
+        float* scores = score_base + (int64_t)omp_get_thread_num() * per_thread;  // also the packing panel
         const int timer = prof != NULL && omp_get_thread_num() == 0;
         double last = timer ? now_s() : 0.0;
 #define PHASE_DONE(ph)                     \
@@ -494,7 +612,7 @@ extern "C" int sd_forward(const SdModel* m, const int64_t* ids, int64_t k, int64
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < k; t++) rms_norm(x + t * d, h + t * d, d, m->eps);
             PHASE_DONE(PH_NORM)
-            gemm(wt, h, d, L->wqkv, L->bqkv, qkv, nqkv, k, d, nqkv, 0, xb);
+            gemm(wt, h, d, L->wqkv, L->bqkv, qkv, nqkv, k, d, nqkv, 0, xb, scores);
             PHASE_DONE(PH_QKV)
             // RoPE on query and key heads; keys and values into the cache.
 #pragma omp for schedule(static)
@@ -516,24 +634,24 @@ extern "C" int sd_forward(const SdModel* m, const int64_t* ids, int64_t k, int64
                        att + t * H * hd + head * hd);
             }
             PHASE_DONE(PH_ATTENTION)
-            gemm(wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1, xb);
+            gemm(wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1, xb, scores);
             PHASE_DONE(PH_O_PROJ)
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < k; t++) rms_norm(x + t * d, h + t * d, d, m->eps);
             PHASE_DONE(PH_NORM)
-            gemm(wt, h, d, L->wgu, L->bgu, gu, 2 * ff, k, d, 2 * ff, 0, xb);
+            gemm(wt, h, d, L->wgu, L->bgu, gu, 2 * ff, k, d, 2 * ff, 0, xb, scores);
             PHASE_DONE(PH_GATE_UP)
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < k; t++) silu_mul(gu + t * 2 * ff, gu + t * 2 * ff + ff, act + t * ff, ff);
             PHASE_DONE(PH_SILU_MUL)
-            gemm(wt, act, ff, L->wd, L->bd, x, d, k, ff, d, 1, xb);
+            gemm(wt, act, ff, L->wd, L->bd, x, d, k, ff, d, 1, xb, scores);
             PHASE_DONE(PH_DOWN)
         }
         if (out_rows > 0) {
             const int64_t first = k - out_rows;
 #pragma omp for schedule(static)
             for (int64_t t = first; t < k; t++) rms_norm(x + t * d, h + t * d, d, m->eps);
-            gemm(wt, h + first * d, d, m->lm_head, NULL, logits, m->vocab, out_rows, d, m->vocab, 0, xb);
+            gemm(wt, h + first * d, d, m->lm_head, NULL, logits, m->vocab, out_rows, d, m->vocab, 0, xb, scores);
             PHASE_DONE(PH_HEAD)
         }
 #undef PHASE_DONE
