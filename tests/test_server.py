@@ -19,6 +19,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+LONG_CONTEXT = 4096
 API_KEY = "test-key-123"
 MODEL = "tiny"
 CHAT_TEMPLATE = (
@@ -83,7 +84,23 @@ def start_server(target: Path, draft: Path, log: Path, *extra: str) -> tuple[sub
 
 @pytest.fixture(scope="module")
 def chat_target(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return with_chat_template(tiny_models["llama"], tmp_path_factory.mktemp("chat") / "llama")
+    return long_context(with_chat_template(tiny_models["llama"], tmp_path_factory.mktemp("chat") / "llama"))
+
+
+@pytest.fixture(scope="module")
+def chat_draft(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dst = tmp_path_factory.mktemp("chat") / "draft"
+    shutil.copytree(tiny_models["draft"], dst)
+    return long_context(dst)
+
+
+def long_context(path: Path) -> Path:
+    """A longer context (RoPE: the weights do not change) so a request can run long enough to be abandoned
+    mid-way: the tiny models fill their 256-token window in a few tens of milliseconds."""
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["max_position_embeddings"] = LONG_CONTEXT
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +110,10 @@ def trace_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(
-    chat_target: Path, tiny_models: dict[str, Path], trace_file: Path, tmp_path_factory: pytest.TempPathFactory
+    chat_target: Path, chat_draft: Path, trace_file: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     log = tmp_path_factory.mktemp("server") / "server.log"
-    proc, url = start_server(chat_target, tiny_models["draft"], log, "--api-key", API_KEY, "--trace", str(trace_file))
+    proc, url = start_server(chat_target, chat_draft, log, "--api-key", API_KEY, "--trace", str(trace_file))
     yield url
     proc.terminate()
     try:
@@ -112,11 +129,11 @@ def client(server: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def engine(chat_target: Path, tiny_models: dict[str, Path]) -> Any:
+def engine(chat_target: Path, chat_draft: Path) -> Any:
     """The same models in-process: what the server must reproduce."""
     import specdec
 
-    return specdec.load(chat_target, tiny_models["draft"])
+    return specdec.load(chat_target, chat_draft)
 
 
 def health(url: str) -> dict[str, Any]:
@@ -320,9 +337,10 @@ def test_disconnect_mid_stream_frees_the_request(server: str, client: Any) -> No
     # The connection is closed: the generation must be cancelled and dropped, not run to 240 tokens.
     snap = _wait_idle(server)
     assert snap["cancelled"] == before + 1
-    # A non-streamed request whose client gives up is cancelled too.
+    # A non-streamed request whose client gives up is cancelled too (thousands of tokens: far longer than 0.2 s).
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server}/v1/completions", json={**body, "stream": False}, headers=headers, timeout=0.2)
+        long_body = {**body, "stream": False, "max_tokens": LONG_CONTEXT - 64}
+        httpx.post(f"{server}/v1/completions", json=long_body, headers=headers, timeout=0.2)
     snap = _wait_idle(server)
     assert snap["cancelled"] == before + 2
     # ...and the server keeps serving.
