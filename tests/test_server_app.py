@@ -212,7 +212,7 @@ def test_full_queue_answers_429_with_retry_after(engine: Any) -> None:
 
 
 def test_request_timeout_is_408_and_frees_the_slot(engine: Any) -> None:
-    app = create_app(engine, ServerSettings(model_name="tiny", request_timeout=0.05))
+    app = create_app(engine, ServerSettings(model_name="tiny", request_timeout=0.01))  # 240 tokens take ~0.15 s
     body = {"prompt": "def fibonacci(n):", "max_tokens": 240, "temperature": 0, "speculative": {"tau": 1}}
 
     async def go(client: httpx.AsyncClient) -> tuple[httpx.Response, dict[str, Any]]:
