@@ -290,8 +290,6 @@ class Generation:
                 self._draft_state, self.context, tau, params, self._generator, decision.min_confidence
             )
             draft_tokens, draft_probs = draft.tokens, draft.probs
-            if draft_probs is None and not params.greedy:
-                raise RuntimeError(f"drafter {engine.drafter.name!r} gave no draft distributions for a sampled request")
         else:
             draft_tokens = torch.empty(0, dtype=torch.long, device=engine.target.device)
             draft_probs = torch.empty(0, engine.target.vocab_size, device=engine.target.device)
@@ -307,7 +305,9 @@ class Generation:
             verdict = verify_greedy(draft_tokens, target_logits)
         else:
             target_probs = logits_to_probs(target_logits, params)
-            assert draft_probs is not None
+            if draft_probs is None:  # only greedy drafts may omit q
+                assert engine.drafter is not None
+                raise RuntimeError(f"drafter {engine.drafter.name!r} gave no draft distributions for a sampled request")
             verdict = verify_sampling(draft_tokens, draft_probs, target_probs, self._generator)
         t3 = time.perf_counter()
 

@@ -76,12 +76,12 @@ class ModelDrafter(Drafter):
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         confidence: list[float] = []
-        for t in range(tau):
+        for t in range(tau):  # sampled (greedy requests took the fast path above)
             q = logits_to_probs(self._fit_vocab(logits)[None], params)[0]
-            top = float(q.max().item()) if min_confidence is not None or params.greedy else 0.0
+            top = float(q.max().item()) if min_confidence is not None else 0.0
             if min_confidence is not None and top < min_confidence:
                 break
-            y = self._fit_vocab(logits).argmax()[None] if params.greedy else sample(q[None], generator)
+            y = sample(q[None], generator)
             tokens.append(y)
             probs.append(q)
             confidence.append(top)
