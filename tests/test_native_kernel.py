@@ -105,7 +105,7 @@ def test_default_is_the_kernel_on_cpu_and_not_with_compile(tiny_models: dict[str
 
 def test_switched_off_by_environment(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(nk.ENV_SWITCH, "0")
-    nk._library.cache_clear()
+    nk._load.cache_clear()
     try:
         assert not nk.kernel_available() and nk.kernel_status() == f"disabled by {nk.ENV_SWITCH}"
         runner = NativeRunner.from_pretrained(tiny_models["llama"])
@@ -114,7 +114,7 @@ def test_switched_off_by_environment(tiny_models: dict[str, Path], monkeypatch: 
             NativeRunner.from_pretrained(tiny_models["llama"], kernel=True)
     finally:
         monkeypatch.delenv(nk.ENV_SWITCH)
-        nk._library.cache_clear()
+        nk._load.cache_clear()
     assert nk.kernel_available()
 
 
@@ -124,13 +124,13 @@ def test_a_failing_compiler_is_reported_not_raised(monkeypatch: pytest.MonkeyPat
     fake.chmod(0o755)
     monkeypatch.setenv("CXX", str(fake))
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
-    nk._library.cache_clear()
+    nk._load.cache_clear()
     try:
         assert not nk.kernel_available()
         assert "compiling the CPU kernel failed" in nk.kernel_status() and "nothing works" in nk.kernel_status()
     finally:
         monkeypatch.undo()
-        nk._library.cache_clear()
+        nk._load.cache_clear()
     assert nk.kernel_available()
 
 
@@ -145,12 +145,12 @@ def test_status_names_the_instruction_set(monkeypatch: pytest.MonkeyPatch, tmp_p
     assert nk.kernel_status() == f"available ({nk.kernel_isa()})"
     monkeypatch.setenv(nk.ISA_SWITCH, "avx2")
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
-    nk._library.cache_clear()
+    nk._load.cache_clear()
     try:
         assert nk.kernel_isa() == "avx2" and nk.kernel_status() == "available (avx2)"
     finally:
         monkeypatch.undo()
-        nk._library.cache_clear()
+        nk._load.cache_clear()
 
 
 def test_odd_sizes_take_the_tail_paths_and_still_match_transformers(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from specdec.errors import InvalidRequestError, UnsupportedError
 from specdec.runtime.base import KVCache, ModelRunner
+from specdec.runtime.cpu import cpu_flags
 from specdec.runtime.hf import HFRunner, check_checkpoint_dir
 
 RunnerFactory = Callable[..., ModelRunner]
@@ -54,11 +55,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, runtime
 
 
 def cpu_has_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return not cpu_flags().isdisjoint({"avx512_bf16", "amx_bf16"})
 
 
 def resolve_device(device: str | torch.device) -> torch.device:

@@ -145,11 +145,12 @@ class NativeRunner(ModelRunner):
         limit = min(cfg.max_positions, max_context or DEFAULT_CACHE_LIMIT)
         if limit < 1:
             raise ModelLoadError(f"max_context must be positive, got {max_context}")
-        if kernel and (dev.type != "cpu" or compile or dtype not in WEIGHT_TYPES or not kernel_available()):
+        kernel_fits = dev.type == "cpu" and not compile and dtype in WEIGHT_TYPES
+        if kernel and not (kernel_fits and kernel_available()):
             why = kernel_status() if dev.type == "cpu" and not compile else "it runs on CPU, without --compile"
             raise UnsupportedError(f"the CPU kernel cannot run {path}: {why}")
         if kernel is None:
-            kernel = dev.type == "cpu" and not compile and dtype in WEIGHT_TYPES and kernel_available()
+            kernel = kernel_fits and kernel_available()
         fused = None
         ops: Ops = DenseOps
         if kernel:

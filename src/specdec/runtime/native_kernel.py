@@ -23,10 +23,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch
 
+from specdec.runtime.cpu import cpu_flags
 from specdec.runtime.native_config import NativeConfig, rope_tables
 from specdec.runtime.native_weights import ModelWeights
 
@@ -88,20 +90,10 @@ def _openmp_link() -> list[str]:
     return ["-fopenmp"]
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _cpu_ok() -> str | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the CPU kernel is x86-64 only (this machine: {platform.machine()})"
-    missing = [f for f in ("avx2", "fma", "f16c") if f not in _cpu_flags()]
+    missing = [f for f in ("avx2", "fma", "f16c") if f not in cpu_flags()]
     if missing:
         return f"the CPU lacks {', '.join(missing)}"
     return None
@@ -110,7 +102,7 @@ def _cpu_ok() -> str | None:
 def kernel_isa() -> str:
     """``"avx512bf16"`` where the CPU has AVX512-BF16 (bf16 dot products) unless ``SPECDEC_CPU_KERNEL_ISA=avx2``,
     else ``"avx2"``."""
-    has = _cpu_flags() >= {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    has = cpu_flags() >= {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
     if os.environ.get(ISA_SWITCH, "").strip().lower() == "avx2":  # only a downgrade can be forced
         return "avx2"
     return "avx512bf16" if has else "avx2"
@@ -140,36 +132,34 @@ def _build(cxx: str) -> Path:
     return out
 
 
-_STATUS: dict[str, str | None] = {}
-
-
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    why = None
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """The built kernel library, or None and why not (cached: decided once per process)."""
     if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "off", "false", "no"):
-        why = f"disabled by {ENV_SWITCH}"
-    else:
-        why = _cpu_ok()
+        return None, f"disabled by {ENV_SWITCH}"
+    why = _cpu_ok()
+    if why is not None:
+        return None, why
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
-    if why is None and cxx is None:
-        why = "no C++ compiler found (set CXX)"
-    lib = None
-    if why is None and cxx is not None:
-        try:
-            lib = ctypes.CDLL(str(_build(cxx)))
-            if lib.sd_abi_version() != ABI_VERSION:
-                why, lib = "stale kernel build (ABI version mismatch)", None
-        except (OSError, RuntimeError) as e:
-            why = str(e)
-    if lib is not None:
-        lib.sd_forward.restype = ctypes.c_int
-        lib.sd_forward.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-        lib.sd_forward.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-        lib.sd_forward.argtypes += [ctypes.c_void_p]
-        lib.sd_scratch_floats.restype = ctypes.c_int64
-        lib.sd_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-    _STATUS["reason"] = why
-    return lib
+    if cxx is None:
+        return None, "no C++ compiler found (set CXX)"
+    try:
+        lib = ctypes.CDLL(str(_build(cxx)))
+    except (OSError, RuntimeError) as e:
+        return None, str(e)
+    if lib.sd_abi_version() != ABI_VERSION:
+        return None, "stale kernel build (ABI version mismatch)"
+    lib.sd_forward.restype = ctypes.c_int
+    lib.sd_forward.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    lib.sd_forward.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+    lib.sd_forward.argtypes += [ctypes.c_void_p]
+    lib.sd_scratch_floats.restype = ctypes.c_int64
+    lib.sd_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    return lib, None
+
+
+def _library() -> ctypes.CDLL | None:
+    return _load()[0]
 
 
 def kernel_available() -> bool:
@@ -179,9 +169,9 @@ def kernel_available() -> bool:
 def kernel_status() -> str:
     """``"available (avx2)"`` / ``"available (avx512bf16)"``, or why the CPU kernel is not used (for logs and
     ``specdec bench``'s JSON)."""
-    lib = _library()
+    lib, why = _load()
     if lib is None:
-        return _STATUS.get("reason") or "unavailable"
+        return why or "unavailable"
     return f"available ({'avx512bf16' if lib.sd_bf16_dot() else 'avx2'})"
 
 
@@ -193,9 +183,7 @@ class FusedLlama:
         if lib is None:
             raise RuntimeError(f"CPU kernel unavailable: {kernel_status()}")
         self._lib = lib
-        self.cfg = cfg
-        self.max_context = max_context
-        w = {"embed": weights.embed, "lm_head": weights.lm_head}
+        self.vocab_size = int(weights.lm_head.shape[0])
         keep: list[torch.Tensor] = []
 
         def ptr(t: torch.Tensor | None, want: torch.dtype) -> int | None:
@@ -228,13 +216,13 @@ class FusedLlama:
             cfg.heads,
             cfg.kv_heads,
             cfg.head_dim,
-            int(weights.lm_head.shape[0]),
+            self.vocab_size,
             cfg.layers,
             max_context,
-            int(w["embed"].shape[1]),
+            int(weights.embed.shape[1]),
             float(cfg.eps),
-            ptr(w["embed"], dtype),
-            ptr(w["lm_head"], dtype),
+            ptr(weights.embed, dtype),
+            ptr(weights.lm_head, dtype),
             ptr(rope_cos, torch.float32),
             ptr(rope_sin, torch.float32),
             layers,
@@ -243,12 +231,9 @@ class FusedLlama:
         self._scratch = threading.local()  # per calling thread: concurrent requests never share scratch
         self._scratch_floats: dict[tuple[int, int], int] = {}
         self._model_ref = ctypes.byref(self._model)
-        self.vocab_size = int(weights.lm_head.shape[0])
 
     def profile(self, ids: torch.Tensor, kv: torch.Tensor, pos: int, last_only: bool, steps: int) -> dict[str, float]:
         """Seconds per call of each phase, and of the whole call (``"total"``), over ``steps`` calls at ``pos``."""
-        import time
-
         acc = torch.zeros(len(PHASES), dtype=torch.float64)
         t0 = time.perf_counter()
         for _ in range(steps):
