@@ -31,6 +31,8 @@
 #include <string.h>
 #include <time.h>
 
+#include <type_traits>
+
 enum { WT_F32 = 0, WT_BF16 = 1, WT_F16 = 2 };
 
 struct SdLayer {
@@ -146,6 +148,21 @@ static inline float exp1(float x) {
 #define PREFETCH_ROWS 2
 #endif
 
+// Calls f(std::integral_constant<int, NT>) for nt = 1..TOKEN_GROUP: the number of token accumulators
+// must be a compile-time constant for them to stay in registers.
+template <class F>
+static inline __attribute__((always_inline)) void with_tokens(int64_t nt, F f) {
+    static_assert(TOKEN_GROUP == 6, "with_tokens covers 1..6 tokens");
+    switch (nt) {
+        case 1: f(std::integral_constant<int, 1>{}); break;
+        case 2: f(std::integral_constant<int, 2>{}); break;
+        case 3: f(std::integral_constant<int, 3>{}); break;
+        case 4: f(std::integral_constant<int, 4>{}); break;
+        case 5: f(std::integral_constant<int, 5>{}); break;
+        default: f(std::integral_constant<int, 6>{}); break;
+    }
+}
+
 struct F32W {
     typedef float T;
     static inline __m256 load8(const T* p) { return load8_f32(p); }
@@ -229,14 +246,7 @@ static void gemm_t(const float* X, int64_t ldx, const typename WT::T* W, const f
     gemm_blocked(b, Y, ldy, k, m, accumulate, [&](int64_t t0, int64_t nt, int64_t r, float* s) {
         const float* xg = X + t0 * ldx;
         const typename WT::T* w = W + r * n;
-        switch (nt) {
-            case 1: row_dot<WT, 1>(xg, ldx, w, n, s); break;
-            case 2: row_dot<WT, 2>(xg, ldx, w, n, s); break;
-            case 3: row_dot<WT, 3>(xg, ldx, w, n, s); break;
-            case 4: row_dot<WT, 4>(xg, ldx, w, n, s); break;
-            case 5: row_dot<WT, 5>(xg, ldx, w, n, s); break;
-            default: row_dot<WT, 6>(xg, ldx, w, n, s); break;
-        }
+        with_tokens(nt, [&](auto NT) { row_dot<WT, decltype(NT)::value>(xg, ldx, w, n, s); });
     });
 }
 
@@ -303,14 +313,7 @@ static void gemm_bf16dp(const uint16_t* Xb, const uint16_t* W, const float* b, f
     gemm_blocked(b, Y, ldy, k, m, accumulate, [&](int64_t t0, int64_t nt, int64_t r, float* s) {
         const uint16_t* xg = Xb + t0 * n;
         const uint16_t* w = W + r * n;
-        switch (nt) {
-            case 1: row_dot_bf16dp<1>(xg, n, w, s); break;
-            case 2: row_dot_bf16dp<2>(xg, n, w, s); break;
-            case 3: row_dot_bf16dp<3>(xg, n, w, s); break;
-            case 4: row_dot_bf16dp<4>(xg, n, w, s); break;
-            case 5: row_dot_bf16dp<5>(xg, n, w, s); break;
-            default: row_dot_bf16dp<6>(xg, n, w, s); break;
-        }
+        with_tokens(nt, [&](auto NT) { row_dot_bf16dp<decltype(NT)::value>(xg, n, w, s); });
     });
 }
 #endif
@@ -399,14 +402,7 @@ static void gemm_packed(const float* X, int64_t ldx, const typename WT::T* W, co
             const int64_t nt = k - t0 < 6 ? k - t0 : 6;
             float s[6 * 16];
             const float* xg = X + t0 * ldx;
-            switch (nt) {
-                case 1: panel_tile<1>(xg, ldx, panel, n, s); break;
-                case 2: panel_tile<2>(xg, ldx, panel, n, s); break;
-                case 3: panel_tile<3>(xg, ldx, panel, n, s); break;
-                case 4: panel_tile<4>(xg, ldx, panel, n, s); break;
-                case 5: panel_tile<5>(xg, ldx, panel, n, s); break;
-                default: panel_tile<6>(xg, ldx, panel, n, s); break;
-            }
+            with_tokens(nt, [&](auto NT) { panel_tile<decltype(NT)::value>(xg, ldx, panel, n, s); });
             for (int64_t t = 0; t < nt; t++)
                 for (int64_t j = 0; j < rows; j++) {
                     const float v = b ? s[t * 16 + j] + b[r0 + j] : s[t * 16 + j];
@@ -430,21 +426,21 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
 #else
     (void)xb;
 #endif
-    if (k > PACKED_MIN_K) {
-        if (wtype == WT_BF16)
-            gemm_packed<BF16W>(X, ldx, (const uint16_t*)W, b, Y, ldy, k, n, m, accumulate, panel);
-        else if (wtype == WT_F16)
-            gemm_packed<F16W>(X, ldx, (const uint16_t*)W, b, Y, ldy, k, n, m, accumulate, panel);
+    // The weight type as a template parameter: W's elements are fp32, bf16 or fp16.
+    auto run = [&](auto wt) {
+        using WT = decltype(wt);
+        const typename WT::T* w = (const typename WT::T*)W;
+        if (k > PACKED_MIN_K)
+            gemm_packed<WT>(X, ldx, w, b, Y, ldy, k, n, m, accumulate, panel);
         else
-            gemm_packed<F32W>(X, ldx, (const float*)W, b, Y, ldy, k, n, m, accumulate, panel);
-        return;
-    }
+            gemm_t<WT>(X, ldx, w, b, Y, ldy, k, n, m, accumulate);
+    };
     if (wtype == WT_BF16)
-        gemm_t<BF16W>(X, ldx, (const uint16_t*)W, b, Y, ldy, k, n, m, accumulate);
+        run(BF16W{});
     else if (wtype == WT_F16)
-        gemm_t<F16W>(X, ldx, (const uint16_t*)W, b, Y, ldy, k, n, m, accumulate);
+        run(F16W{});
     else
-        gemm_t<F32W>(X, ldx, (const float*)W, b, Y, ldy, k, n, m, accumulate);
+        run(F32W{});
 }
 
 // ---------------------------------------------------------------------------------------------
