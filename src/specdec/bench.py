@@ -120,10 +120,11 @@ def engine_contenders(models: BenchModels, cfg: BenchConfig, notes: list[str]) -
         notes.append("no drafter loaded: speculative contenders skipped")
         return out
     out += [EngineContender(f"fixed_tau{t}", f"specdec τ={t}", "fixed", models.spec, tau=t) for t in cfg.taus]
-    from specdec.policy import POLICIES
+    from specdec.policy import POLICIES, make_policy, parse_policy_spec
 
     for name in cfg.policies:
-        if name in POLICIES:
+        if parse_policy_spec(name)[0] in POLICIES:
+            make_policy(name)  # bad settings fail here, with the policy's own message
             out.append(EngineContender(f"policy_{name}", f"specdec policy {name}", "policy", models.spec, policy=name))
         else:
             notes.append(f"policy {name!r} is not registered (have: {', '.join(sorted(POLICIES))}): skipped")

@@ -287,7 +287,13 @@ class Generation:
         if tau > 0:
             assert engine.drafter is not None
             draft = engine.drafter.propose(
-                self._draft_state, self.context, tau, params, self._generator, decision.min_confidence
+                self._draft_state,
+                self.context,
+                tau,
+                params,
+                self._generator,
+                decision.min_confidence,
+                decision.reach_rule,
             )
             draft_tokens, draft_probs = draft.tokens, draft.probs
         else:

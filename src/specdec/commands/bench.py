@@ -42,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--policies",
         default=None,
-        help="named policies to time, comma-separated (default: adaptive,heuristic; missing ones skipped)",
+        help="policies to time, comma-separated, each a name or name:key=value,... "
+        "(e.g. adaptive,adaptive:early_stop=false,heuristic; default: adaptive,heuristic; unknown names skipped)",
     )
     g.add_argument("--repeats", type=int, default=None, help="timed runs per contender and prompt (default: 3)")
     g.add_argument(
@@ -72,6 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _config(args: argparse.Namespace) -> Any:
     from specdec.bench import DEFAULT_POLICIES, DEFAULT_PROMPTS, BenchConfig, load_prompts, parse_taus
     from specdec.errors import InvalidRequestError
+    from specdec.policy import split_policy_specs
 
     mode = QUICK if args.quick else FULL
     prompts = load_prompts(args.prompts or DEFAULT_PROMPTS)
@@ -85,11 +87,7 @@ def _config(args: argparse.Namespace) -> Any:
     for name, value in (("--max-new-tokens", max_new), ("--repeats", repeats), ("--lookup-tokens", args.lookup_tokens)):
         if value <= 0:
             raise InvalidRequestError(f"{name} must be >= 1, got {value}", name)
-    policies = (
-        [s.strip() for s in args.policies.split(",") if s.strip()]
-        if args.policies is not None
-        else list(DEFAULT_POLICIES)
-    )
+    policies = split_policy_specs(args.policies) if args.policies is not None else list(DEFAULT_POLICIES)
     trace_prompts = args.trace_prompts if args.trace_prompts is not None else mode["trace_prompts"]
     return BenchConfig(
         prompts=prompts,

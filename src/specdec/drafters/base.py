@@ -20,6 +20,29 @@ class Draft:
     confidence: list[float] = field(default_factory=list)  # the draft's top probability at each position
 
 
+@dataclass(frozen=True)
+class ReachRule:
+    """Stop drafting once the chance that every token drafted so far will be accepted falls too low.
+
+    Each drafted token's chance of acceptance is read from its top draft probability p, by tenths:
+    ``accept_by_tenth[min(int(10 p), 9)]`` (a calibrated table the policy supplies). Their running
+    product is the chance that the block so far survives verification; the token that takes it below
+    ``min_reach`` is still kept (its forward has run, and verifying it costs one slot), but the next
+    draft forward is not run. Unlike a per-token confidence cut, every drafted token gets verified,
+    so the policy's statistics see no hidden outcomes.
+    """
+
+    accept_by_tenth: tuple[float, ...]
+    min_reach: float
+
+    def __post_init__(self) -> None:
+        if len(self.accept_by_tenth) != 10:
+            raise ValueError(f"accept_by_tenth needs 10 entries, got {len(self.accept_by_tenth)}")
+
+    def reach(self, before: float, confidence: float) -> float:
+        return before * self.accept_by_tenth[min(max(int(confidence * 10), 0), 9)]
+
+
 class Drafter(ABC):
     name: str
 
@@ -36,13 +59,16 @@ class Drafter(ABC):
         params: SamplingParams,
         generator: torch.Generator,
         min_confidence: float | None = None,
+        reach_rule: ReachRule | None = None,
     ) -> Draft:
         """Up to ``tau`` tokens continuing ``context`` (the whole verified sequence so far).
 
         ``context`` only ever grows by verified tokens between calls, so a stateful
         drafter rolls itself back to the longest prefix it shares with ``context``.
         With ``min_confidence``, drafting stops before a token whose top draft
-        probability falls below it.
+        probability falls below it; with ``reach_rule``, drafting stops after the
+        token where the rule's chance that the whole draft survives falls too low.
+        Drafters without a confidence signal may ignore both.
         """
 
 

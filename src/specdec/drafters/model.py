@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.drafters.base import Draft, Drafter
+from specdec.drafters.base import Draft, Drafter, ReachRule
 from specdec.runtime.base import KVCache, ModelRunner
 from specdec.sampling import SamplingParams, logits_to_probs, sample
 
@@ -61,6 +61,7 @@ class ModelDrafter(Drafter):
         params: SamplingParams,
         generator: torch.Generator,
         min_confidence: float | None = None,
+        reach_rule: ReachRule | None = None,
     ) -> Draft:
         # Roll back to the longest prefix shared with the verified context, then catch up on
         # what was verified since (e.g. held = c + [a, b, x], context = c + [a, b, y]: keep c+[a, b], feed y).
@@ -72,19 +73,24 @@ class ModelDrafter(Drafter):
         state.held = list(context)
         logits = self.runner.forward(feed, state.cache, last_only=True)[-1]
         if params.greedy:
-            return self._propose_greedy(state, logits, tau, min_confidence)
+            return self._propose_greedy(state, logits, tau, min_confidence, reach_rule)
         tokens: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         confidence: list[float] = []
+        reach = 1.0
         for t in range(tau):  # sampled (greedy requests took the fast path above)
             q = logits_to_probs(self._fit_vocab(logits)[None], params)[0]
-            top = float(q.max().item()) if min_confidence is not None else 0.0
+            top = float(q.max().item()) if min_confidence is not None or reach_rule is not None else 0.0
             if min_confidence is not None and top < min_confidence:
                 break
             y = sample(q[None], generator)
             tokens.append(y)
             probs.append(q)
             confidence.append(top)
+            if reach_rule is not None:
+                reach = reach_rule.reach(reach, top)
+                if reach < reach_rule.min_reach:
+                    break
             if t + 1 < tau:
                 logits = self.runner.forward(y, state.cache, last_only=True)[-1]
                 state.held.append(int(y.item()))
@@ -94,13 +100,19 @@ class ModelDrafter(Drafter):
         return Draft(torch.cat(tokens), torch.stack(probs), confidence)
 
     def _propose_greedy(
-        self, state: DraftModelState, logits: torch.Tensor, tau: int, min_confidence: float | None
+        self,
+        state: DraftModelState,
+        logits: torch.Tensor,
+        tau: int,
+        min_confidence: float | None,
+        reach_rule: ReachRule | None,
     ) -> Draft:
         """Greedy drafting with the least work per token: one softmax and one max (the top probability, for
         confidence stops and the policies, and its token); no [τ, V] distributions, which greedy verification
         never reads."""
         tokens: list[int] = []
         confidence: list[float] = []
+        reach = 1.0
         for t in range(tau):
             top_t, y_t = torch.softmax(self._fit_vocab(logits).float(), -1).max(0)  # two small ops per token
             top, y = float(top_t), int(y_t)
@@ -108,6 +120,10 @@ class ModelDrafter(Drafter):
                 break
             tokens.append(y)
             confidence.append(top)
+            if reach_rule is not None:
+                reach = reach_rule.reach(reach, top)
+                if reach < reach_rule.min_reach:
+                    break
             if t + 1 < tau:
                 ids = torch.tensor([y], dtype=torch.long, device=self.runner.device)
                 logits = self.runner.forward(ids, state.cache, last_only=True)[-1]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafters.base import Draft, Drafter, one_hot
+from specdec.drafters.base import Draft, Drafter, ReachRule, one_hot
 from specdec.sampling import SamplingParams
 
 
@@ -46,6 +46,7 @@ class PromptLookupDrafter(Drafter):
         params: SamplingParams,
         generator: torch.Generator,
         min_confidence: float | None = None,
+        reach_rule: ReachRule | None = None,
     ) -> Draft:
         found = lookup(context, tau, self.max_ngram, self.min_ngram) if tau > 0 else []
         tokens = torch.tensor(found, dtype=torch.long, device=self.device)

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.drafters.base import ReachRule
 from specdec.errors import InvalidRequestError
 from specdec.policy.base import Decision, Policy, StepContext
 from specdec.policy.budget import FleetBudgetPolicy
@@ -24,11 +25,19 @@ from specdec.policy.estimates import ConfidenceCalibration, PositionRates, StepC
 from specdec.records import GenerationStats, StepRecord
 
 BUDGET_SAFETY = 1.3
-REQUEST_DECAY = 0.9  # per observation of a position: a request remembers its last ~10 outcomes there
+REQUEST_DECAY = 0.95  # per observation of a position: a request remembers its last ~20 outcomes there
 SHIFT = 2.0  # the CUSUMs test for a shift of this much in log-odds (0.9 -> 0.55, 0.4 -> 0.83)
-CUSUM_H = 2.5  # evidence (nats) that declares a shift; the request then forgets what came before
-REQUEST_PRIOR = 2.0  # pseudo-observations of the bucket's rates in a request's own
-EXPLORE_EVERY = 8  # steps: one in 8 drafts one token further and skips the early stop
+CUSUM_H = 3.5  # evidence (nats) that declares a shift; the request then forgets what came before
+# Pseudo-observations of the bucket's rates in a request's own: requests are shrunk hard toward their bucket
+# (5-12 did alike in simulation), until a shift is detected in one, which is then no longer like the bucket.
+REQUEST_PRIOR = 8.0
+REQUEST_PRIOR_SHIFTED = 4.0
+EXPLORE_EVERY = 8  # steps: until the stop rule is calibrated, one in 8 drafts one token further
+CALIBRATION_WARM = 30  # verified draft tokens before the draft's confidence is trusted to stop drafting
+# The stop rule's break-even, scaled: the plan's goodput (no early stop) understates what the rule achieves,
+# and so the value of time; 1.4 was best on the simulator's workloads (flat from 1.2 to 1.7).
+REACH_MARGIN = 1.4
+REACH_DEPTH = 8  # the stop rule may draft this many tokens beyond the plan's τ
 GAIN_PER_TOKEN = 0.02  # budget-limited: an extra draft token must add this many expected tokens
 
 
@@ -46,7 +55,6 @@ class _Request:
     rates: PositionRates
     bucket: int
     asked: int = 0  # τ asked for in the last decision (the drafter may stop early)
-    cut: float | None = None  # the confidence cut of the last decision, if any
     probing: bool = False
     backoff: int = 4  # plain steps before the next probe while falling back
     since_probe: int = 0
@@ -55,9 +63,9 @@ class _Request:
     cusum_up: float = 0.0  # log-likelihood-ratio CUSUMs: has this request's acceptance shifted up / down?
     cusum_down: float = 0.0
     changes: int = 0  # shifts detected so far
-    # steps since each CUSUM last stood at 0, i.e. since the shift it tests may have begun: (τ, n̂, p of a cut token)
-    recent_up: list[tuple[int, int, float | None]] = field(default_factory=list)
-    recent_down: list[tuple[int, int, float | None]] = field(default_factory=list)
+    # steps since each CUSUM last stood at 0, i.e. since the shift it tests may have begun: (τ, n̂)
+    recent_up: list[tuple[int, int]] = field(default_factory=list)
+    recent_down: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -175,8 +183,14 @@ class AdaptivePolicy(Policy):
         if ratio >= 1.0 + self.margin:
             req.backoff = self.min_backoff
             k = len(plan.goodput) - 1
-            if req.steps % EXPLORE_EVERY == 0 and tau < k and plan.goodput[tau + 1] >= 0.9 * plan.goodput[tau]:
-                # Positions never drafted keep stale estimates; now and then look one further.
+            if (
+                not self._stop_rule_ready()
+                and req.steps % EXPLORE_EVERY == 0
+                and tau < k
+                and plan.goodput[tau + 1] >= 0.9 * plan.goodput[tau]
+            ):
+                # Positions never drafted keep stale estimates; now and then look one further (the stop
+                # rule, once calibrated, looks further by itself whenever the draft is confident).
                 return self._decide(req, tau + 1, f"explore tau={tau + 1} (best {tau}, {ratio:.2f}x plain)", plan)
             return self._decide(req, tau, f"goodput {ratio:.2f}x plain at tau={tau}", plan)
         if ratio >= 1.0 - self.margin and tau == 1:
@@ -216,76 +230,56 @@ class AdaptivePolicy(Policy):
         passes = min(want / plan.emitted[tau], left)
         return ctx.elapsed + passes * plan.times[tau]
 
+    def _stop_rule_ready(self) -> bool:
+        return self.early_stop and self.calibration.total >= CALIBRATION_WARM
+
     def _decide(self, req: _Request, tau: int, reason: str, plan: _Plan | None, early_stop: bool = True) -> Decision:
-        req.asked, req.cut = tau, None
-        if (
-            tau
-            and plan is not None
-            and early_stop
-            and self.early_stop
-            and req.steps % EXPLORE_EVERY
-            and self.calibration.total >= 30
-        ):
-            # Drafting one more token pays when its acceptance chance beats its cost in output time.
-            # Its chance: this request's acceptance at the positions drafted (weighted by how often each
-            # is reached) updated by the draft's confidence, so a doubtful token in an easy stretch goes on.
-            d = self.costs.step_times(2)
-            # A stop saves the next draft forward and a slot in the verify block; at τ = 1 there is no
-            # next forward (the one that made the token has run), so only the slot: stop much less there.
-            extra = d[2] - d[1] if tau > 1 else d[2] - d[1] - (self.costs.draft_per_token or 0.0)
-            per_token = plan.times[tau] / plan.emitted[tau]
-            reach, weight, mean = 1.0, 0.0, 0.0
-            for a in plan.rates[:tau]:
-                weight, mean, reach = weight + reach, mean + reach * a, reach * a
-            cut = self.calibration.threshold(extra / per_token, mean / weight)
-            if cut is not None:
-                req.cut = cut
-                return Decision(tau, reason + f", stop below p={cut:.1f}", min_confidence=cut)
-        return Decision(tau, reason)
+        req.asked = tau
+        if not (tau and plan is not None and early_stop and self._stop_rule_ready()):
+            return Decision(tau, reason)
+        # With a calibrated confidence signal the drafter decides the depth token by token: one more
+        # draft token pays when the chance that it and all before it pass, reach · a, beats what its
+        # forward and verify slot cost in output time, (t_draft + Δt_verify) · goodput (renewal-reward:
+        # goodput is the value of time). a is this request's acceptance at the positions the plan drafts,
+        # weighted by how often each is reached; each drafted token's own chance is a updated by its
+        # draft probability (Bayes, the calibrated likelihoods), so reach falls fast on doubtful tokens.
+        reach, weight, mean = 1.0, 0.0, 0.0
+        for a in plan.rates[:tau]:
+            weight, mean, reach = weight + reach, mean + reach * a, reach * a
+        prior = mean / weight
+        step = self.costs.step_times(1)
+        per_token = plan.times[tau] / plan.emitted[tau]
+        min_reach = min(0.95, REACH_MARGIN * (step[1] - step[0]) / (per_token * prior))
+        cap = min(len(plan.goodput) - 1, tau + REACH_DEPTH)
+        rule = ReachRule(self.calibration.table(prior), min_reach)
+        return Decision(cap, reason + f", up to {cap} while P(all pass) >= {min_reach:.2f}", reach_rule=rule)
 
     # -- learning ---------------------------------------------------------------------------
 
     def observe(self, record: StepRecord) -> None:
         req = self._requests.get(record.request_id)
-        asked = req.asked if req is not None else record.tau
-        stopped = record.tau < asked and record.n_accepted == record.tau  # the drafter cut a token, by confidence
-        # An early stop still ran the draft forward that produced the low-confidence token.
-        forwards = record.tau + (1 if record.tau < asked else 0)
-        self.costs.observe(record.tau, forwards, record.draft_time, record.verify_time, record.other_time)
-        if record.tau == 0 and not stopped:
+        # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.
+        self.costs.observe(record.tau, record.tau, record.draft_time, record.verify_time, record.other_time)
+        if record.tau == 0:
             return
         tested = min(record.n_accepted + 1, record.tau)
-        predicted = self.rates(req, tested) if req is not None and tested else []
-        p_cut: float | None = None
-        if stopped and req is not None and req.cut is not None:
-            # The cut token was never verified; it counts as a success with the chance Bayes gives a token
-            # below the cut at this position. Counting nothing would leave the rates stale (a hard
-            # stretch where every draft stops at once would never lower them) and biased upward.
-            k = record.tau
-            prior = self.rates(req, k + 1)[k]
-            p_cut = self.calibration.accept_given(prior, 0, round(10 * req.cut))
-            self.global_rates.update_stopped(k, p_cut)
-            self.bucket_rates[req.bucket].update_stopped(k, p_cut)
-            req.rates.update_stopped(k, p_cut)
-        else:
-            self.global_rates.update(record.tau, record.n_accepted)
-            if req is not None:
-                self.bucket_rates[req.bucket].update(record.tau, record.n_accepted)
-                req.rates.update(record.tau, record.n_accepted)
-        if req is not None and predicted:
-            self._detect_shift(req, record, predicted, p_cut)
-        if req is not None and req.probing:
-            req.probing = False
-            # All accepted: probe again at once; some: soon; none: back off further.
-            if record.n_accepted == record.tau:
-                req.backoff = 1
-            else:
-                req.backoff = self.min_backoff if record.n_accepted else min(2 * req.backoff, self.max_backoff)
-        if record.draft_token_probs and (req is None or req.cut is None):
-            # Only drafts that ran without a cut: a cut hides the low bins and would bias the likelihoods.
+        predicted = self.rates(req, tested) if req is not None else []
+        self.global_rates.update(record.tau, record.n_accepted)
+        if req is not None:
+            self.bucket_rates[req.bucket].update(record.tau, record.n_accepted)
+            req.rates.update(record.tau, record.n_accepted)
+            self._detect_shift(req, record, predicted)
+            if req.probing:
+                req.probing = False
+                # All accepted: probe again at once; some: soon; none: back off further.
+                if record.n_accepted == record.tau:
+                    req.backoff = 1
+                else:
+                    req.backoff = self.min_backoff if record.n_accepted else min(2 * req.backoff, self.max_backoff)
+        if record.draft_token_probs:
             self.calibration.update(record.draft_token_probs, record.tau, record.n_accepted)
 
-    def _detect_shift(self, req: _Request, record: StepRecord, predicted: list[float], p_cut: float | None) -> None:
+    def _detect_shift(self, req: _Request, record: StepRecord, predicted: list[float]) -> None:
         """Two-sided Bernoulli CUSUM on the positions this step tested, against the rates it was planned
         with: a stretch where the draft does much better or worse (code <-> prose) is flagged within 2-3
         outcomes, and the request's own statistics restart from the steps since the shift began."""
@@ -299,7 +293,7 @@ class AdaptivePolicy(Policy):
                     req.cusum_up = max(0.0, req.cusum_up + llr)
                 else:
                     req.cusum_down = max(0.0, req.cusum_down + llr)
-        step = (record.tau, record.n_accepted, p_cut)
+        step = (record.tau, record.n_accepted)
         for cusum, recent in ((req.cusum_up, req.recent_up), (req.cusum_down, req.recent_down)):
             if cusum > 0:
                 recent.append(step)
@@ -310,12 +304,10 @@ class AdaptivePolicy(Policy):
             return
         req.changes += 1
         own = req.rates
+        own.prior_weight = REQUEST_PRIOR_SHIFTED
         own.wins, own.trials = [0.0] * own.max_pos, [0.0] * own.max_pos
-        for tau, n_acc, p_stop in side:
-            if p_stop is None:
-                own.update(tau, n_acc)
-            else:
-                own.update_stopped(tau, p_stop)
+        for tau, n_acc in side:
+            own.update(tau, n_acc)
         req.cusum_up = req.cusum_down = 0.0
         req.recent_up, req.recent_down = [], []
 

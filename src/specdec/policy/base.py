@@ -5,6 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from specdec.drafters.base import ReachRule
 from specdec.records import GenerationStats, StepRecord
 
 
@@ -30,6 +31,7 @@ class Decision:
     tau: int
     reason: str
     min_confidence: float | None = None  # ask the drafter to stop early below this top probability
+    reach_rule: ReachRule | None = None  # ask the drafter to stop once the draft's survival chance falls too low
     stop: bool = False  # end the request now with finish reason "verify_budget" (budget policies)
 
 

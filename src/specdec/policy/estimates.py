@@ -55,14 +55,6 @@ class PositionRates:
             self.wins[k] = self.decay * self.wins[k] + (1.0 if k < n_accepted else 0.0)
             self.trials[k] = self.decay * self.trials[k] + 1.0
 
-    def update_stopped(self, tau: int, p_accept: float) -> None:
-        """A draft stopped early (by confidence) after ``tau`` tokens, all accepted: positions 1..τ passed,
-        and the stopped token at τ+1, never verified, counts as ``p_accept`` of a success."""
-        self.update(tau, tau)
-        if tau < self.max_pos:
-            self.wins[tau] = self.decay * self.wins[tau] + p_accept
-            self.trials[tau] = self.decay * self.trials[tau] + 1.0
-
     def observed(self, k: int) -> float:
         return self.trials[k]
 
@@ -182,12 +174,11 @@ class ConfidenceCalibration:
         la, lr = prior * sum(pa[lo:hi]), (1.0 - prior) * sum(pr[lo:hi])
         return la / (la + lr) if la + lr > 0 else prior
 
-    def threshold(self, break_even: float, prior: float | None = None) -> float | None:
-        """The confidence below which every bin's acceptance is under ``break_even`` (None: no such bin);
-        with ``prior``, acceptance per bin is ``accept_given(prior, b, b + 1)``, else the pooled rate."""
-        edge = 0
-        while (
-            edge < 10 and (self.rate(edge) if prior is None else self.accept_given(prior, edge, edge + 1)) < break_even
-        ):
-            edge += 1
-        return edge / 10 if edge else None
+    def table(self, prior: float) -> tuple[float, ...]:
+        """``accept_given(prior, b, b + 1)`` for the ten bins: what a drafter's stop rule reads."""
+        pa, pr = self.likelihoods()
+        out = []
+        for a, r in zip(pa, pr):
+            la, lr = prior * a, (1.0 - prior) * r
+            out.append(la / (la + lr) if la + lr > 0 else prior)
+        return tuple(out)

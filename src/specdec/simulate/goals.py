@@ -55,13 +55,14 @@ def _vs_fixed(w: Workload, cost: CostModel, seeds: list[int]) -> Goal:
     tau, best = _best_fixed(w, cost, seeds)
     adaptive = _tps("adaptive", w, cost, seeds)
     oracle = _tps("oracle", w, cost, seeds)
+    informed = _tps("oracle:confidence=true", w, cost, seeds)
     ratio = adaptive / best
     need = 0.97 if w.kind == "stationary" else 1.10
     return Goal(
         f"{w.name} [{cost.name}] adaptive >= {need:.2f}x best fixed",
         ratio >= need,
         f"adaptive {adaptive:.1f} tok/s = {ratio:.3f}x best fixed tau={tau} ({best:.1f}); "
-        f"known-rate oracle {oracle / best:.3f}x",
+        f"known-rate oracle {oracle / best:.3f}x, with the confidence stop {informed / best:.3f}x",
     )
 
 

@@ -1,22 +1,30 @@
-"""A simulator-only yardstick: the τ that maximises goodput under the *true* acceptance rates and costs.
+"""Simulator-only yardsticks that see the *true* acceptance rates and costs.
 
-No real policy can see these; the oracle's speedup bounds what any τ-choosing policy that does not
-read draft confidence could reach on a workload, so goals can be judged against the ceiling.
+``oracle``: the τ that maximises goodput under the true rates. It bounds what any policy that picks τ
+per step, without reading the draft's confidence, could reach on a workload.
+``oracle:confidence=true``: that τ plus ``adaptive``'s confidence stop rule, fed the true rates and the
+simulator's exact confidence model instead of learned ones: what ``adaptive`` would reach if it had
+nothing to learn. Neither is an upper bound on everything (a better stop rule could beat the second).
 """
 
 from __future__ import annotations
 
+from specdec.drafters.base import ReachRule
+from specdec.policy.adaptive import REACH_DEPTH, REACH_MARGIN
 from specdec.policy.base import Decision, Policy, StepContext
 from specdec.policy.estimates import expected_emitted_all
 from specdec.simulate.costs import CostModel
-from specdec.simulate.processes import AcceptanceProcess, SimRequest
+from specdec.simulate.processes import AcceptanceProcess, SimRequest, confidence_tenths
 
 
 class OraclePolicy(Policy):
     name = "oracle"
 
-    def __init__(self, max_tau: int = 16) -> None:
-        self.max_tau = max_tau
+    def __init__(self, max_tau: int = 16, confidence: bool = False) -> None:
+        self.max_tau, self.confidence = max_tau, confidence
+        if confidence:
+            self.name = "oracle+confidence"
+            self._tenths = confidence_tenths(True), confidence_tenths(False)
         self.view: tuple[AcceptanceProcess, SimRequest, int, CostModel] | None = None
 
     def see(self, process: AcceptanceProcess, req: SimRequest, start: int, cost: CostModel) -> None:
@@ -30,4 +38,17 @@ class OraclePolicy(Policy):
         emitted = expected_emitted_all([process.rate(req, start, i) for i in range(1, k + 1)])
         times = [t * cost.draft_per_token_s + cost.verify(t + 1) + cost.other_s for t in range(k + 1)]
         tau = max(range(k + 1), key=lambda t: emitted[t] / times[t])
-        return Decision(tau, f"oracle tau={tau}")
+        if not (self.confidence and tau):
+            return Decision(tau, f"oracle tau={tau}")
+        # adaptive's stop rule (see AdaptivePolicy._decide) with the true rates and likelihoods
+        rates = [process.rate(req, start, i) for i in range(1, k + 1)]
+        reach, weight, mean = 1.0, 0.0, 0.0
+        for a in rates[:tau]:
+            weight, mean, reach = weight + reach, mean + reach * a, reach * a
+        prior = min(max(mean / weight, 1e-6), 1 - 1e-6)
+        per_token = times[tau] / emitted[tau]
+        min_reach = min(0.95, REACH_MARGIN * (times[1] - times[0]) / (per_token * prior))
+        acc, rej = self._tenths
+        table = tuple(prior * pa / (prior * pa + (1 - prior) * pr) for pa, pr in zip(acc, rej))
+        cap = min(k, tau + REACH_DEPTH)
+        return Decision(cap, f"oracle tau={tau}, up to {cap}", reach_rule=ReachRule(table, min_reach))

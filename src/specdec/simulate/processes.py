@@ -9,6 +9,7 @@ accepted tokens have confidence ~ Beta(4, 1.5) (mean 0.73), rejected ones ~ Beta
 from __future__ import annotations
 
 import json
+import math
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -28,8 +29,24 @@ class SimRequest:
     data: Any = None  # per-request draw of the process (e.g. its own α)
 
 
+CONFIDENCE_IF_ACCEPTED = (4.0, 1.5)  # Beta parameters of the draft's top probability for a token that passes
+CONFIDENCE_IF_REJECTED = (1.5, 3.0)  # ... and for one that fails
+
+
 def draft_confidence(accepted: bool, rng: random.Random) -> float:
-    return rng.betavariate(4.0, 1.5) if accepted else rng.betavariate(1.5, 3.0)
+    return rng.betavariate(*(CONFIDENCE_IF_ACCEPTED if accepted else CONFIDENCE_IF_REJECTED))
+
+
+def confidence_tenths(accepted: bool, steps: int = 200) -> list[float]:
+    """P(the draft's top probability falls in each tenth | accepted or not), by midpoint integration."""
+    a, b = CONFIDENCE_IF_ACCEPTED if accepted else CONFIDENCE_IF_REJECTED
+    log_beta = math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
+    h = 0.1 / steps
+    out = []
+    for tenth in range(10):
+        xs = (tenth / 10 + (i + 0.5) * h for i in range(steps))
+        out.append(sum(math.exp((a - 1) * math.log(x) + (b - 1) * math.log(1 - x) - log_beta) for x in xs) * h)
+    return out
 
 
 class AcceptanceProcess(ABC):

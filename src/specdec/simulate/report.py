@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.errors import InvalidRequestError
-from specdec.policy import Policy, make_policy
+from specdec.policy import Policy, make_policy, parse_policy_spec
 from specdec.simulate.costs import CostModel
 from specdec.simulate.oracle import OraclePolicy
 from specdec.simulate.runner import RunResult, simulate
@@ -18,36 +18,13 @@ from specdec.simulate.workloads import Workload
 DEFAULT_POLICIES = ["fixed:tau=0", "fixed:tau=2", "fixed:tau=4", "fixed:tau=8", "heuristic", "confidence", "adaptive"]
 
 
-def _value(text: str) -> Any:
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 def policy_factory(spec: str) -> Callable[[], Policy]:
     """``name`` or ``name:key=value,key=value`` (e.g. ``fixed:tau=4``, ``adaptive:margin=0.05``); ``oracle``."""
-    name, _, args = spec.partition(":")
-    kwargs: dict[str, Any] = {}
-    for item in filter(None, args.split(",")):
-        key, eq, val = item.partition("=")
-        if not eq or not key:
-            raise InvalidRequestError(f"bad policy option {item!r} in {spec!r}: write key=value", "policy")
-        kwargs[key.strip().replace("-", "_")] = _value(val.strip())
+    name, kwargs = parse_policy_spec(spec)
     if name == "oracle":
         return lambda: OraclePolicy(**kwargs)
-    try:
-        make_policy(name, **kwargs)  # fail now, with the policy's own message, not mid-run
-    except TypeError as e:
-        raise InvalidRequestError(f"bad options for policy {name!r}: {e}", "policy") from None
-    return lambda: make_policy(name, **kwargs)
+    make_policy(spec)  # fail now, with the policy's own message, not mid-run
+    return lambda: make_policy(spec)
 
 
 @dataclass

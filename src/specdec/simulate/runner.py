@@ -138,16 +138,22 @@ def _run_request(
             break
         asked = max(0, min(decision.tau, ctx.max_tau))
         flags, confs = [], []
+        reach, dropped = 1.0, 0
         for k in range(1, asked + 1):
             ok = rng.random() < process.rate(req, new, k)
             conf = draft_confidence(ok, rng)
             if decision.min_confidence is not None and conf < decision.min_confidence:
+                dropped = 1  # a confidence cut still ran the forward that made the dropped token
                 break
             flags.append(ok)
             confs.append(conf)
+            if decision.reach_rule is not None:
+                reach = decision.reach_rule.reach(reach, conf)
+                if reach < decision.reach_rule.min_reach:
+                    break
         tau = len(flags)
         n_acc = flags.index(False) if False in flags else tau
-        forwards = tau + (1 if tau < asked else 0)  # an early stop still ran the forward it stopped at
+        forwards = tau + dropped
         draft_t = cost.noisy(forwards * cost.draft_per_token_s, jit) if forwards else 0.0
         verify_t = cost.noisy(cost.verify(tau + 1), jit)
         other_t = cost.noisy(cost.other_s, jit)
