@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from specdec.drafters.base import ReachRule
 from specdec.drafters.model import ModelDrafter, _common_prefix
 from specdec.runtime import load_runner
 from specdec.sampling import SamplingParams
@@ -56,3 +57,35 @@ def test_greedy_draft_is_the_argmax_chain_with_its_distributions(tiny_models: di
     again = drafter.propose(state, longer, 3, SamplingParams(), gen)
     fresh = drafter.propose(drafter.new_state(), longer, 3, SamplingParams(), gen)
     assert again.tokens.tolist() == fresh.tokens.tolist()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_reach_rule_stops_after_the_token_that_drops_the_survival_chance(
+    tiny_models: dict[str, Path], temperature: float
+) -> None:
+    runner = load_runner(tiny_models["draft"], device=torch.device("cpu"), dtype="float32")
+    drafter = ModelDrafter(runner, runner.vocab_size)
+    context = list(range(3, 23))
+    params = SamplingParams(temperature=temperature)
+    full = drafter.propose(drafter.new_state(), context, 6, params, torch.Generator().manual_seed(1))
+    calls = []
+    forward = runner.forward
+    runner.forward = lambda *a, **k: (calls.append(1), forward(*a, **k))[1]  # type: ignore[method-assign]
+    # Every token is judged 0.6 likely to pass: 0.6, 0.36, 0.216 -> the third takes it below 0.3.
+    rule = ReachRule((0.6,) * 10, 0.3)
+    short = drafter.propose(drafter.new_state(), context, 6, params, torch.Generator().manual_seed(1), reach_rule=rule)
+    assert short.tokens.tolist() == full.tokens.tolist()[:3]  # the token that crossed is kept
+    assert len(short.confidence) == 3 and (short.probs is None) == (temperature == 0.0)
+    assert len(calls) == 3  # the context, then two draft forwards: the fourth token's forward never ran
+    sure = ReachRule((1.0,) * 10, 0.3)
+    kept = drafter.propose(drafter.new_state(), context, 6, params, torch.Generator().manual_seed(1), reach_rule=sure)
+    assert kept.tokens.tolist() == full.tokens.tolist()
+
+
+def test_reach_rule_reads_the_confidence_by_tenths() -> None:
+    rule = ReachRule(tuple(b / 10 for b in range(10)), 0.05)
+    assert rule.reach(1.0, 0.95) == pytest.approx(0.9)
+    assert rule.reach(0.5, 1.0) == pytest.approx(0.45)  # p = 1.0 falls in the top tenth
+    assert rule.reach(1.0, 0.0) == 0.0
+    with pytest.raises(ValueError, match="10 entries"):
+        ReachRule((0.5,) * 9, 0.1)

@@ -17,6 +17,7 @@ from specdec.policy import (
     Policy,
     StepContext,
     make_policy,
+    split_policy_specs,
 )
 from specdec.records import GenerationStats, StepRecord
 
@@ -96,6 +97,22 @@ def bernoulli(alpha: float, seed: int = 0) -> Callable[[int, int], int]:
 def test_every_policy_builds_with_no_arguments() -> None:
     for name in ("fixed", "heuristic", "confidence", "adaptive"):
         assert make_policy(name).name == name
+
+
+def test_policy_specs_carry_settings() -> None:
+    p = make_policy("adaptive:max_tau=8,early_stop=false,margin=0.05")
+    assert isinstance(p, AdaptivePolicy) and (p.max_tau, p.early_stop, p.margin) == (8, False, 0.05)
+    assert make_policy("fixed:tau=3").next_tau(ctx_for("r", 0, 0, 0)).tau == 3
+    assert make_policy("fixed:tau=3", tau=5).next_tau(ctx_for("r", 0, 0, 0)).tau == 5  # keywords win
+    with pytest.raises(InvalidRequestError, match="bad options for policy 'adaptive'"):
+        make_policy("adaptive:colour=blue")
+    with pytest.raises(InvalidRequestError, match="write key=value"):
+        make_policy("adaptive:max_tau")
+    assert split_policy_specs("adaptive:max_tau=8,margin=0.05,heuristic, fixed:tau=2") == [
+        "adaptive:max_tau=8,margin=0.05",
+        "heuristic",
+        "fixed:tau=2",
+    ]
 
 
 def test_bad_options_name_the_argument() -> None:
@@ -217,6 +234,40 @@ def test_adaptive_stop_rule_threshold_follows_the_cost_of_a_draft_token() -> Non
     r_dear = dear.next_tau(ctx_for("r", 0, 0, 0)).reach_rule
     assert r_cheap is not None and r_dear is not None
     assert r_dear.min_reach > 2 * r_cheap.min_reach, (r_cheap.min_reach, r_dear.min_reach)
+
+
+def test_adaptive_turns_the_stop_rule_off_when_it_measures_slower() -> None:
+    # Steps drafted under the stop rule emit 2 tokens, steps without it 5, at the same cost: the policy
+    # must notice and draft mostly without the rule, keeping a minority of steps on it to re-check.
+    p = AdaptivePolicy()
+    _calibrated(p)
+    p.begin(ctx_for("r", 0, 0, 0))
+    arms = []
+    for step in range(400):
+        d = p.next_tau(ctx_for("r", step, 3 * step, step))
+        arms.append(d.reach_rule is not None)
+        n_acc = min(d.tau, 1 if d.reach_rule is not None else 4)
+        p.observe(record_for("r", step, d.tau, n_acc, probs=[0.9] * d.tau))
+    assert sum(arms[:40]) >= 15  # both arms measured at first
+    assert sum(arms[-200:]) <= 200 / 8 + 1, sum(arms[-200:])  # then the rule only on check steps
+    assert sum(arms[-200:]) >= 200 / 32 - 1  # ... which never stop
+    assert not p.arms.prefer_rule()
+    d = p.next_tau(ctx_for("r", 1, 3, 1))
+    assert d.reach_rule is None and "stop rule off (measured slower)" in d.reason, d.reason
+
+
+def test_arm_comparison_prefers_the_rule_until_it_is_measured_slower() -> None:
+    from specdec.policy.estimates import ArmComparison
+
+    arms = ArmComparison()
+    assert arms.prefer_rule() and arms.gap() is None
+    for _ in range(30):
+        arms.observe(1, 4, 0.010)
+        arms.observe(0, 4, 0.0101)  # 1 % apart: noise, the rule stays
+    assert arms.prefer_rule() and arms.gap() == pytest.approx(0.0101 / 0.010 - 1, rel=1e-6)
+    for _ in range(100):
+        arms.observe(0, 5, 0.010)  # without the rule: 25 % more tokens for the time
+    assert not arms.prefer_rule()
 
 
 def test_adaptive_holds_tau_one_near_break_even_and_falls_back_below() -> None:

@@ -83,6 +83,7 @@ BAD_COMPLETIONS: list[tuple[bytes, int, str | None, str]] = [
     (b'{"prompt": "x", "model": "gpt-4"}', 404, "model", "model_not_found"),
     (b'{"prompt": "x", "model": 3}', 400, "model", "invalid_value"),
     (b'{"prompt": "x", "speculative": {"policy": "nope"}}', 400, "speculative.policy", "invalid_value"),
+    (b'{"prompt": "x", "speculative": {"policy": "adaptive:max_tau=3"}}', 400, "speculative.policy", "invalid_value"),
     (b'{"prompt": "x", "speculative": {"tau": -1}}', 400, "speculative.tau", "invalid_value"),
     (b'{"prompt": "x", "speculative": {"tau": 2, "policy": "adaptive"}}', 400, "speculative.tau", "invalid_value"),
     (

@@ -162,3 +162,39 @@ def test_goal_check_reports_every_goal_with_figures() -> None:
         assert expected in names
     assert all("x" in g.detail or "max" in g.detail for g in goals)
     assert next(g for g in goals if g.name.startswith("hard cap")).passed
+
+
+def test_a_reach_rule_in_the_runner_keeps_the_token_it_stops_at_and_charges_its_forwards() -> None:
+    from specdec.drafters.base import ReachRule
+    from specdec.policy import Decision, Policy, StepContext
+    from specdec.records import StepRecord
+
+    class OneThenStop(Policy):
+        name = "one-then-stop"
+        records: list[StepRecord] = []
+
+        def next_tau(self, ctx: StepContext) -> Decision:
+            # every drafted token is judged certain to fail: the first takes the chance to 0, drafting stops
+            return Decision(min(8, ctx.max_tau), "t", reach_rule=ReachRule((0.0,) * 10, 0.5))
+
+        def observe(self, record: StepRecord) -> None:
+            self.records.append(record)
+
+    p = OneThenStop()
+    simulate(p, small("iid-0.8", 3), replace(CPU, jitter=0.0), seed=0)
+    drafting = [r for r in p.records if r.tau]
+    assert drafting and all(r.tau == 1 for r in drafting)
+    assert all(r.draft_time == pytest.approx(CPU.draft_per_token_s) for r in drafting)  # one forward, not two
+
+
+def test_the_informed_oracle_beats_the_tau_only_oracle_under_the_assumed_confidence_model() -> None:
+    w = small("iid-0.8", 30)
+    tau_only = simulate(make_policy_or_oracle("oracle"), w, CPU, seed=0).tokens_per_s
+    informed = simulate(make_policy_or_oracle("oracle:confidence=true"), w, CPU, seed=0).tokens_per_s
+    assert informed > 1.03 * tau_only
+
+
+def make_policy_or_oracle(spec: str):
+    from specdec.simulate.report import policy_factory
+
+    return policy_factory(spec)()

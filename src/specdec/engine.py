@@ -284,6 +284,7 @@ class Generation:
         tau = max(0, min(decision.tau, ctx.max_tau)) if engine.drafter is not None else 0
 
         t1 = time.perf_counter()
+        draft_confidence: list[float] = []
         if tau > 0:
             assert engine.drafter is not None
             draft = engine.drafter.propose(
@@ -295,7 +296,7 @@ class Generation:
                 decision.min_confidence,
                 decision.reach_rule,
             )
-            draft_tokens, draft_probs = draft.tokens, draft.probs
+            draft_tokens, draft_probs, draft_confidence = draft.tokens, draft.probs, draft.confidence
         else:
             draft_tokens = torch.empty(0, dtype=torch.long, device=engine.target.device)
             draft_probs = torch.empty(0, engine.target.vocab_size, device=engine.target.device)
@@ -337,7 +338,8 @@ class Generation:
             draft_time=t2 - t1,
             verify_time=t3 - t2,
             other_time=0.0,
-            draft_token_probs=verdict.draft_token_probs,
+            # Greedy verification reads no q; the draft's probability of its own (argmax) token is its confidence.
+            draft_token_probs=verdict.draft_token_probs if not params.greedy else draft_confidence[:tau],
             target_token_probs=verdict.target_token_probs,
         )
         text = self._decoder.text_for(self.new_tokens, final=finish is not None)

@@ -87,6 +87,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="torch.compile each native-runtime model's decode/verify step per block size (slow start; see docs/runtime.md)",
     )
     g.add_argument("--runtime", default="auto", help="auto, native or hf (auto: native for Llama-family checkpoints)")
-    g.add_argument("--policy", default="fixed", help="how τ is chosen each step (default: fixed)")
+    g.add_argument(
+        "--policy",
+        default="fixed",
+        help="how τ is chosen each step: fixed, heuristic, confidence, adaptive, or with settings "
+        "NAME:KEY=VALUE,... e.g. adaptive:max_tau=8 (default: fixed)",
+    )
     g.add_argument("--tau", type=int, default=4, help="draft tokens per step for the fixed policy (default: 4)")
     g.add_argument("--trust-remote-code", action="store_true", help="allow checkpoints with custom Python code")

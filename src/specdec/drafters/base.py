@@ -24,7 +24,8 @@ class Draft:
 class ReachRule:
     """Stop drafting once the chance that every token drafted so far will be accepted falls too low.
 
-    Each drafted token's chance of acceptance is read from its top draft probability p, by tenths:
+    Each drafted token's chance of acceptance is read from the draft's probability p of that token (the
+    top probability when drafting greedily, q(ŷ) when sampling; what step records carry), by tenths:
     ``accept_by_tenth[min(int(10 p), 9)]`` (a calibrated table the policy supplies). Their running
     product is the chance that the block so far survives verification; the token that takes it below
     ``min_reach`` is still kept (its forward has run, and verifying it costs one slot), but the next

@@ -87,8 +87,8 @@ class ModelDrafter(Drafter):
             tokens.append(y)
             probs.append(q)
             confidence.append(top)
-            if reach_rule is not None:
-                reach = reach_rule.reach(reach, top)
+            if reach_rule is not None:  # judged by q(ŷ), the probability of the token drawn, as records carry it
+                reach = reach_rule.reach(reach, float(q[y]))
                 if reach < reach_rule.min_reach:
                     break
             if t + 1 < tau:

@@ -21,7 +21,13 @@ from specdec.drafters.base import ReachRule
 from specdec.errors import InvalidRequestError
 from specdec.policy.base import Decision, Policy, StepContext
 from specdec.policy.budget import FleetBudgetPolicy
-from specdec.policy.estimates import ConfidenceCalibration, PositionRates, StepCosts, expected_emitted_all
+from specdec.policy.estimates import (
+    ArmComparison,
+    ConfidenceCalibration,
+    PositionRates,
+    StepCosts,
+    expected_emitted_all,
+)
 from specdec.records import GenerationStats, StepRecord
 
 BUDGET_SAFETY = 1.3
@@ -38,6 +44,8 @@ CALIBRATION_WARM = 30  # verified draft tokens before the draft's confidence is 
 # and so the value of time; 1.4 was best on the simulator's workloads (flat from 1.2 to 1.7).
 REACH_MARGIN = 1.4
 REACH_DEPTH = 8  # the stop rule may draft this many tokens beyond the plan's τ
+ARM_SETTLED_GAP = 0.04  # with and without the stop rule differ by this much in goodput: settled
+ARM_CHECK_EVERY_SETTLED = 32  # steps: then one in 32 takes the other arm
 GAIN_PER_TOKEN = 0.02  # budget-limited: an extra draft token must add this many expected tokens
 
 
@@ -55,6 +63,7 @@ class _Request:
     rates: PositionRates
     bucket: int
     asked: int = 0  # τ asked for in the last decision (the drafter may stop early)
+    arm: int | None = None  # the last decision drafted with the stop rule (1), without it (0), or neither
     probing: bool = False
     backoff: int = 4  # plain steps before the next probe while falling back
     since_probe: int = 0
@@ -114,6 +123,7 @@ class AdaptivePolicy(Policy):
         self.bucket_rates = [PositionRates(max_pos=pos, decay=0.98) for _ in range(len(self.bucket_edges) + 1)]
         self.costs = StepCosts()
         self.calibration = ConfidenceCalibration()
+        self.arms = ArmComparison()
         self.latencies: deque[float] = deque(maxlen=200)
         self._latency_ratios: deque[float] = deque(maxlen=100)
         self._requests: dict[str, _Request] = {}
@@ -234,9 +244,22 @@ class AdaptivePolicy(Policy):
         return self.early_stop and self.calibration.total >= CALIBRATION_WARM
 
     def _decide(self, req: _Request, tau: int, reason: str, plan: _Plan | None, early_stop: bool = True) -> Decision:
-        req.asked = tau
+        req.asked, req.arm = tau, None
         if not (tau and plan is not None and early_stop and self._stop_rule_ready()):
             return Decision(tau, reason)
+        # Some steps take the other arm, so both goodputs stay measured: every other step until both are,
+        # then one in 8, one in 32 once they differ clearly (then each minority step costs the gap).
+        prefer = self.arms.prefer_rule()
+        gap = self.arms.gap()
+        if gap is None:
+            every = 2
+        else:
+            every = ARM_CHECK_EVERY_SETTLED if gap >= ARM_SETTLED_GAP else EXPLORE_EVERY
+        req.arm = int(prefer) if req.steps % every else int(not prefer)
+        if not req.arm:
+            return Decision(
+                tau, reason + (", stop rule off (measured slower)" if not prefer else ", no stop rule (A/B)")
+            )
         # With a calibrated confidence signal the drafter decides the depth token by token: one more
         # draft token pays when the chance that it and all before it pass, reach · a, beats what its
         # forward and verify slot cost in output time, (t_draft + Δt_verify) · goodput (renewal-reward:
@@ -247,10 +270,10 @@ class AdaptivePolicy(Policy):
         for a in plan.rates[:tau]:
             weight, mean, reach = weight + reach, mean + reach * a, reach * a
         prior = mean / weight
-        step = self.costs.step_times(1)
-        per_token = plan.times[tau] / plan.emitted[tau]
-        min_reach = min(0.95, REACH_MARGIN * (step[1] - step[0]) / (per_token * prior))
         cap = min(len(plan.goodput) - 1, tau + REACH_DEPTH)
+        go_on = (plan.times[cap] - plan.times[0]) / cap  # a draft forward and a verify slot, on average
+        per_token = plan.times[tau] / plan.emitted[tau]
+        min_reach = min(0.95, REACH_MARGIN * go_on / (per_token * prior))
         rule = ReachRule(self.calibration.table(prior), min_reach)
         return Decision(cap, reason + f", up to {cap} while P(all pass) >= {min_reach:.2f}", reach_rule=rule)
 
@@ -260,6 +283,9 @@ class AdaptivePolicy(Policy):
         req = self._requests.get(record.request_id)
         # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.
         self.costs.observe(record.tau, record.tau, record.draft_time, record.verify_time, record.other_time)
+        if req is not None and req.arm is not None and record.tau:
+            seconds = record.draft_time + record.verify_time + record.other_time
+            self.arms.observe(req.arm, len(record.emitted), seconds)
         if record.tau == 0:
             return
         tested = min(record.n_accepted + 1, record.tau)

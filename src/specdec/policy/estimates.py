@@ -182,3 +182,40 @@ class ConfidenceCalibration:
             la, lr = prior * a, (1.0 - prior) * r
             out.append(la / (la + lr) if la + lr > 0 else prior)
         return tuple(out)
+
+
+@dataclass
+class ArmComparison:
+    """Goodput (emitted tokens per second) of steps drafted with the stop rule (arm 1) and without (arm 0).
+
+    The stop rule rests on assumptions the data may break (acceptance independent from token to token,
+    calibrated tables); the policy keeps a minority of steps on the other arm and uses the rule only
+    while it measures at least as good. Decayed per observation of an arm, so each arm remembers its
+    last ~1/(1-decay) steps whatever share of steps it gets.
+    """
+
+    decay: float = 0.98
+    min_steps: float = 20.0
+    tokens: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    steps: list[float] = field(default_factory=lambda: [0.0, 0.0])
+
+    def observe(self, arm: int, tokens: int, seconds: float) -> None:
+        self.tokens[arm] = self.decay * self.tokens[arm] + tokens
+        self.seconds[arm] = self.decay * self.seconds[arm] + seconds
+        self.steps[arm] = self.decay * self.steps[arm] + 1.0
+
+    def goodput(self, arm: int) -> float | None:
+        if self.steps[arm] < self.min_steps or self.seconds[arm] <= 0:
+            return None
+        return self.tokens[arm] / self.seconds[arm]
+
+    def gap(self) -> float | None:
+        """|goodput with / without − 1|, once both arms are measured."""
+        with_rule, without = self.goodput(1), self.goodput(0)
+        return None if with_rule is None or without is None else abs(with_rule / without - 1.0)
+
+    def prefer_rule(self, tolerance: float = 0.03) -> bool:
+        """The rule, unless measured slower than no rule by more than ``tolerance`` (noise: ~20-step arms)."""
+        with_rule, without = self.goodput(1), self.goodput(0)
+        return with_rule is None or without is None or with_rule >= (1.0 - tolerance) * without

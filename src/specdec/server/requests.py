@@ -37,6 +37,16 @@ def check_supported(body: _Common) -> None:
             raise APIError(400, f"best_of={body.best_of} is not supported (only 1)", "best_of", "unsupported")
         if body.suffix is not None:
             raise APIError(400, "suffix is not supported", "suffix", "unsupported")
+    spec = body.speculative
+    if spec is not None and spec.policy is not None and ":" in spec.policy:
+        # Each policy the engine is asked for lives as long as the server (it learns across requests):
+        # clients pick among named ones; settings are the operator's (specdec serve --policy NAME:KEY=VALUE).
+        raise APIError(
+            400,
+            f"policy {spec.policy!r}: requests name a policy (e.g. adaptive); its settings are the server's",
+            "speculative.policy",
+            "invalid_value",
+        )
     if isinstance(body, ChatCompletionRequest) and (body.logprobs or body.top_logprobs is not None):
         raise APIError(400, "logprobs are not supported", "logprobs", "unsupported")
 

@@ -46,9 +46,9 @@ class OraclePolicy(Policy):
         for a in rates[:tau]:
             weight, mean, reach = weight + reach, mean + reach * a, reach * a
         prior = min(max(mean / weight, 1e-6), 1 - 1e-6)
+        cap = min(k, tau + REACH_DEPTH)
         per_token = times[tau] / emitted[tau]
-        min_reach = min(0.95, REACH_MARGIN * (times[1] - times[0]) / (per_token * prior))
+        min_reach = min(0.95, REACH_MARGIN * (times[cap] - times[0]) / cap / (per_token * prior))
         acc, rej = self._tenths
         table = tuple(prior * pa / (prior * pa + (1 - prior) * pr) for pa, pr in zip(acc, rej))
-        cap = min(k, tau + REACH_DEPTH)
         return Decision(cap, f"oracle tau={tau}, up to {cap}", reach_rule=ReachRule(table, min_reach))
