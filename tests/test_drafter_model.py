@@ -72,20 +72,23 @@ def test_reach_rule_stops_after_the_token_that_drops_the_survival_chance(
     forward = runner.forward
     runner.forward = lambda *a, **k: (calls.append(1), forward(*a, **k))[1]  # type: ignore[method-assign]
     # Every token is judged 0.6 likely to pass: 0.6, 0.36, 0.216 -> the third takes it below 0.3.
-    rule = ReachRule((0.6,) * 10, 0.3)
+    rule = ReachRule((0.6,) * 10, (0.3,))
     short = drafter.propose(drafter.new_state(), context, 6, params, torch.Generator().manual_seed(1), reach_rule=rule)
     assert short.tokens.tolist() == full.tokens.tolist()[:3]  # the token that crossed is kept
     assert len(short.confidence) == 3 and (short.probs is None) == (temperature == 0.0)
     assert len(calls) == 3  # the context, then two draft forwards: the fourth token's forward never ran
-    sure = ReachRule((1.0,) * 10, 0.3)
+    sure = ReachRule((1.0,) * 10, (0.3,))
     kept = drafter.propose(drafter.new_state(), context, 6, params, torch.Generator().manual_seed(1), reach_rule=sure)
     assert kept.tokens.tolist() == full.tokens.tolist()
 
 
 def test_reach_rule_reads_the_confidence_by_tenths() -> None:
-    rule = ReachRule(tuple(b / 10 for b in range(10)), 0.05)
+    rule = ReachRule(tuple(b / 10 for b in range(10)), (0.05, 0.5))
     assert rule.reach(1.0, 0.95) == pytest.approx(0.9)
     assert rule.reach(0.5, 1.0) == pytest.approx(0.45)  # p = 1.0 falls in the top tenth
     assert rule.reach(1.0, 0.0) == 0.0
+    assert rule.go_on(0.3, 1) and not rule.go_on(0.3, 2) and not rule.go_on(0.3, 9)  # the last threshold serves deeper
+    with pytest.raises(ValueError, match="at least one"):
+        ReachRule((0.5,) * 10, ())
     with pytest.raises(ValueError, match="10 entries"):
-        ReachRule((0.5,) * 9, 0.1)
+        ReachRule((0.5,) * 9, (0.1,))

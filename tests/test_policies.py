@@ -217,7 +217,7 @@ def test_adaptive_hands_the_drafter_a_calibrated_stop_rule() -> None:
     for conf in [0.95] * 3 + [0.12] + [0.95] * 20:
         reach = rule.reach(reach, conf)
         kept += 1
-        if reach < rule.min_reach:
+        if not rule.go_on(reach, kept):
             break
     assert kept == 4, (kept, rule.min_reach)
     assert AdaptivePolicy(early_stop=False).next_tau(ctx_for("r", 0, 0, 0)).reach_rule is None
@@ -233,7 +233,19 @@ def test_adaptive_stop_rule_threshold_follows_the_cost_of_a_draft_token() -> Non
     r_cheap = cheap.next_tau(ctx_for("r", 0, 0, 0)).reach_rule
     r_dear = dear.next_tau(ctx_for("r", 0, 0, 0)).reach_rule
     assert r_cheap is not None and r_dear is not None
-    assert r_dear.min_reach > 2 * r_cheap.min_reach, (r_cheap.min_reach, r_dear.min_reach)
+    assert r_dear.min_reach[0] > 2 * r_cheap.min_reach[0], (r_cheap.min_reach, r_dear.min_reach)
+
+
+def test_stop_rule_thresholds_follow_a_lumpy_verify_curve() -> None:
+    from specdec.policy.adaptive import reach_thresholds
+
+    # Step seconds by τ: blocks up to 6 tokens cost 0.1 ms per token, the 7th token starts a new group (+2 ms).
+    times = [4.0e-3 + 0.5e-3 * t + (2.0e-3 if t >= 6 else 0.0) + 0.1e-3 * t for t in range(10)]
+    thr = reach_thresholds(times, [0.8] * 10, per_token=1.5e-3, cap=9)
+    assert len(thr) == 8
+    assert thr[4] > 1.5 * thr[1]  # going on past the 5th token crosses into the expensive block
+    assert all(0 <= x <= 0.95 for x in thr)
+    assert reach_thresholds(times, [0.8] * 10, 1.5e-3, cap=1) == (0.0,)  # nothing to decide at τ = 1
 
 
 def test_adaptive_turns_the_stop_rule_off_when_it_measures_slower() -> None:
@@ -261,13 +273,20 @@ def test_arm_comparison_prefers_the_rule_until_it_is_measured_slower() -> None:
 
     arms = ArmComparison()
     assert arms.prefer_rule() and arms.gap() is None
-    for _ in range(30):
+    for _ in range(40):
         arms.observe(1, 4, 0.010)
         arms.observe(0, 4, 0.0101)  # 1 % apart: noise, the rule stays
     assert arms.prefer_rule() and arms.gap() == pytest.approx(0.0101 / 0.010 - 1, rel=1e-6)
-    for _ in range(100):
+    for _ in range(300):
+        arms.observe(1, 4, 0.010)
         arms.observe(0, 5, 0.010)  # without the rule: 25 % more tokens for the time
     assert not arms.prefer_rule()
+    # Both arms decay with every step: a stretch where only one arm runs does not age the other's evidence
+    # differently (the arms cover the same requests).
+    before = arms.steps[0] / arms.steps[1]
+    for _ in range(100):
+        arms.observe(1, 4, 0.010)
+    assert arms.steps[0] / (arms.steps[1] - sum(0.999**i for i in range(100))) == pytest.approx(before, rel=1e-6)
 
 
 def test_adaptive_holds_tau_one_near_break_even_and_falls_back_below() -> None:

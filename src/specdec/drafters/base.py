@@ -27,21 +27,28 @@ class ReachRule:
     Each drafted token's chance of acceptance is read from the draft's probability p of that token (the
     top probability when drafting greedily, q(ŷ) when sampling; what step records carry), by tenths:
     ``accept_by_tenth[min(int(10 p), 9)]`` (a calibrated table the policy supplies). Their running
-    product is the chance that the block so far survives verification; the token that takes it below
-    ``min_reach`` is still kept (its forward has run, and verifying it costs one slot), but the next
-    draft forward is not run. Unlike a per-token confidence cut, every drafted token gets verified,
-    so the policy's statistics see no hidden outcomes.
+    product is the chance that the block so far survives verification. After the j-th token the drafter
+    goes on only while that chance is at least ``min_reach[j - 1]`` (the last entry serves deeper
+    positions): the token that takes it below is still kept (its forward has run, and verifying it
+    costs one slot), but the next draft forward is not run. Unlike a per-token confidence cut, every
+    drafted token gets verified, so the policy's statistics see no hidden outcomes.
     """
 
     accept_by_tenth: tuple[float, ...]
-    min_reach: float
+    min_reach: tuple[float, ...]
 
     def __post_init__(self) -> None:
         if len(self.accept_by_tenth) != 10:
             raise ValueError(f"accept_by_tenth needs 10 entries, got {len(self.accept_by_tenth)}")
+        if not self.min_reach:
+            raise ValueError("min_reach needs at least one threshold")
 
     def reach(self, before: float, confidence: float) -> float:
         return before * self.accept_by_tenth[min(max(int(confidence * 10), 0), 9)]
+
+    def go_on(self, reach: float, drafted: int) -> bool:
+        """Whether to draft another token after ``drafted`` tokens whose joint chance is ``reach``."""
+        return reach >= self.min_reach[min(drafted, len(self.min_reach)) - 1]
 
 
 class Drafter(ABC):

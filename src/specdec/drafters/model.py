@@ -89,7 +89,7 @@ class ModelDrafter(Drafter):
             confidence.append(top)
             if reach_rule is not None:  # judged by q(ŷ), the probability of the token drawn, as records carry it
                 reach = reach_rule.reach(reach, float(q[y]))
-                if reach < reach_rule.min_reach:
+                if not reach_rule.go_on(reach, len(tokens)):
                     break
             if t + 1 < tau:
                 logits = self.runner.forward(y, state.cache, last_only=True)[-1]
@@ -122,7 +122,7 @@ class ModelDrafter(Drafter):
             confidence.append(top)
             if reach_rule is not None:
                 reach = reach_rule.reach(reach, top)
-                if reach < reach_rule.min_reach:
+                if not reach_rule.go_on(reach, len(tokens)):
                     break
             if t + 1 < tau:
                 ids = torch.tensor([y], dtype=torch.long, device=self.runner.device)

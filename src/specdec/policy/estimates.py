@@ -190,20 +190,25 @@ class ArmComparison:
 
     The stop rule rests on assumptions the data may break (acceptance independent from token to token,
     calibrated tables); the policy keeps a minority of steps on the other arm and uses the rule only
-    while it measures at least as good. Decayed per observation of an arm, so each arm remembers its
-    last ~1/(1-decay) steps whatever share of steps it gets.
+    while it measures at least about as good. Both arms decay with every step observed, whichever arm
+    it took, so the two cover the same stretch of requests (acceptance differs widely from prompt to
+    prompt: an arm that remembered further back would be compared with other prompts).
     """
 
-    decay: float = 0.98
-    min_steps: float = 20.0
+    decay: float = 0.999  # per step: the last ~1,000 steps (per-step goodput is noisy: ±50% between prompts)
+    min_steps: float = 30.0
     tokens: list[float] = field(default_factory=lambda: [0.0, 0.0])
     seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])
     steps: list[float] = field(default_factory=lambda: [0.0, 0.0])
 
     def observe(self, arm: int, tokens: int, seconds: float) -> None:
-        self.tokens[arm] = self.decay * self.tokens[arm] + tokens
-        self.seconds[arm] = self.decay * self.seconds[arm] + seconds
-        self.steps[arm] = self.decay * self.steps[arm] + 1.0
+        for a in (0, 1):
+            self.tokens[a] *= self.decay
+            self.seconds[a] *= self.decay
+            self.steps[a] *= self.decay
+        self.tokens[arm] += tokens
+        self.seconds[arm] += seconds
+        self.steps[arm] += 1.0
 
     def goodput(self, arm: int) -> float | None:
         if self.steps[arm] < self.min_steps or self.seconds[arm] <= 0:

@@ -10,7 +10,7 @@ nothing to learn. Neither is an upper bound on everything (a better stop rule co
 from __future__ import annotations
 
 from specdec.drafters.base import ReachRule
-from specdec.policy.adaptive import REACH_DEPTH, REACH_MARGIN
+from specdec.policy.adaptive import REACH_DEPTH, reach_thresholds
 from specdec.policy.base import Decision, Policy, StepContext
 from specdec.policy.estimates import expected_emitted_all
 from specdec.simulate.costs import CostModel
@@ -47,8 +47,7 @@ class OraclePolicy(Policy):
             weight, mean, reach = weight + reach, mean + reach * a, reach * a
         prior = min(max(mean / weight, 1e-6), 1 - 1e-6)
         cap = min(k, tau + REACH_DEPTH)
-        per_token = times[tau] / emitted[tau]
-        min_reach = min(0.95, REACH_MARGIN * (times[cap] - times[0]) / cap / (per_token * prior))
         acc, rej = self._tenths
         table = tuple(prior * pa / (prior * pa + (1 - prior) * pr) for pa, pr in zip(acc, rej))
-        return Decision(cap, f"oracle tau={tau}, up to {cap}", reach_rule=ReachRule(table, min_reach))
+        thresholds = reach_thresholds(times, rates, times[tau] / emitted[tau], cap)
+        return Decision(cap, f"oracle tau={tau}, up to {cap}", reach_rule=ReachRule(table, thresholds))

@@ -149,7 +149,7 @@ def _run_request(
             confs.append(conf)
             if decision.reach_rule is not None:
                 reach = decision.reach_rule.reach(reach, conf)
-                if reach < decision.reach_rule.min_reach:
+                if not decision.reach_rule.go_on(reach, len(flags)):
                     break
         tau = len(flags)
         n_acc = flags.index(False) if False in flags else tau
