@@ -45,8 +45,8 @@ CALIBRATION_WARM = 30  # verified draft tokens before the draft's confidence is 
 # default pair's recorded drafts.
 REACH_MARGIN = 1.2
 REACH_DEPTH = 8  # the stop rule may draft this many tokens beyond the plan's τ
-ARM_SETTLED_GAP = 0.04  # with and without the stop rule differ by this much in goodput: settled
-ARM_CHECK_EVERY_SETTLED = 32  # steps: then one in 32 takes the other arm
+ARM_SETTLED_GAP = 0.04  # the stop rule this much ahead in goodput: settled
+ARM_CHECK_EVERY_SETTLED = 32  # steps: then one in 32 goes without the rule
 GAIN_PER_TOKEN = 0.02  # budget-limited: an extra draft token must add this many expected tokens
 
 
@@ -264,13 +264,16 @@ class AdaptivePolicy(Policy):
         if not (tau and plan is not None and early_stop and self._stop_rule_ready()):
             return Decision(tau, reason)
         # Some steps take the other arm, so both goodputs stay measured: every other step until both are,
-        # then one in 8, one in 32 once they differ clearly (then each minority step costs the gap).
+        # then one in 8; one in 32 once the rule is clearly ahead (each minority step then costs the gap).
+        # While the rule is off it keeps being checked one step in 8: an early verdict against it, from a
+        # young calibration, must not stick.
         prefer = self.arms.prefer_rule()
         gap = self.arms.gap()
         if gap is None:
             every = 2
         else:
-            every = ARM_CHECK_EVERY_SETTLED if gap >= ARM_SETTLED_GAP else EXPLORE_EVERY
+            settled = prefer and gap >= ARM_SETTLED_GAP
+            every = ARM_CHECK_EVERY_SETTLED if settled else EXPLORE_EVERY
         req.arm = int(prefer) if req.steps % every else int(not prefer)
         if not req.arm:
             return Decision(

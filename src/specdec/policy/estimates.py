@@ -10,6 +10,7 @@ per-position rates):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -189,38 +190,57 @@ class ArmComparison:
     """Goodput (emitted tokens per second) of steps drafted with the stop rule (arm 1) and without (arm 0).
 
     The stop rule rests on assumptions the data may break (acceptance independent from token to token,
-    calibrated tables); the policy keeps a minority of steps on the other arm and uses the rule only
-    while it measures at least about as good. Both arms decay with every step observed, whichever arm
-    it took, so the two cover the same stretch of requests (acceptance differs widely from prompt to
-    prompt: an arm that remembered further back would be compared with other prompts).
+    calibrated tables); the policy keeps a minority of steps on the other arm and uses the rule unless it
+    measures slower by more than noise. Both arms decay with every step observed, whichever arm it
+    took, so the two cover the same stretch of requests (acceptance differs widely from prompt to
+    prompt: an arm that remembered further back would be compared with other prompts). Each arm's
+    goodput is a ratio estimate Σtokens/Σseconds; its standard error comes from the residuals
+    tokens − goodput·seconds (delta method).
     """
 
     decay: float = 0.999  # per step: the last ~1,000 steps (per-step goodput is noisy: ±50% between prompts)
     min_steps: float = 30.0
-    tokens: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    steps: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    z: float = 2.0  # a difference counts once it exceeds z standard errors
+    # per arm: Σ1, Σtokens, Σseconds, Σtokens², Σseconds², Σtokens·seconds
+    sums: list[list[float]] = field(default_factory=lambda: [[0.0] * 6, [0.0] * 6])
+
+    @property
+    def steps(self) -> list[float]:
+        return [self.sums[0][0], self.sums[1][0]]
 
     def observe(self, arm: int, tokens: int, seconds: float) -> None:
         for a in (0, 1):
-            self.tokens[a] *= self.decay
-            self.seconds[a] *= self.decay
-            self.steps[a] *= self.decay
-        self.tokens[arm] += tokens
-        self.seconds[arm] += seconds
-        self.steps[arm] += 1.0
+            self.sums[a] = [self.decay * v for v in self.sums[a]]
+        for i, v in enumerate((1.0, tokens, seconds, tokens * tokens, seconds * seconds, tokens * seconds)):
+            self.sums[arm][i] += v
 
     def goodput(self, arm: int) -> float | None:
-        if self.steps[arm] < self.min_steps or self.seconds[arm] <= 0:
+        n, t, sec = self.sums[arm][:3]
+        if n < self.min_steps or sec <= 0:
             return None
-        return self.tokens[arm] / self.seconds[arm]
+        return t / sec
+
+    def stderr(self, arm: int) -> float | None:
+        rate = self.goodput(arm)
+        if rate is None:
+            return None
+        n, _, sec, tt, ss, ts = self.sums[arm]
+        resid = max(tt - 2 * rate * ts + rate * rate * ss, 0.0) / n
+        return math.sqrt(resid / n) / (sec / n)
 
     def gap(self) -> float | None:
-        """|goodput with / without − 1|, once both arms are measured."""
+        """Goodput with the rule / without − 1, once both arms are measured."""
         with_rule, without = self.goodput(1), self.goodput(0)
-        return None if with_rule is None or without is None else abs(with_rule / without - 1.0)
+        return None if with_rule is None or without is None else with_rule / without - 1.0
+
+    def clear(self) -> bool:
+        """Whether the arms differ by more than ``z`` standard errors of the difference."""
+        g1, g0, e1, e0 = self.goodput(1), self.goodput(0), self.stderr(1), self.stderr(0)
+        if g1 is None or g0 is None or e1 is None or e0 is None:
+            return False
+        return abs(g1 - g0) > self.z * math.hypot(e1, e0)
 
     def prefer_rule(self, tolerance: float = 0.03) -> bool:
-        """The rule, unless measured slower than no rule by more than ``tolerance`` (noise: ~20-step arms)."""
-        with_rule, without = self.goodput(1), self.goodput(0)
-        return with_rule is None or without is None or with_rule >= (1.0 - tolerance) * without
+        """The rule, unless measured slower than no rule by more than ``tolerance`` and more than noise."""
+        gap = self.gap()
+        return gap is None or gap >= -tolerance or not self.clear()
