@@ -166,6 +166,8 @@ class AdaptivePolicy(Policy):
         own = req.rates
         a1 = (own.wins[0] + own.prior_weight * mid[0]) / (own.trials[0] + own.prior_weight)
         shift = _logit(a1) - _logit(mid[0])
+        if abs(shift) < 1e-6:
+            return own.rates(mid, self.prior, n)
         return own.rates(mid[:1] + [_sigmoid(_logit(p) + shift) for p in mid[1:]], self.prior, n)
 
     def _plan(self, req: _Request, k: int) -> _Plan:

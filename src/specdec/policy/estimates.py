@@ -118,19 +118,20 @@ class StepCosts:
         v1 = max(0.0, (cov + lam * v1_prior) / (var + lam))
         return max(my - v1 * mx, 1e-9), v1
 
-    def verify(self, k: int) -> float:
+    def verify(self, k: int, line: tuple[float, float] | None = None) -> float:
         own = self._by_block.get(k)
         if own is not None and own[0] >= 3.0:
             return own[1]
-        v0, v1 = self.line()
+        v0, v1 = line or self.line()
         return v0 + v1 * (k - 1)
 
     def step_times(self, max_tau: int) -> list[float]:
         """Predicted seconds of a step drafting τ = 0..max_tau tokens."""
-        v1 = self.verify(1)
-        d = self.draft_per_token if self.draft_per_token is not None else self.prior_draft_frac * v1
+        line = self.line()  # once per call: it is refitted from the sums every time
+        verify = [self.verify(tau + 1, line) for tau in range(max_tau + 1)]
+        d = self.draft_per_token if self.draft_per_token is not None else self.prior_draft_frac * verify[0]
         o = self.other or 0.0
-        return [tau * d + self.verify(tau + 1) + o for tau in range(max_tau + 1)]
+        return [tau * d + v + o for tau, v in enumerate(verify)]
 
 
 @dataclass
