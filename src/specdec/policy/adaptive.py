@@ -331,10 +331,10 @@ class AdaptivePolicy(Policy):
         outcomes, and the request's own statistics restart from the steps since the shift began."""
         for k, rate in enumerate(predicted):
             p = min(max(rate, 0.02), 0.98)
-            x = 1.0 if k < record.n_accepted else 0.0
+            lp, passed = _logit(p), k < record.n_accepted
             for sign in (1.0, -1.0):
-                q = _sigmoid(_logit(p) + sign * SHIFT)
-                llr = x * math.log(q / p) + (1 - x) * math.log((1 - q) / (1 - p))
+                q = _sigmoid(lp + sign * SHIFT)
+                llr = math.log(q / p) if passed else math.log((1 - q) / (1 - p))
                 if sign > 0:
                     req.cusum_up = max(0.0, req.cusum_up + llr)
                 else:

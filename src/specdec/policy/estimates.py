@@ -150,7 +150,10 @@ class ConfidenceCalibration:
     wins: list[float] = field(default_factory=lambda: [0.0] * 10)
     trials: list[float] = field(default_factory=lambda: [0.0] * 10)
 
+    _likelihoods: tuple[list[float], list[float]] | None = field(default=None, repr=False, compare=False)
+
     def update(self, record_probs: list[float], tau: int, n_accepted: int) -> None:
+        self._likelihoods = None
         for k in range(min(n_accepted + 1, tau, len(record_probs))):
             b = min(int(record_probs[k] * 10), 9)
             self.wins[b] = self.decay * self.wins[b] + (1.0 if k < n_accepted else 0.0)
@@ -164,11 +167,14 @@ class ConfidenceCalibration:
         return (self.wins[b] + self.prior_weight * (b + 0.5) / 10) / (self.trials[b] + self.prior_weight)
 
     def likelihoods(self) -> tuple[list[float], list[float]]:
-        """P(bin | accepted), P(bin | rejected), each with the prior's pseudo-counts."""
+        """P(bin | accepted), P(bin | rejected), each with the prior's pseudo-counts (cached until an update)."""
+        if self._likelihoods is not None:
+            return self._likelihoods
         acc = [self.wins[b] + self.prior_weight * (b + 0.5) / 10 for b in range(10)]
         rej = [self.trials[b] - self.wins[b] + self.prior_weight * (9.5 - b) / 10 for b in range(10)]
         sa, sr = sum(acc), sum(rej)
-        return [x / sa for x in acc], [x / sr for x in rej]
+        self._likelihoods = [x / sa for x in acc], [x / sr for x in rej]
+        return self._likelihoods
 
     def accept_given(self, prior: float, lo: int, hi: int) -> float:
         """P(accept | draft probability in bins [lo, hi)) for a token whose acceptance prior is ``prior``."""
