@@ -27,6 +27,7 @@ from specdec.policy.estimates import (
     PositionRates,
     StepCosts,
     expected_emitted_all,
+    reach_weighted_mean,
 )
 from specdec.records import GenerationStats, StepRecord
 
@@ -38,7 +39,7 @@ CUSUM_H = 3.5  # evidence (nats) that declares a shift; the request then forgets
 # (5-12 did alike in simulation), until a shift is detected in one, which is then no longer like the bucket.
 REQUEST_PRIOR = 8.0
 REQUEST_PRIOR_SHIFTED = 4.0
-EXPLORE_EVERY = 8  # steps: until the stop rule is calibrated, one in 8 drafts one token further
+EXPLORE_EVERY = 8  # steps: one in 8 drafts one token further (until the stop rule runs) or takes the A/B's other arm
 CALIBRATION_WARM = 30  # verified draft tokens before the draft's confidence is trusted to stop drafting
 # The stop rule's break-even, scaled: the plan's goodput (no early stop) understates what the rule achieves,
 # and so the value of time. 1.2-1.7 did alike on the simulator's workloads; 1.0-1.2 was best replaying the
@@ -78,7 +79,6 @@ def _sigmoid(x: float) -> float:
 class _Request:
     rates: PositionRates
     bucket: int
-    asked: int = 0  # τ asked for in the last decision (the drafter may stop early)
     arm: int | None = None  # the last decision drafted with the stop rule (1), without it (0), or neither
     probing: bool = False
     backoff: int = 4  # plain steps before the next probe while falling back
@@ -262,7 +262,7 @@ class AdaptivePolicy(Policy):
         return self.early_stop and self.calibration.total >= CALIBRATION_WARM
 
     def _decide(self, req: _Request, tau: int, reason: str, plan: _Plan | None, early_stop: bool = True) -> Decision:
-        req.asked, req.arm = tau, None
+        req.arm = None
         if not (tau and plan is not None and early_stop and self._stop_rule_ready()):
             return Decision(tau, reason)
         # Some steps take the other arm, so both goodputs stay measured: every other step until both are,
@@ -287,10 +287,7 @@ class AdaptivePolicy(Policy):
         # goodput is the value of time). a is this request's acceptance at the positions the plan drafts,
         # weighted by how often each is reached; each drafted token's own chance is a updated by its
         # draft probability (Bayes, the calibrated likelihoods), so reach falls fast on doubtful tokens.
-        reach, weight, mean = 1.0, 0.0, 0.0
-        for a in plan.rates[:tau]:
-            weight, mean, reach = weight + reach, mean + reach * a, reach * a
-        prior = mean / weight
+        prior = reach_weighted_mean(plan.rates[:tau])
         cap = min(len(plan.goodput) - 1, tau + REACH_DEPTH)
         per_token = plan.times[tau] / plan.emitted[tau]
         rule = ReachRule(self.calibration.table(prior), reach_thresholds(plan.times, plan.rates, per_token, cap))

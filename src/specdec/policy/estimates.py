@@ -138,11 +138,10 @@ class StepCosts:
 class ConfidenceCalibration:
     """How the draft's probability of its token (in 10 bins) predicts acceptance, EWMA with a calibrated prior.
 
-    ``rate(b)`` is the pooled P(accept | bin b). ``accept_given(prior, lo, hi)`` instead combines a
-    *current* acceptance estimate with the evidence of the bins by Bayes' rule, prior odds times the
-    likelihood ratio P(bins | accepted) / P(bins | rejected): the same draft probability means more in a
-    hard stretch (prior 0.2) than in an easy one (prior 0.9). The likelihoods are only unbiased when fed
-    tokens drafted without a confidence cut (a cut hides the low bins), so feed it those.
+    ``table(prior)`` combines a *current* acceptance estimate with the evidence of each bin by Bayes' rule,
+    prior odds times the likelihood ratio P(bin | accepted) / P(bin | rejected): the same draft probability
+    means more in a hard stretch (prior 0.2) than in an easy one (prior 0.9). The likelihoods are only
+    unbiased when fed every verified draft token (a confidence cut would hide the low bins).
     """
 
     decay: float = 0.99
@@ -163,9 +162,6 @@ class ConfidenceCalibration:
     def total(self) -> float:
         return sum(self.trials)
 
-    def rate(self, b: int) -> float:
-        return (self.wins[b] + self.prior_weight * (b + 0.5) / 10) / (self.trials[b] + self.prior_weight)
-
     def likelihoods(self) -> tuple[list[float], list[float]]:
         """P(bin | accepted), P(bin | rejected), each with the prior's pseudo-counts (cached until an update)."""
         if self._likelihoods is not None:
@@ -176,20 +172,27 @@ class ConfidenceCalibration:
         self._likelihoods = [x / sa for x in acc], [x / sr for x in rej]
         return self._likelihoods
 
-    def accept_given(self, prior: float, lo: int, hi: int) -> float:
-        """P(accept | draft probability in bins [lo, hi)) for a token whose acceptance prior is ``prior``."""
-        pa, pr = self.likelihoods()
-        la, lr = prior * sum(pa[lo:hi]), (1.0 - prior) * sum(pr[lo:hi])
-        return la / (la + lr) if la + lr > 0 else prior
-
     def table(self, prior: float) -> tuple[float, ...]:
-        """``accept_given(prior, b, b + 1)`` for the ten bins: what a drafter's stop rule reads."""
-        pa, pr = self.likelihoods()
-        out = []
-        for a, r in zip(pa, pr):
-            la, lr = prior * a, (1.0 - prior) * r
-            out.append(la / (la + lr) if la + lr > 0 else prior)
-        return tuple(out)
+        """P(accept | draft probability in each tenth) for a token whose acceptance prior is ``prior``:
+        what a drafter's stop rule reads."""
+        return posterior_by_tenth(prior, *self.likelihoods())
+
+
+def posterior_by_tenth(prior: float, accepted: list[float], rejected: list[float]) -> tuple[float, ...]:
+    """Bayes' rule per bin: prior odds times the likelihood ratio P(bin | accepted) / P(bin | rejected)."""
+    out = []
+    for a, r in zip(accepted, rejected):
+        la, lr = prior * a, (1.0 - prior) * r
+        out.append(la / (la + lr) if la + lr > 0 else prior)
+    return tuple(out)
+
+
+def reach_weighted_mean(rates: list[float]) -> float:
+    """Mean conditional acceptance over the drafted positions, each weighted by the chance it is reached."""
+    reach, weight, mean = 1.0, 0.0, 0.0
+    for a in rates:
+        weight, mean, reach = weight + reach, mean + reach * a, reach * a
+    return mean / weight
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 from specdec.drafters.base import ReachRule
 from specdec.policy.adaptive import REACH_DEPTH, reach_thresholds
 from specdec.policy.base import Decision, Policy, StepContext
-from specdec.policy.estimates import expected_emitted_all
+from specdec.policy.estimates import expected_emitted_all, posterior_by_tenth, reach_weighted_mean
 from specdec.simulate.costs import CostModel
 from specdec.simulate.processes import AcceptanceProcess, SimRequest, confidence_tenths
 
@@ -35,19 +35,15 @@ class OraclePolicy(Policy):
         assert self.view is not None, "the oracle runs only inside the simulator"
         process, req, start, cost = self.view
         k = min(self.max_tau, ctx.max_tau)
-        emitted = expected_emitted_all([process.rate(req, start, i) for i in range(1, k + 1)])
+        rates = [process.rate(req, start, i) for i in range(1, k + 1)]
+        emitted = expected_emitted_all(rates)
         times = [t * cost.draft_per_token_s + cost.verify(t + 1) + cost.other_s for t in range(k + 1)]
         tau = max(range(k + 1), key=lambda t: emitted[t] / times[t])
         if not (self.confidence and tau):
             return Decision(tau, f"oracle tau={tau}")
         # adaptive's stop rule (see AdaptivePolicy._decide) with the true rates and likelihoods
-        rates = [process.rate(req, start, i) for i in range(1, k + 1)]
-        reach, weight, mean = 1.0, 0.0, 0.0
-        for a in rates[:tau]:
-            weight, mean, reach = weight + reach, mean + reach * a, reach * a
-        prior = min(max(mean / weight, 1e-6), 1 - 1e-6)
+        prior = min(max(reach_weighted_mean(rates[:tau]), 1e-6), 1 - 1e-6)
         cap = min(k, tau + REACH_DEPTH)
-        acc, rej = self._tenths
-        table = tuple(prior * pa / (prior * pa + (1 - prior) * pr) for pa, pr in zip(acc, rej))
+        table = posterior_by_tenth(prior, *self._tenths)
         thresholds = reach_thresholds(times, rates, times[tau] / emitted[tau], cap)
         return Decision(cap, f"oracle tau={tau}, up to {cap}", reach_rule=ReachRule(table, thresholds))
