@@ -165,8 +165,7 @@ def test_goal_check_reports_every_goal_with_figures() -> None:
 
 
 def test_a_reach_rule_in_the_runner_keeps_the_token_it_stops_at_and_charges_its_forwards() -> None:
-    from specdec.drafters.base import ReachRule
-    from specdec.policy import Decision, Policy, StepContext
+    from specdec.policy import Decision, Policy, ReachRule, StepContext
     from specdec.records import StepRecord
 
     class OneThenStop(Policy):
@@ -175,7 +174,7 @@ def test_a_reach_rule_in_the_runner_keeps_the_token_it_stops_at_and_charges_its_
 
         def next_tau(self, ctx: StepContext) -> Decision:
             # every drafted token is judged certain to fail: the first takes the chance to 0, drafting stops
-            return Decision(min(8, ctx.max_tau), "t", reach_rule=ReachRule((0.0,) * 10, (0.5,)))
+            return Decision(8, "t", ReachRule((0.0,) * 10, (0.5,)))
 
         def observe(self, record: StepRecord) -> None:
             self.records.append(record)

@@ -10,6 +10,8 @@ Conventions (used the same way everywhere):
   accepted) or ``plain`` (tau = 0). ``emitted`` may be shorter when a stop condition
   cut the step (EOS, stop string, max_new_tokens).
 - mean accepted length = emitted tokens per target pass, the correction token included.
+- in a batched step every sequence's record carries the whole step's times (what the request waited);
+  ``batch_size`` and ``rows`` say how many sequences and target rows shared the passes.
 """
 
 from __future__ import annotations
@@ -40,8 +42,14 @@ class StepRecord:
     draft_time: float  # seconds proposing the draft (draft model forwards, sampling)
     verify_time: float  # seconds in the target's forward pass and the acceptance rule
     other_time: float  # the rest of the step: policy, bookkeeping, stop checks, detokenising
-    draft_token_probs: list[float] = field(default_factory=list)  # q(ŷ_t) of each draft token
-    target_token_probs: list[float] = field(default_factory=list)  # p(ŷ_t) of each draft token
+    draft_token_probs: list[float] = field(default_factory=list)  # q(ŷ_t): the draft's probability of its token
+    target_token_probs: list[float] = field(default_factory=list)  # p(ŷ_t) of each draft token (sampled requests)
+    draft_confidence: list[float] = field(default_factory=list)  # the draft's top probability at each position
+    tau_planned: int | None = None  # τ the policy asked for, before the engine's clamp and the draft rule
+    batch_size: int = 1  # sequences that shared this step's draft and target passes
+    rows: int = 0  # rows of the step's target pass over all its sequences (this one's: tau + 1)
+    verify_passes: int = 0  # target passes this request has used, this step's included
+    max_verify_passes: int | None = None  # the request's cap (its own, or the policy's allowance if smaller)
 
     @property
     def n_emitted_accepted(self) -> int:

@@ -17,9 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.drafters.base import ReachRule
 from specdec.errors import InvalidRequestError
-from specdec.policy.base import Decision, Policy, StepContext
+from specdec.policy.base import Decision, Policy, ReachRule, StepContext
 from specdec.policy.budget import FleetBudgetPolicy
 from specdec.policy.estimates import (
     ArmComparison,
@@ -187,8 +186,6 @@ class AdaptivePolicy(Policy):
         self._request(ctx)
 
     def next_tau(self, ctx: StepContext) -> Decision:
-        if not ctx.can_draft:
-            return Decision(0, "no drafter")
         req = self._request(ctx)
         req.steps += 1
         k = min(self.max_tau, ctx.max_tau)
@@ -292,7 +289,7 @@ class AdaptivePolicy(Policy):
         per_token = plan.times[tau] / plan.emitted[tau]
         rule = ReachRule(self.calibration.table(prior), reach_thresholds(plan.times, plan.rates, per_token, cap))
         shown = rule.min_reach[min(tau, len(rule.min_reach)) - 1]
-        return Decision(cap, reason + f", up to {cap} while P(all pass) >= {shown:.2f} at {tau}", reach_rule=rule)
+        return Decision(cap, reason + f", up to {cap} while P(all pass) >= {shown:.2f} at {tau}", rule)
 
     # -- learning ---------------------------------------------------------------------------
 

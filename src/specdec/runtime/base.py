@@ -51,7 +51,9 @@ class ModelRunner(ABC):
         row i being the distribution of the token after ``ids[i]``; the cache grows by k.
         """
 
-    def forward_batch(self, blocks: Sequence[tuple[torch.Tensor, KVCache]], last_only: bool = False) -> list[torch.Tensor]:
+    def forward_batch(
+        self, blocks: Sequence[tuple[torch.Tensor, KVCache]], last_only: bool = False
+    ) -> list[torch.Tensor]:
         """Run several sequences' blocks (each ``ids [k_i]`` with its own cache, at that cache's positions);
         returns each block's logits as ``forward`` would. A block's logits do not depend on the other
         blocks. This default runs one pass per block; runtimes that batch (``batches``) run one pass in all.

@@ -199,7 +199,9 @@ class NativeRunner(ModelRunner):
             self._spare.append(cache.kv)
 
     @torch.inference_mode()
-    def forward_batch(self, blocks: Sequence[tuple[torch.Tensor, KVCache]], last_only: bool = False) -> list[torch.Tensor]:
+    def forward_batch(
+        self, blocks: Sequence[tuple[torch.Tensor, KVCache]], last_only: bool = False
+    ) -> list[torch.Tensor]:
         if self._fused is None or len(blocks) == 1:
             return [self.forward(ids, cache, last_only) for ids, cache in blocks]
         ids_l, pos_l, kv_l, out_l = [], [], [], []
