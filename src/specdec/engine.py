@@ -215,13 +215,22 @@ class Engine:
             (torch.tensor([g.context[-1], *d.tokens], dtype=torch.long, device=device), g.cache)
             for g, d in zip(live, drafts)
         ]
-        target_logits = self.target.forward_batch(blocks)  # ONE pass over every sequence's [last, ŷ1..ŷτ]
-        verdicts = [self._verify(g, d, logits) for g, d, logits in zip(live, drafts, target_logits)]
+        try:
+            target_logits = self.target.forward_batch(blocks)  # ONE pass over every sequence's [last, ŷ1..ŷτ]
+            verdicts = [self._verify(g, d, logits) for g, d, logits in zip(live, drafts, target_logits)]
+        except BaseException:
+            self._undo(live)
+            raise
         t3 = self.clock()
 
-        rows = sum(len(d.tokens) + 1 for d in drafts)
+        shape = _StepShape(
+            sequences=len(live),
+            rows=sum(len(d.tokens) + 1 for d in drafts),
+            drafting=sum(1 for d in drafts if d.tokens),
+            draft_passes=max(len(d.tokens) for d in drafts),
+        )
         pending = [
-            g.commit_step(d, v, decision, t_plan=t1, t_draft=t2 - t1, t_verify=t3 - t2, batch=(len(live), rows))
+            g.commit_step(d, v, decision, t_plan=t1, t_draft=t2 - t1, t_verify=t3 - t2, shape=shape)
             for g, d, v, decision in zip(live, drafts, verdicts, decisions)
         ]
         by_gen = {id(g): g.observe_step(step, t_verified=t3) for g, step in zip(live, pending)}
@@ -251,7 +260,20 @@ class Engine:
             DraftAsk(g.draft_state, g.context, tau, g.params, g.generator, d.rule)
             for g, tau, d in zip(live, taus, decisions)
         ]
-        return self.drafter.propose(asks)
+        try:
+            return self.drafter.propose(asks)
+        except BaseException:
+            self._undo(live)
+            raise
+
+    def _undo(self, live: list[Generation]) -> None:
+        """A step failed half way: put every sequence back as it was before it, so each can be stepped again
+        (alone, to find the one at fault). The target's cache held exactly context[:-1]; the drafter may
+        have fed unverified tokens, so it starts over from the context."""
+        for g in live:
+            g.cache.crop(min(g.cache.length, len(g.context) - 1))
+            if self.drafter is not None:
+                self.drafter.rollback(g.draft_state, 0)
 
     def _verify(self, gen: Generation, draft: Draft, target_logits: torch.Tensor) -> Verdict:
         device = target_logits.device
@@ -267,6 +289,14 @@ class Engine:
         else:
             draft_probs = draft.probs.to(device)
         return verify_sampling(draft_tokens, draft_probs, target_probs, gen.generator)
+
+
+@dataclass(frozen=True)
+class _StepShape:
+    sequences: int
+    rows: int  # of the target pass
+    drafting: int  # sequences that drafted
+    draft_passes: int  # lockstep draft forwards
 
 
 @dataclass
@@ -372,7 +402,7 @@ class Generation:
         t_plan: float,
         t_draft: float,
         t_verify: float,
-        batch: tuple[int, int],
+        shape: _StepShape,
     ) -> _Committed:
         """Keep [ŷ1..ŷn̂, ȳ], roll both caches back past the rejected slots, and make the step's record."""
         base = len(self.context)
@@ -403,8 +433,10 @@ class Generation:
             target_token_probs=verdict.target_token_probs,
             draft_confidence=list(draft.tops),
             tau_planned=decision.tau,
-            batch_size=batch[0],
-            rows=batch[1],
+            batch_size=shape.sequences,
+            rows=shape.rows,
+            drafting=shape.drafting,
+            draft_passes=shape.draft_passes,
             verify_passes=self.stats.target_passes + 1,
             max_verify_passes=self.max_verify_passes,
         )

@@ -48,6 +48,8 @@ class StepRecord:
     tau_planned: int | None = None  # τ the policy asked for, before the engine's clamp and the draft rule
     batch_size: int = 1  # sequences that shared this step's draft and target passes
     rows: int = 0  # rows of the step's target pass over all its sequences (this one's: tau + 1)
+    drafting: int = 0  # sequences of the step that drafted (each lockstep draft forward runs over those left)
+    draft_passes: int = 0  # lockstep draft forwards the step ran (its deepest draft)
     verify_passes: int = 0  # target passes this request has used, this step's included
     max_verify_passes: int | None = None  # the request's cap (its own, or the policy's allowance if smaller)
 

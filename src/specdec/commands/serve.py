@@ -35,7 +35,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=os.environ.get("SPECDEC_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDEC_API_KEY, else none)",
     )
-    g.add_argument("--max-active", type=int, default=16, help="requests generated at once, step by step (default: 16)")
+    g.add_argument(
+        "--max-active", type=int, default=16, help="requests in flight at once, each with a cache slot (default: 16)"
+    )
+    g.add_argument(
+        "--max-batch",
+        type=int,
+        default=16,
+        help="requests sharing each step's draft and target passes (continuous batching; the CPU kernel "
+        "batches, other runtimes run one pass per request); 1: one request per pass, round-robin (default: 16)",
+    )
     g.add_argument(
         "--max-queue", type=int, default=64, help="requests waiting beyond those; more get 429 (default: 64)"
     )
@@ -67,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         model_name=args.model_name or _default_name(args.target),
         api_key=args.api_key or None,
         max_active=args.max_active,
+        max_batch=args.max_batch,
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
