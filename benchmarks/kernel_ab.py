@@ -70,7 +70,10 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}, context {args.context}")
     for shape in args.shapes:
         path = ROOT / "src/specdec/models/target" if shape == "default" else real_shapes.checkpoint(shape)
-        runners = {"A": runner_with(base.FusedLlama, path, DTYPES[args.dtype]), "B": runner_with(nk.FusedLlama, path, DTYPES[args.dtype])}
+        runners = {
+            "A": runner_with(base.FusedLlama, path, DTYPES[args.dtype]),
+            "B": runner_with(nk.FusedLlama, path, DTYPES[args.dtype]),
+        }
         gen = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, 8192, (args.context,), generator=gen)
         rows = torch.randint(0, 8192, (max(args.ks),), generator=gen)

@@ -13,6 +13,7 @@ parameters; the figures here leave that cost out.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import math
 import os
@@ -294,7 +295,7 @@ def pass_times(
         runner.forward(rows[:k], base)
         base.crop(context)
 
-    calls: dict[tuple[str, int], Callable[[], None]] = {("block", k): (lambda k=k: block(k)) for k in ks}
+    calls: dict[tuple[str, int], Callable[[], None]] = {("block", k): functools.partial(block, k) for k in ks}
     missing = None
     fb = batch_forward(runner) if batches else None
     if batches and fb is None:
@@ -307,7 +308,7 @@ def pass_times(
             for c in caches[:k]:
                 c.crop(context)
 
-        calls.update({("batch", k): (lambda k=k: batch(k)) for k in ks})
+        calls.update({("batch", k): functools.partial(batch, k) for k in ks})
     counts: dict[tuple[str, int], int] = {}
     for key, fn in calls.items():  # warm up, and size each measurement to about min_seconds
         fn()
