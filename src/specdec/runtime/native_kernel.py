@@ -33,8 +33,8 @@ from specdec.runtime.native_config import NativeConfig, rope_tables
 from specdec.runtime.native_weights import ModelWeights
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 5
-# sd_forward's profile phases, in the kernel's order (PH_*).
+ABI_VERSION = 6
+# sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 CXX_FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-fopenmp"]
 # On CPUs with AVX512-BF16, bf16 weights multiply activations rounded to bf16 (VDPBF16PS); elsewhere,
@@ -151,10 +151,16 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, "stale kernel build (ABI version mismatch)"
     fn = lib.sd_forward_rows
     fn.restype = ctypes.c_int
-    # model, ids, pos, kv pointers, k, out_idx, n_out, logits, scratch, threads, packed, prof
+    # model, ids, pos, kv pointers, k, out_idx, n_out, logits, scratch, threads, prof
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    fn.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    fn.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.sd_scratch_floats.restype = ctypes.c_int64
+    lib.sd_weight_pairs.restype = ctypes.c_int
+    lib.sd_weight_pairs.argtypes = [ctypes.c_int64]
+    lib.sd_panel_width.restype = ctypes.c_int
+    lib.sd_matmul.restype = ctypes.c_int
+    lib.sd_matmul.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 4, ctypes.c_void_p]
+    lib.sd_matmul.argtypes += [ctypes.c_int64]
     lib.sd_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     return lib, None
 
@@ -176,8 +182,78 @@ def kernel_status() -> str:
     return f"available ({'avx512bf16' if lib.sd_bf16_dot() else 'avx2'})"
 
 
+def pack_weight(w: torch.Tensor, dtype: torch.dtype, panel: int, pairs: int) -> torch.Tensor:
+    """``w`` ``[m, n]`` (outputs x inputs) in the kernel's panel layout, as ``dtype``.
+
+    The outputs are cut into panels of ``panel`` (the last padded with zero rows); a panel stores its outputs
+    interleaved along the reduction dimension: ``pairs == 1``: ``P[p][c][j] = w[panel*p + j][c]``;
+    ``pairs == 2`` (bf16 dot products): ``P[p][c // 2][j][c % 2]``, ``n`` padded to even with a zero column.
+    """
+    if w.dim() != 2 or pairs not in (1, 2) or panel < 1:
+        raise ValueError(f"pack_weight needs a matrix, pairs 1 or 2 and a positive panel, got {tuple(w.shape)}")
+    m, n = (int(s) for s in w.shape)
+    rows, cols = -(-m // panel) * panel, -(-n // pairs) * pairs
+    w = torch.nn.functional.pad(w.to(dtype), (0, cols - n, 0, rows - m))
+    return w.view(rows // panel, panel, cols // pairs, pairs).transpose(1, 2).contiguous()
+
+
+class PackedWeight:
+    """One weight matrix ``[m, n]`` laid out for the kernel's products, to run products outside a forward pass
+    (tests, micro-benchmarks): ``PackedWeight(w, torch.bfloat16).matmul(x)`` is ``x @ w.T`` as the kernel
+    computes it inside a pass."""
+
+    def __init__(self, w: torch.Tensor, dtype: torch.dtype) -> None:
+        lib = _library()
+        if lib is None:
+            raise RuntimeError(f"CPU kernel unavailable: {kernel_status()}")
+        if dtype not in WEIGHT_TYPES:
+            raise ValueError(f"the kernel's weights are fp32, bf16 or fp16, not {dtype}")
+        self._lib, self.wtype = lib, WEIGHT_TYPES[dtype]
+        self.rows, self.cols = (int(s) for s in w.shape)
+        self.data = pack_weight(w, dtype, int(lib.sd_panel_width()), int(lib.sd_weight_pairs(self.wtype)))
+
+    def matmul(
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
+        threads: int | None = None,
+    ) -> torch.Tensor:
+        """``x @ w.T + bias`` for fp32 ``x`` ``[k, n]``; with ``out`` (fp32 ``[k, m]``) the result is added to it."""
+        if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.cols:
+            raise ValueError(f"x must be float32 [k, {self.cols}], got {x.dtype} {tuple(x.shape)}")
+        x = x.contiguous()
+        k = int(x.shape[0])
+        accumulate = out is not None
+        if out is None:
+            out = torch.empty(k, self.rows, dtype=torch.float32)
+        elif out.dtype != torch.float32 or tuple(out.shape) != (k, self.rows) or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous float32 [{k}, {self.rows}]")
+        if bias is not None:
+            bias = bias.to(torch.float32).contiguous()
+            if tuple(bias.shape) != (self.rows,):
+                raise ValueError(f"bias must have {self.rows} entries")
+        xb = torch.empty(k * self.cols + 2, dtype=torch.int16)
+        rc = self._lib.sd_matmul(
+            self.wtype,
+            x.data_ptr(),
+            self.data.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            out.data_ptr(),
+            k,
+            self.cols,
+            self.rows,
+            int(accumulate),
+            xb.data_ptr(),
+            threads or max(1, torch.get_num_threads()),
+        )
+        if rc != 0:
+            raise ValueError("CPU kernel refused the product (empty matrix or rows)")
+        return out
+
+
 class FusedLlama:
-    """A checkpoint's weights laid out for ``sd_forward``; one instance per runner, shared by its caches."""
+    """A checkpoint's weights laid out for ``sd_forward_rows``; one instance per runner, shared by its caches."""
 
     def __init__(self, cfg: NativeConfig, weights: ModelWeights, dtype: torch.dtype, max_context: int) -> None:
         lib = _library()
@@ -194,19 +270,27 @@ class FusedLlama:
             keep.append(t)
             return t.data_ptr()
 
+        # The products' weights in the kernel's panel layout (sd_weight_pairs / sd_panel_width).
+        panel, pairs = int(lib.sd_panel_width()), int(lib.sd_weight_pairs(WEIGHT_TYPES[dtype]))
+
+        def packed(w: torch.Tensor) -> int:
+            t = pack_weight(w, dtype, panel, pairs)
+            keep.append(t)
+            return t.data_ptr()
+
         half = cfg.head_dim // 2
         cos, sin = rope_tables(cfg.rope, cfg.head_dim, max_context)  # [T, 1, hd], sin signed
         rope_cos, rope_sin = cos[:, 0, :half].contiguous(), sin[:, 0, half:].contiguous()
         layers = (_Layer * cfg.layers)()
         for i, (lw, win) in enumerate(zip(weights.layers, cfg.windows)):
             layers[i] = _Layer(
-                ptr(lw.wqkv, dtype),
+                packed(lw.wqkv),
                 ptr(lw.bqkv, torch.float32),
-                ptr(lw.wo, dtype),
+                packed(lw.wo),
                 ptr(lw.bo, torch.float32),
-                ptr(lw.wgu, dtype),
+                packed(lw.wgu),
                 ptr(lw.bgu, torch.float32),
-                ptr(lw.wd, dtype),
+                packed(lw.wd),
                 ptr(lw.bd, torch.float32),
                 0 if win is None else int(win),
             )
@@ -223,7 +307,7 @@ class FusedLlama:
             int(weights.embed.shape[1]),
             float(cfg.eps),
             ptr(weights.embed, dtype),
-            ptr(weights.lm_head, dtype),
+            packed(weights.lm_head),
             ptr(rope_cos, torch.float32),
             ptr(rope_sin, torch.float32),
             layers,
@@ -265,8 +349,7 @@ class FusedLlama:
         positions = torch.arange(pos, pos + k, dtype=torch.int64)
         caches = torch.full((k,), kv.data_ptr(), dtype=torch.int64)
         out_idx = torch.tensor([k - 1], dtype=torch.int64) if last_only else torch.arange(k, dtype=torch.int64)
-        # A prompt's prefill (only its last row wanted) may take the packed product: nothing compares its rows.
-        return self.forward_rows(ids, positions, caches, out_idx, packed=last_only, profile=profile)
+        return self.forward_rows(ids, positions, caches, out_idx, profile=profile)
 
     def forward_rows(
         self,
@@ -274,14 +357,13 @@ class FusedLlama:
         positions: torch.Tensor,
         caches: torch.Tensor,
         out_idx: torch.Tensor,
-        packed: bool = False,
         profile: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One pass over rows from any number of sequences: row t is token ``ids[t]`` at ``positions[t]`` of the
         sequence whose cache tensor starts at address ``caches[t]`` (int64 ``[k]`` each; a sequence's rows
         consecutive and in position order). Returns the logits of rows ``out_idx`` (``[len(out_idx), vocab]``).
 
-        Every row's result is independent of the other rows in the pass (bit for bit) unless ``packed``.
+        Every row's result is independent of the other rows in the pass, bit for bit.
         Passes of more than ``CHUNK`` rows run in chunks (bounded scratch; a sequence's later rows see the
         keys its earlier chunks wrote).
         """
@@ -312,7 +394,6 @@ class FusedLlama:
                 out[first_out:].data_ptr(),
                 scratch.data_ptr(),
                 threads,
-                int(packed),
                 None if profile is None else profile.data_ptr(),
             )
             if rc != 0:

@@ -57,7 +57,7 @@ struct SdModel {
     const SdLayer* layers;
 };
 
-extern "C" int sd_abi_version(void) { return 5; }
+extern "C" int sd_abi_version(void) { return 6; }
 
 // Which products this build uses for bf16 weights: 1 = AVX512-BF16 dot products, 0 = AVX2 fp32.
 extern "C" int sd_bf16_dot(void) {
@@ -68,7 +68,7 @@ extern "C" int sd_bf16_dot(void) {
 #endif
 }
 
-// Phases of a forward, for the optional per-phase profile (sd_forward's `prof`, seconds added per phase).
+// Phases of a forward, for the optional per-phase profile (sd_forward_rows' `prof`, seconds added per phase).
 enum {
     PH_NORM, PH_QKV, PH_ROPE_CACHE, PH_ATTENTION, PH_O_PROJ, PH_GATE_UP, PH_SILU_MUL, PH_DOWN, PH_HEAD, PH_COUNT
 };
@@ -133,165 +133,255 @@ static inline float exp1(float x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Projections: Y[t][r] (+)= X[t] . W[r] + b[r] for t < k, r in [0, m), rows split over the team.
+// Projections: Y[t][r] (+)= X[t] . W[r] + b[r] for t < k rows, r < m outputs.
+//
+// Weight layout ("panels"), made once at load by native_kernel.pack_weight: the m outputs are cut into panels of
+// PANEL = 16 (the last one padded with zero rows), and a panel stores its 16 outputs interleaved along the
+// reduction dimension, so one vector load gives the 16 weights of one input column:
+//   fp32 arithmetic (fp32 and fp16 weights; bf16 weights on the AVX2 build):  Wp[p][c][j]      = W[16p + j][c]
+//   bf16 dot products (bf16 weights on the AVX512-BF16 build):               Wp[p][c/2][j][c%2] = W[16p + j][c]
+//     (the reduction dimension padded to even with a zero column; a pair of columns is one VDPBF16PS lane).
+// A register tile of R rows x P panels accumulates broadcast(x[t][c]) * Wp[p][c][0..16) over c: R*P*16
+// independent sums, P weight vectors and R broadcasts per R*P*16 multiply-adds, no horizontal reductions.
+//
+// Row independence (what the engine relies on): every output element is ONE fp32 chain over the reduction
+// dimension in order, acc = fma(x[t][c], W[r][c], acc) for c = 0, 1, ..., n-1 from acc = 0 (bf16 dot products:
+// acc = dpbf16(acc, pair c/2) for pairs 0, 1, ..., the last pair of an odd n completed by a zero), then + b[r],
+// then added to Y[t][r] when accumulating. Nothing in that sequence depends on the tile shape (R, P), on how
+// many rows share the call, on a row's place in it, or on which thread computes it: the tile only decides which
+// chains run side by side. So row t of the output is a function of row t of the input and the weights alone, bit
+// for bit, for every row count (1 .. any) and thread count; a verify block equals one-token passes and a row
+// of a batch equals the same row run alone. Row tails (k not a multiple of R) and panel tails run the same
+// arithmetic with a smaller tile; output tails (m not a multiple of 16) compute zero rows that are not stored;
+// the reduction dimension has no tail at all (the chain steps one column at a time).
+//
+// Memory: a pass reads every weight once from memory. With one row group (k <= ROWS_MAX) each panel is streamed
+// once; with more, the rows are cut into balanced groups of <= ROWS_MAX and a thread's panels are taken in blocks
+// of about L2_BLOCK bytes, each block re-read from L2 by every row group. Threads take contiguous, balanced
+// ranges of panels (the outputs), so each reads its own share of the weights.
 
-#ifndef TOKEN_GROUP
-#define TOKEN_GROUP 6
+#ifndef PANEL
+#define PANEL 16
 #endif
-#ifndef ROW_BLOCK
-#define ROW_BLOCK 16
+#ifndef L2_BLOCK
+#define L2_BLOCK (256 * 1024)  // bytes of weight panels re-read from L2 by each row group (half a Zen 3 L2)
 #endif
-#ifndef PACKED_MIN_K
-#define PACKED_MIN_K 32  // blocks of more tokens than this take the packed product (prefill)
-#endif
-#ifndef PREFETCH_ROWS
-#define PREFETCH_ROWS 2
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 0  // columns ahead a tile prefetches its panels (0: the hardware prefetchers alone)
 #endif
 
-// Calls f(std::integral_constant<int, NT>) for nt = 1..TOKEN_GROUP: the number of token accumulators
-// must be a compile-time constant for them to stay in registers.
-template <class F>
-static inline __attribute__((always_inline)) void with_tokens(int64_t nt, F f) {
-    static_assert(TOKEN_GROUP == 6, "with_tokens covers 1..6 tokens");
-    switch (nt) {
-        case 1: f(std::integral_constant<int, 1>{}); break;
-        case 2: f(std::integral_constant<int, 2>{}); break;
-        case 3: f(std::integral_constant<int, 3>{}); break;
-        case 4: f(std::integral_constant<int, 4>{}); break;
-        case 5: f(std::integral_constant<int, 5>{}); break;
-        default: f(std::integral_constant<int, 6>{}); break;
-    }
+template <int V>
+using IC = std::integral_constant<int, V>;
+
+#ifdef SD_AVX512BF16
+// One 16-lane vector per panel; 32 vector registers.
+typedef __m512 VF;
+enum { VPP = 1, VLANES = 16, ROWS_MAX = 8 };
+static inline VF vzero() { return _mm512_setzero_ps(); }
+static inline VF vbcast(const float* p) { return _mm512_set1_ps(*p); }
+static inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+static inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
+static inline void vstore(float* p, VF v) { _mm512_storeu_ps(p, v); }
+// Panels per tile for R rows: up to 24 accumulators (+ weights and broadcasts) of the 32 registers.
+static constexpr int panels_max(int r, bool /*convert*/) { return r <= 6 ? 4 : 3; }
+#else
+// Two 8-lane vectors per panel; 16 vector registers.
+typedef __m256 VF;
+enum { VPP = 2, VLANES = 8, ROWS_MAX = 6 };
+static inline VF vzero() { return _mm256_setzero_ps(); }
+static inline VF vbcast(const float* p) { return _mm256_broadcast_ss(p); }
+static inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
+static inline VF vadd(VF a, VF b) { return _mm256_add_ps(a, b); }
+static inline void vstore(float* p, VF v) { _mm256_storeu_ps(p, v); }
+// Panels per tile for R rows: up to 12 accumulators (+ one panel's weights and the broadcasts) of the 16
+// registers. `convert`: 16-bit weights, widened in registers; for 3 rows x 2 panels the compiler then keeps the
+// three broadcasts and the widened weights live and spills an accumulator (measured ~35% slower than 3 x 1).
+static constexpr int panels_max(int r, bool convert) {
+    return r == 1 ? 4 : r == 2 ? 3 : r == 3 ? (convert ? 1 : 2) : 1;
 }
+#endif
+enum { PANELS_MAX = 4 };
 
+// The weight types, widened to fp32: one VLANES-wide vector of a panel row.
 struct F32W {
     typedef float T;
-    static inline __m256 load8(const T* p) { return load8_f32(p); }
-    static inline float scalar(const T* p) { return scalar_f32(p); }
+    static inline VF loadv(const T* p) {
+#ifdef SD_AVX512BF16
+        return _mm512_loadu_ps(p);
+#else
+        return _mm256_loadu_ps(p);
+#endif
+    }
 };
 struct BF16W {
     typedef uint16_t T;
-    static inline __m256 load8(const T* p) { return load8_bf16(p); }
-    static inline float scalar(const T* p) { return scalar_bf16(p); }
+    static inline VF loadv(const T* p) {
+#ifdef SD_AVX512BF16
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+#else
+        return load8_bf16(p);
+#endif
+    }
 };
 struct F16W {
     typedef uint16_t T;
-    static inline __m256 load8(const T* p) { return load8_f16(p); }
-    static inline float scalar(const T* p) { return scalar_f16(p); }
+    static inline VF loadv(const T* p) {
+#ifdef SD_AVX512BF16
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+#else
+        return load8_f16(p);
+#endif
+    }
 };
 
-// One weight row against NT tokens (NT compile-time so the 2·NT accumulators stay in registers: at
-// most 12 of AVX2's 16). Whatever NT is, each token's sum is formed the same way: two 8-lane chains
-// over 16-element strides, added, reduced in a fixed order, then the scalar tail. (Two rows at a time
-// for small NT, for more chains in flight, measured slower at NT = 1 on a Zen 3: 3.7 vs 2.5 ms per
-// target step.)
-template <class WT, int NT>
-static inline __attribute__((always_inline)) void row_dot(const float* X, int64_t ldx, const typename WT::T* w,
-                                                          int64_t n, float* out) {
-    const int64_t n16 = n & ~(int64_t)15;
-    __m256 a0[NT], a1[NT];
+// out[t][p*16 + j] = sum_c X[t][c] * panel p's output j, for t < R, p < P, one chain per element (see above).
+// `Wp`: the first panel; `ps`: elements per panel (n * 16).
+template <class WT, int R, int P>
+static inline __attribute__((always_inline)) void tile_f32(const float* X, int64_t ldx, const typename WT::T* Wp,
+                                                           int64_t ps, int64_t n, float* out) {
+    VF acc[R][P * VPP];
+#pragma GCC unroll 32
+    for (int i = 0; i < R * P * VPP; i++) acc[i / (P * VPP)][i % (P * VPP)] = vzero();
+    for (int64_t c = 0; c < n; c++) {
+        // Panel by panel: only one panel's weights live at a time (the accumulators take the registers).
 #pragma GCC unroll 8
-    for (int t = 0; t < NT; t++) a0[t] = a1[t] = _mm256_setzero_ps();
-    const char* ahead = (const char*)(w + PREFETCH_ROWS * n);  // rows further on, fetched while this one computes
-    for (int64_t c = 0; c < n16; c += 16) {
-        _mm_prefetch(ahead + c * sizeof(typename WT::T), _MM_HINT_T0);
-        const __m256 w0 = WT::load8(w + c), w1 = WT::load8(w + c + 8);
+        for (int p = 0; p < P; p++) {
+            const typename WT::T* src = Wp + p * ps + c * PANEL;
+            if (PREFETCH_AHEAD > 0) _mm_prefetch((const char*)(src + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
+            VF w[VPP];
+#pragma GCC unroll 2
+            for (int v = 0; v < VPP; v++) w[v] = WT::loadv(src + v * VLANES);
 #pragma GCC unroll 8
-        for (int t = 0; t < NT; t++) {
-            const float* x = X + t * ldx + c;
-            a0[t] = _mm256_fmadd_ps(_mm256_loadu_ps(x), w0, a0[t]);
-            a1[t] = _mm256_fmadd_ps(_mm256_loadu_ps(x + 8), w1, a1[t]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int t = 0; t < NT; t++) out[t] = hsum8(_mm256_add_ps(a0[t], a1[t]));
-    if (n16 < n) {
-        for (int t = 0; t < NT; t++) {
-            const float* x = X + t * ldx;
-            float s = out[t];
-            for (int64_t c = n16; c < n; c++) s += x[c] * WT::scalar(w + c);
-            out[t] = s;
-        }
-    }
-}
-
-// Y[t][r] (+)= X[t] . W[r] + b[r] for t < k, r < m; row blocks split over the team (an orphaned
-// `omp for`: called inside the forward's parallel region). Within a block, every token group
-// re-reads the block's rows from cache rather than memory. `dots(t0, nt, r, s)` writes the nt sums
-// of tokens t0.. against row r into s.
-template <class Dots>
-static inline void gemm_blocked(const float* b, float* Y, int64_t ldy, int64_t k, int64_t m, int accumulate,
-                                Dots dots) {
-    const int64_t blocks = (m + ROW_BLOCK - 1) / ROW_BLOCK;
-#pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        const int64_t r0 = blk * ROW_BLOCK, r1 = r0 + ROW_BLOCK < m ? r0 + ROW_BLOCK : m;
-        for (int64_t t0 = 0; t0 < k; t0 += TOKEN_GROUP) {
-            const int64_t nt = k - t0 < TOKEN_GROUP ? k - t0 : TOKEN_GROUP;
-            for (int64_t r = r0; r < r1; r++) {
-                float s[TOKEN_GROUP];
-                dots(t0, nt, r, s);
-                for (int64_t t = 0; t < nt; t++) {
-                    const float v = b ? s[t] + b[r] : s[t];
-                    float* y = Y + (t0 + t) * ldy + r;
-                    *y = accumulate ? *y + v : v;
-                }
+            for (int t = 0; t < R; t++) {
+                const VF x = vbcast(X + t * ldx + c);
+#pragma GCC unroll 2
+                for (int v = 0; v < VPP; v++) acc[t][p * VPP + v] = vfma(x, w[v], acc[t][p * VPP + v]);
             }
         }
     }
+#pragma GCC unroll 32
+    for (int i = 0; i < R * P * VPP; i++)
+        vstore(out + (i / (P * VPP)) * (PANELS_MAX * PANEL) + (i % (P * VPP)) * VLANES, acc[i / (P * VPP)][i % (P * VPP)]);
 }
 
-template <class WT>
-static void gemm_t(const float* X, int64_t ldx, const typename WT::T* W, const float* b, float* Y, int64_t ldy,
-                   int64_t k, int64_t n, int64_t m, int accumulate) {
-    gemm_blocked(b, Y, ldy, k, m, accumulate, [&](int64_t t0, int64_t nt, int64_t r, float* s) {
-        const float* xg = X + t0 * ldx;
-        const typename WT::T* w = W + r * n;
-        with_tokens(nt, [&](auto NT) { row_dot<WT, decltype(NT)::value>(xg, ldx, w, n, s); });
-    });
+// Calls f(IC<R>, IC<p>) for 1 <= p <= panels_max(R, CV): the tile's shape as compile-time constants, so its
+// accumulators stay in registers.
+template <int R, bool CV, class F>
+static inline __attribute__((always_inline)) void with_panels(int64_t p, F& f) {
+    if constexpr (R <= ROWS_MAX) {
+        switch (p) {
+            case 1: f(IC<R>{}, IC<1>{}); break;
+            case 2: if constexpr (panels_max(R, CV) >= 2) f(IC<R>{}, IC<2>{}); break;
+            case 3: if constexpr (panels_max(R, CV) >= 3) f(IC<R>{}, IC<3>{}); break;
+            default: if constexpr (panels_max(R, CV) >= 4) f(IC<R>{}, IC<4>{}); break;
+        }
+    }
+}
+// The loop around the tiles, shared by both arithmetics. Called inside the forward's parallel region by every
+// thread of the team; ends with the team's barrier (Y complete). `panel_bytes`: bytes of one weight panel.
+// tile(IC<R>, IC<P>, t0, p, out) computes rows t0..t0+R x panels p..p+P into out[R][PANELS_MAX * 16]; CV: the
+// weights are widened in registers (see panels_max).
+template <bool CV, class Tile>
+static inline void products(const float* b, float* Y, int64_t ldy, int64_t k, int64_t m, int accumulate,
+                            int64_t panel_bytes, Tile& tile) {
+    const int64_t np = (m + PANEL - 1) / PANEL;
+    const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t p0 = np * me / nth, p1 = np * (me + 1) / nth;  // this thread's panels
+    const int64_t groups = (k + ROWS_MAX - 1) / ROWS_MAX;        // row groups, balanced: sizes differ by <= 1
+    int64_t block = p1 - p0;
+    if (groups > 1) {
+        block = L2_BLOCK / (panel_bytes > 0 ? panel_bytes : 1);
+        block = block < 12 ? 12 : block - block % 12;  // whole tiles of 1..4 panels; at least the widest tile
+    }
+    float out[ROWS_MAX * PANELS_MAX * PANEL];
+    for (int64_t q0 = p0; q0 < p1; q0 += block) {
+        const int64_t q1 = q0 + block < p1 ? q0 + block : p1;
+        for (int64_t g = 0, t0 = 0; g < groups; g++) {
+            const int64_t rows = k / groups + (g < k % groups ? 1 : 0);
+            auto run = [&](auto R, auto P) {
+                for (int64_t p = q0; p < q1; p += P) {
+                    const int64_t pn = q1 - p < P ? q1 - p : P;
+                    if (pn < P) {  // the block's last panels: a narrower tile, same arithmetic
+                        auto narrow = [&](auto R2, auto P2) { tile(R2, P2, t0, p, out); };
+                        with_panels<decltype(R)::value, CV>(pn, narrow);
+                    } else {
+                        tile(R, P, t0, p, out);
+                    }
+                    // out -> Y (+ bias; + Y when accumulating), only the outputs that exist.
+                    const int64_t r0 = p * PANEL, cols = m - r0 < pn * PANEL ? m - r0 : pn * PANEL;
+                    for (int64_t t = 0; t < R; t++) {
+                        const float* s = out + t * (PANELS_MAX * PANEL);
+                        float* y = Y + (t0 + t) * ldy + r0;
+                        for (int64_t j = 0; j < cols; j++) {
+                            const float v = b ? s[j] + b[r0 + j] : s[j];
+                            y[j] = accumulate ? y[j] + v : v;
+                        }
+                    }
+                }
+            };
+            switch (rows) {  // the widest tile for this many rows
+                case 1: run(IC<1>{}, IC<panels_max(1, CV)>{}); break;
+                case 2: run(IC<2>{}, IC<panels_max(2, CV)>{}); break;
+                case 3: run(IC<3>{}, IC<panels_max(3, CV)>{}); break;
+                case 4: run(IC<4>{}, IC<panels_max(4, CV)>{}); break;
+                case 5: run(IC<5>{}, IC<panels_max(5, CV)>{}); break;
+                case 6: run(IC<6>{}, IC<panels_max(6, CV)>{}); break;
+                default:
+                    if constexpr (ROWS_MAX >= 8) {
+                        if (rows == 7) run(IC<7>{}, IC<panels_max(7, CV)>{});
+                        else run(IC<8>{}, IC<panels_max(8, CV)>{});
+                    }
+                    break;
+            }
+            t0 += rows;
+        }
+    }
+#pragma omp barrier
 }
 
 #ifdef SD_AVX512BF16
-// CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and later): bf16 weights times activations rounded to
-// bf16, 32 products per VDPBF16PS, accumulated in fp32: twice (Zen 4) to four times (Sapphire Rapids)
-// the multiply-adds per cycle of the fp32 path, which is what bounds a verify block. The same fixed
-// scheme for every NT (two 16-lane chains over 64-element strides, a masked tail, one reduction), so
-// block passes still equal one-token passes bit for bit.
-template <int NT>
-static inline __attribute__((always_inline)) void row_dot_bf16dp(const uint16_t* Xb, int64_t n, const uint16_t* w,
-                                                                 float* out) {
-    __m512 a0[NT], a1[NT];
+// CPUs with AVX512-BF16 (Zen 4/5, Sapphire Rapids and later): bf16 weights times activations rounded to bf16,
+// 32 products per VDPBF16PS accumulated in fp32: twice (Zen 4) to four times (Sapphire Rapids) the multiply-adds
+// per cycle of fp32 FMAs. One lane of a panel vector holds the pair of columns (c, c+1) of one output.
+template <int R, int P>
+static inline __attribute__((always_inline)) void tile_bf16dp(const uint16_t* Xb, int64_t ldxb, const uint16_t* Wp,
+                                                              int64_t ps, int64_t n, float* out) {
+    __m512 acc[R][P];
+#pragma GCC unroll 32
+    for (int i = 0; i < R * P; i++) acc[i / P][i % P] = _mm512_setzero_ps();
+    const int64_t pairs = n >> 1;
+    for (int64_t c2 = 0; c2 < pairs; c2++) {
+        __m512bh w[P];
 #pragma GCC unroll 8
-    for (int t = 0; t < NT; t++) a0[t] = a1[t] = _mm512_setzero_ps();
-    const char* ahead = (const char*)(w + PREFETCH_ROWS * n);
-    int64_t c = 0;
-    for (; c + 64 <= n; c += 64) {
-        _mm_prefetch(ahead + 2 * c, _MM_HINT_T0);
-        _mm_prefetch(ahead + 2 * c + 64, _MM_HINT_T0);
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + c), w1 = (__m512bh)_mm512_loadu_si512(w + c + 32);
+        for (int p = 0; p < P; p++) {
+            const uint16_t* src = Wp + p * ps + c2 * (2 * PANEL);
+            if (PREFETCH_AHEAD > 0) _mm_prefetch((const char*)(src + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
+            w[p] = (__m512bh)_mm512_loadu_si512(src);
+        }
 #pragma GCC unroll 8
-        for (int t = 0; t < NT; t++) {
-            const uint16_t* x = Xb + t * n + c;
-            a0[t] = _mm512_dpbf16_ps(a0[t], (__m512bh)_mm512_loadu_si512(x), w0);
-            a1[t] = _mm512_dpbf16_ps(a1[t], (__m512bh)_mm512_loadu_si512(x + 32), w1);
+        for (int t = 0; t < R; t++) {
+            uint32_t xx;
+            memcpy(&xx, Xb + t * ldxb + 2 * c2, 4);
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)xx);
+#pragma GCC unroll 8
+            for (int p = 0; p < P; p++) acc[t][p] = _mm512_dpbf16_ps(acc[t][p], x, w[p]);
         }
     }
-    if (c < n) {  // tail of up to 63: masked 32-element chunks (zeros contribute nothing)
-        const int64_t r = n - c;
-        const __mmask32 m0 = r >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << r) - 1u);
-        const __mmask32 m1 = r > 32 ? (__mmask32)((1u << (r - 32)) - 1u) : (__mmask32)0;
-        const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, w + c);
-        const __m512bh w1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, w + c + 32);
-        for (int t = 0; t < NT; t++) {
-            const uint16_t* x = Xb + t * n + c;
-            a0[t] = _mm512_dpbf16_ps(a0[t], (__m512bh)_mm512_maskz_loadu_epi16(m0, x), w0);
-            a1[t] = _mm512_dpbf16_ps(a1[t], (__m512bh)_mm512_maskz_loadu_epi16(m1, x + 32), w1);
+    if (n & 1) {  // the last column, paired with a zero (its weight pair is (W[.][n-1], 0))
+#pragma GCC unroll 8
+        for (int t = 0; t < R; t++) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)(uint32_t)Xb[t * ldxb + n - 1]);
+#pragma GCC unroll 8
+            for (int p = 0; p < P; p++)
+                acc[t][p] = _mm512_dpbf16_ps(acc[t][p], x, (__m512bh)_mm512_loadu_si512(Wp + p * ps + pairs * (2 * PANEL)));
         }
     }
-#pragma GCC unroll 8
-    for (int t = 0; t < NT; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));
+#pragma GCC unroll 32
+    for (int i = 0; i < R * P; i++) _mm512_storeu_ps(out + (i / P) * (PANELS_MAX * PANEL) + (i % P) * PANEL, acc[i / P][i % P]);
 }
 
-// X rows (fp32, stride ldx) -> bf16 rows of n (round to nearest even), tokens split over the team.
+// X rows (fp32, stride ldx) -> bf16 rows of n (round to nearest even), rows split over the team; ends with the
+// team's barrier.
 static void to_bf16_rows(const float* X, int64_t ldx, uint16_t* Xb, int64_t k, int64_t n) {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < k; t++) {
@@ -307,120 +397,35 @@ static void to_bf16_rows(const float* X, int64_t ldx, uint16_t* Xb, int64_t k, i
         }
     }
 }
-
-static void gemm_bf16dp(const uint16_t* Xb, const uint16_t* W, const float* b, float* Y, int64_t ldy, int64_t k,
-                        int64_t n, int64_t m, int accumulate) {
-    gemm_blocked(b, Y, ldy, k, m, accumulate, [&](int64_t t0, int64_t nt, int64_t r, float* s) {
-        const uint16_t* xg = Xb + t0 * n;
-        const uint16_t* w = W + r * n;
-        with_tokens(nt, [&](auto NT) { row_dot_bf16dp<decltype(NT)::value>(xg, n, w, s); });
-    });
-}
 #endif
 
-// ---------------------------------------------------------------------------------------------
-// Long blocks (prefill): a packed product. Each 16-row block of W is widened to fp32 and transposed
-// into a per-thread panel [n][16] once, then tiles of 6 tokens x 16 rows accumulate
-// broadcast(x[t][c]) * panel[c] over c: 12 independent chains, two loads and six broadcasts per 12
-// multiply-adds, no per-row reductions. Rounding differs from the row-dot path, so it is used only
-// for blocks of more than PACKED_MIN_K tokens; every shorter block (verify blocks) keeps the exact
-// equality with one-token passes.
-
-static inline void transpose8(__m256& r0, __m256& r1, __m256& r2, __m256& r3, __m256& r4, __m256& r5, __m256& r6,
-                              __m256& r7) {
-    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
-    const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
-    const __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
-    const __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    r0 = _mm256_permute2f128_ps(u0, u4, 0x20);
-    r1 = _mm256_permute2f128_ps(u1, u5, 0x20);
-    r2 = _mm256_permute2f128_ps(u2, u6, 0x20);
-    r3 = _mm256_permute2f128_ps(u3, u7, 0x20);
-    r4 = _mm256_permute2f128_ps(u0, u4, 0x31);
-    r5 = _mm256_permute2f128_ps(u1, u5, 0x31);
-    r6 = _mm256_permute2f128_ps(u2, u6, 0x31);
-    r7 = _mm256_permute2f128_ps(u3, u7, 0x31);
+// Which layout the kernel reads for a weight type (for native_kernel.pack_weight): 2 = bf16 column pairs
+// (Wp[p][c/2][j][c%2]), 1 = single columns (Wp[p][c][j]); the panel width is sd_panel_width().
+extern "C" int sd_weight_pairs(int64_t wtype) {
+#ifdef SD_AVX512BF16
+    return wtype == WT_BF16 ? 2 : 1;
+#else
+    (void)wtype;
+    return 1;
+#endif
 }
+extern "C" int sd_panel_width(void) { return PANEL; }
 
-// panel[c][j] = W[r0 + j][c] as fp32 for j < rows (zeros beyond), c < n.
-template <class WT>
-static void pack_panel(const typename WT::T* W, int64_t n, int64_t r0, int64_t rows, float* panel) {
-    const int64_t n8 = n & ~(int64_t)7;
-    for (int half = 0; half < 2; half++) {
-        const typename WT::T* src[8];
-        int ok[8];
-        for (int j = 0; j < 8; j++) {
-            ok[j] = half * 8 + j < rows;
-            src[j] = W + (r0 + (ok[j] ? half * 8 + j : 0)) * n;
-        }
-        for (int64_t c = 0; c < n8; c += 8) {
-            __m256 v[8];
-            for (int j = 0; j < 8; j++) v[j] = ok[j] ? WT::load8(src[j] + c) : _mm256_setzero_ps();
-            transpose8(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
-            for (int i = 0; i < 8; i++) _mm256_storeu_ps(panel + (c + i) * 16 + half * 8, v[i]);
-        }
-        for (int64_t c = n8; c < n; c++)
-            for (int j = 0; j < 8; j++) panel[c * 16 + half * 8 + j] = ok[j] ? WT::scalar(src[j] + c) : 0.0f;
-    }
-}
-
-template <int NT>
-static inline __attribute__((always_inline)) void panel_tile(const float* X, int64_t ldx, const float* panel,
-                                                             int64_t n, float* out /* [NT][16] */) {
-    __m256 a0[NT], a1[NT];
-#pragma GCC unroll 8
-    for (int t = 0; t < NT; t++) a0[t] = a1[t] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < n; c++) {
-        const __m256 p0 = _mm256_loadu_ps(panel + c * 16), p1 = _mm256_loadu_ps(panel + c * 16 + 8);
-#pragma GCC unroll 8
-        for (int t = 0; t < NT; t++) {
-            const __m256 xb = _mm256_broadcast_ss(X + t * ldx + c);
-            a0[t] = _mm256_fmadd_ps(xb, p0, a0[t]);
-            a1[t] = _mm256_fmadd_ps(xb, p1, a1[t]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int t = 0; t < NT; t++) {
-        _mm256_storeu_ps(out + t * 16, a0[t]);
-        _mm256_storeu_ps(out + t * 16 + 8, a1[t]);
-    }
-}
-
-template <class WT>
-static void gemm_packed(const float* X, int64_t ldx, const typename WT::T* W, const float* b, float* Y, int64_t ldy,
-                        int64_t k, int64_t n, int64_t m, int accumulate, float* panel) {
-    const int64_t blocks = (m + 15) / 16;
-#pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        const int64_t r0 = blk * 16, rows = m - r0 < 16 ? m - r0 : 16;
-        pack_panel<WT>(W, n, r0, rows, panel);
-        for (int64_t t0 = 0; t0 < k; t0 += 6) {
-            const int64_t nt = k - t0 < 6 ? k - t0 : 6;
-            float s[6 * 16];
-            const float* xg = X + t0 * ldx;
-            with_tokens(nt, [&](auto NT) { panel_tile<decltype(NT)::value>(xg, ldx, panel, n, s); });
-            for (int64_t t = 0; t < nt; t++)
-                for (int64_t j = 0; j < rows; j++) {
-                    const float v = b ? s[t * 16 + j] + b[r0 + j] : s[t * 16 + j];
-                    float* y = Y + (t0 + t) * ldy + r0 + j;
-                    *y = accumulate ? *y + v : v;
-                }
-        }
-    }
-}
-
-// Y (+)= X W^T + b. `xb`: scratch for X rounded to bf16 (k * n entries; AVX512-BF16 products only);
-// `panel`: this thread's scratch of n * 16 floats (packed products of long blocks).
+// Y (+)= X W^T + b with W in the panel layout above (m outputs, n inputs). Called inside the forward's parallel
+// region by the whole team; returns after the team's barrier. `xb`: scratch for X rounded to bf16 (k * n
+// entries; AVX512-BF16 products only). `panel`: unused (kept for the callers; the weights come packed).
 static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, const float* b, float* Y, int64_t ldy,
-                 int64_t k, int64_t n, int64_t m, int accumulate, uint16_t* xb, float* panel, int packed) {
+                 int64_t k, int64_t n, int64_t m, int accumulate, uint16_t* xb, float* panel) {
+    (void)panel;
 #ifdef SD_AVX512BF16
     if (wtype == WT_BF16) {
         to_bf16_rows(X, ldx, xb, k, n);  // ends with the team's barrier: every row is ready
-        gemm_bf16dp(xb, (const uint16_t*)W, b, Y, ldy, k, n, m, accumulate);
+        const uint16_t* Wp = (const uint16_t*)W;
+        const int64_t ps = ((n + 1) & ~(int64_t)1) * PANEL;
+        auto tile = [&](auto R, auto P, int64_t t0, int64_t p, float* out) {
+            tile_bf16dp<decltype(R)::value, decltype(P)::value>(xb + t0 * n, n, Wp + p * ps, ps, n, out);
+        };
+        products<false>(b, Y, ldy, k, m, accumulate, ps * 2, tile);
         return;
     }
 #else
@@ -429,11 +434,12 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
     // The weight type as a template parameter: W's elements are fp32, bf16 or fp16.
     auto run = [&](auto wt) {
         using WT = decltype(wt);
-        const typename WT::T* w = (const typename WT::T*)W;
-        if (packed && k > PACKED_MIN_K)
-            gemm_packed<WT>(X, ldx, w, b, Y, ldy, k, n, m, accumulate, panel);
-        else
-            gemm_t<WT>(X, ldx, w, b, Y, ldy, k, n, m, accumulate);
+        const typename WT::T* Wp = (const typename WT::T*)W;
+        const int64_t ps = n * PANEL;
+        auto tile = [&](auto R, auto P, int64_t t0, int64_t p, float* out) {
+            tile_f32<WT, decltype(R)::value, decltype(P)::value>(X + t0 * ldx, ldx, Wp + p * ps, ps, n, out);
+        };
+        products<sizeof(typename WT::T) == 2>(b, Y, ldy, k, m, accumulate, ps * (int64_t)sizeof(typename WT::T), tile);
     };
     if (wtype == WT_BF16)
         run(BF16W{});
@@ -441,6 +447,97 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
         run(F16W{});
     else
         run(F32W{});
+}
+
+
+// One product outside a forward, for tests and micro-benchmarks: Y[k][m] (+)= X[k][n] W^T + b with W in the panel
+// layout for `wtype`, on `threads` threads. `xb`: k * n 16-bit scratch (AVX512-BF16 builds, bf16 weights).
+// Returns 0, or -1 on bad arguments.
+extern "C" int sd_matmul(int64_t wtype, const float* X, const void* W, const float* b, float* Y, int64_t k, int64_t n,
+                         int64_t m, int64_t accumulate, uint16_t* xb, int64_t threads) {
+    if (k < 1 || n < 1 || m < 1 || threads < 1 || wtype < WT_F32 || wtype > WT_F16) return -1;
+#pragma omp parallel num_threads((int)threads)
+    gemm(wtype, X, n, W, b, Y, m, k, n, m, (int)accumulate, xb, NULL);
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Machine limits, measured by the real-shape benchmark (specdec.real_shapes) in the same run as the passes.
+
+// Reads `bytes` of `buf` (a multiple of 64) with `threads` threads, each a contiguous share, as the products read
+// weights; returns a sum of what was read so the loads cannot be elided. The caller times the call.
+extern "C" double sd_read_bytes(const void* buf, int64_t bytes, int64_t threads) {
+    const int64_t lines = bytes / 64;
+    double total = 0.0;
+#pragma omp parallel num_threads((int)threads) reduction(+ : total)
+    {
+        const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
+        const float* p = (const float*)buf;
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps(), s2 = _mm256_setzero_ps(), s3 = _mm256_setzero_ps();
+        for (int64_t l = lines * me / nth, end = lines * (me + 1) / nth; l < end; l += 2) {
+            const float* q = p + l * 16;
+            s0 = _mm256_add_ps(s0, _mm256_loadu_ps(q));
+            s1 = _mm256_add_ps(s1, _mm256_loadu_ps(q + 8));
+            if (l + 1 < end) {
+                s2 = _mm256_add_ps(s2, _mm256_loadu_ps(q + 16));
+                s3 = _mm256_add_ps(s3, _mm256_loadu_ps(q + 24));
+            }
+        }
+        total += (double)hsum8(_mm256_add_ps(_mm256_add_ps(s0, s1), _mm256_add_ps(s2, s3)));
+    }
+    return total;
+}
+
+// Runs `iters` steps of 12 independent multiply-add chains per thread in registers, the products' instruction:
+// kind 0 = fp32 FMA at this build's vector width (8 lanes AVX2, 16 AVX512), kind 1 = VDPBF16PS (AVX512-BF16
+// builds; 32 bf16 products per instruction). Returns the floating-point operations done (2 per multiply-add),
+// or -1 for a kind this build lacks. The caller times the call.
+extern "C" double sd_fma_peak(int64_t iters, int64_t threads, int64_t kind) {
+#ifndef SD_AVX512BF16
+    if (kind != 0) return -1.0;
+#else
+    if (kind != 0 && kind != 1) return -1.0;
+#endif
+    volatile float sink = 0.0f;
+    int64_t team = 1;
+#pragma omp parallel num_threads((int)threads)
+    {
+#pragma omp single
+        team = omp_get_num_threads();
+        const float z = sink;  // 0, unknown to the compiler
+        const VF x = vbcast(&z), w = vzero();
+        // Twelve named accumulators with different starting values (identical ones are merged by the compiler).
+        float st[12];
+        for (int i = 0; i < 12; i++) st[i] = z + (float)i;
+        VF a0 = vbcast(st), a1 = vbcast(st + 1), a2 = vbcast(st + 2), a3 = vbcast(st + 3), a4 = vbcast(st + 4),
+           a5 = vbcast(st + 5), a6 = vbcast(st + 6), a7 = vbcast(st + 7), a8 = vbcast(st + 8), a9 = vbcast(st + 9),
+           a10 = vbcast(st + 10), a11 = vbcast(st + 11);
+        if (kind == 0) {
+            for (int64_t it = 0; it < iters; it++) {
+                a0 = vfma(x, w, a0), a1 = vfma(x, w, a1), a2 = vfma(x, w, a2), a3 = vfma(x, w, a3);
+                a4 = vfma(x, w, a4), a5 = vfma(x, w, a5), a6 = vfma(x, w, a6), a7 = vfma(x, w, a7);
+                a8 = vfma(x, w, a8), a9 = vfma(x, w, a9), a10 = vfma(x, w, a10), a11 = vfma(x, w, a11);
+            }
+        }
+#ifdef SD_AVX512BF16
+        else {
+            const __m512bh xb = (__m512bh)_mm512_castps_si512(x), wb = (__m512bh)_mm512_castps_si512(w);
+#define DP(v) v = _mm512_dpbf16_ps(v, xb, wb)
+            for (int64_t it = 0; it < iters; it++) {
+                DP(a0), DP(a1), DP(a2), DP(a3), DP(a4), DP(a5), DP(a6), DP(a7), DP(a8), DP(a9), DP(a10), DP(a11);
+            }
+#undef DP
+        }
+#endif
+        float tmp[VLANES];
+        a0 = vadd(vadd(vadd(a0, a1), vadd(a2, a3)), vadd(vadd(a4, a5), vadd(a6, a7)));
+        vstore(tmp, vadd(a0, vadd(vadd(a8, a9), vadd(a10, a11))));
+        const float s = tmp[0];
+#pragma omp critical
+        sink = sink + s;
+    }
+    const double lanes = kind == 0 ? (double)VLANES : 32.0;
+    return 2.0 * lanes * 12.0 * (double)iters * (double)team;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -568,13 +665,12 @@ extern "C" int64_t sd_scratch_floats(const SdModel* m, int64_t k, int64_t thread
 // at kv[t] (layout above); rows of one sequence that share a pass must be consecutive and in position
 // order (a verify block), and every row's keys/values are written before any row attends, so a row sees
 // the rows of its own sequence before it and nothing of any other sequence. Logits of rows out_idx[0..n_out)
-// go to logits[n_out][vocab]. `packed`: long single-sequence blocks (prefill) may take the packed product,
-// which rounds differently; 0 keeps every row's result independent of the other rows in the pass. With
-// `prof` (PH_COUNT doubles, else NULL) the seconds of each phase are added to it, timed by thread 0 after
+// go to logits[n_out][vocab]. Every row's result is independent of the other rows in the pass (the products'
+// promise), so a row's logits are the same bit for bit whatever it is batched with. With `prof` (PH_COUNT doubles, else NULL) the seconds of each phase are added to it, timed by thread 0 after
 // each phase's barrier. Returns 0, or -1 on bad arguments.
 extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64_t* pos, float* const* kv, int64_t k,
                                const int64_t* out_idx, int64_t n_out, float* logits, float* scratch, int64_t threads,
-                               int64_t packed, double* prof) {
+                               double* prof) {
     if (k < 1 || n_out < 0 || n_out > k || threads < 1) return -1;
     for (int64_t t = 0; t < k; t++)
         if (ids[t] < 0 || ids[t] >= m->vocab || pos[t] < 0 || pos[t] >= m->max_ctx || kv[t] == NULL) return -1;
@@ -594,7 +690,6 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
     float* score_base = act + k * ff + (k * widest + 1) / 2 + 16;  // [threads][per_thread]
     const int64_t per_thread = (C > 16 * widest ? C : 16 * widest) + 16;
     const int64_t wt = m->wtype;
-    const int pk = packed != 0;
 
     for (int64_t t = 0; t < k; t++) load_row(wt, m->embed, ids[t], m->embed_stride, x + t * d, d);
 
@@ -615,7 +710,7 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < k; t++) rms_norm(x + t * d, h + t * d, d, m->eps);
             PHASE_DONE(PH_NORM)
-            gemm(wt, h, d, L->wqkv, L->bqkv, qkv, nqkv, k, d, nqkv, 0, xb, scores, pk);
+            gemm(wt, h, d, L->wqkv, L->bqkv, qkv, nqkv, k, d, nqkv, 0, xb, scores);
             PHASE_DONE(PH_QKV)
             // RoPE on query and key heads; keys and values into each row's own cache at its position.
 #pragma omp for schedule(static)
@@ -639,23 +734,23 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
                        hd, scores, att + t * H * hd + head * hd);
             }
             PHASE_DONE(PH_ATTENTION)
-            gemm(wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1, xb, scores, pk);
+            gemm(wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1, xb, scores);
             PHASE_DONE(PH_O_PROJ)
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < k; t++) rms_norm(x + t * d, h + t * d, d, m->eps);
             PHASE_DONE(PH_NORM)
-            gemm(wt, h, d, L->wgu, L->bgu, gu, 2 * ff, k, d, 2 * ff, 0, xb, scores, pk);
+            gemm(wt, h, d, L->wgu, L->bgu, gu, 2 * ff, k, d, 2 * ff, 0, xb, scores);
             PHASE_DONE(PH_GATE_UP)
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < k; t++) silu_mul(gu + t * 2 * ff, gu + t * 2 * ff + ff, act + t * ff, ff);
             PHASE_DONE(PH_SILU_MUL)
-            gemm(wt, act, ff, L->wd, L->bd, x, d, k, ff, d, 1, xb, scores, pk);
+            gemm(wt, act, ff, L->wd, L->bd, x, d, k, ff, d, 1, xb, scores);
             PHASE_DONE(PH_DOWN)
         }
         if (n_out > 0) {  // the asked rows, normalised into h[0..n_out) (free by now), then the head
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < n_out; j++) rms_norm(x + out_idx[j] * d, h + j * d, d, m->eps);
-            gemm(wt, h, d, m->lm_head, NULL, logits, m->vocab, n_out, d, m->vocab, 0, xb, scores, pk);
+            gemm(wt, h, d, m->lm_head, NULL, logits, m->vocab, n_out, d, m->vocab, 0, xb, scores);
             PHASE_DONE(PH_HEAD)
         }
 #undef PHASE_DONE

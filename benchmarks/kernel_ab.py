@@ -1,0 +1,124 @@
+"""A/B of the CPU kernel against another checkout's kernel, in one process, interleaved.
+
+Loads ``<baseline>/src/specdec/runtime/native_kernel.py`` (its own C++ source and weight layout) next to this
+tree's kernel, runs the same checkpoint through both, and times verify blocks of k rows with the two kernels
+taking turns (A B A B ...), so machine noise hits both alike. Prints medians and the B/A ratio per k.
+
+    python benchmarks/kernel_ab.py --baseline /path/to/other/checkout --shapes default qwen2.5-0.5b --ks 1 2 4 6 8 16
+    python benchmarks/kernel_ab.py --baseline ../main --ks 64 128 --context 16   # prefill-sized blocks
+
+Shapes: ``default`` (the shipped target's config) or a name of ``specdec.real_shapes.SHAPES``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def load_baseline(checkout: Path) -> Any:
+    path = checkout / "src" / "specdec" / "runtime" / "native_kernel.py"
+    spec = importlib.util.spec_from_file_location("specdec_baseline_native_kernel", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"no kernel module at {path}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def runner_with(fused_cls: Any, path: Path, dtype: torch.dtype) -> Any:
+    import specdec.runtime.native as native
+
+    saved = native.FusedLlama
+    native.FusedLlama = fused_cls
+    try:
+        return native.NativeRunner.from_pretrained(path, dtype=dtype, kernel=True, max_context=1024)
+    finally:
+        native.FusedLlama = saved
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", type=Path, required=True, help="a checkout whose kernel is A")
+    ap.add_argument("--shapes", nargs="+", default=["default"])
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16])
+    ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--min-seconds", type=float, default=0.05)
+    ap.add_argument("--threads", type=int, default=0, help="kernel threads (default: torch's)")
+    args = ap.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    from specdec import real_shapes
+    from specdec.runtime import native_kernel as nk
+
+    base = load_baseline(args.baseline.resolve())
+    print(f"A = {args.baseline} ({base.kernel_status()}), B = this tree ({nk.kernel_status()}), {args.dtype}")
+    print(f"threads {torch.get_num_threads()}, context {args.context}")
+    for shape in args.shapes:
+        path = ROOT / "src/specdec/models/target" if shape == "default" else real_shapes.checkpoint(shape)
+        runners = {
+            "A": runner_with(base.FusedLlama, path, DTYPES[args.dtype]),
+            "B": runner_with(nk.FusedLlama, path, DTYPES[args.dtype]),
+        }
+        gen = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, 8192, (args.context,), generator=gen)
+        rows = torch.randint(0, 8192, (max(args.ks),), generator=gen)
+        caches = {}
+        for name, r in runners.items():
+            caches[name] = r.new_cache()
+            r.forward(prompt, caches[name], last_only=True)
+        # Same logits? (A and B round differently; report the largest relative difference at k = max.)
+        k = max(args.ks)
+        outs = {}
+        for name, r in runners.items():
+            outs[name] = r.forward(rows[:k], caches[name])
+            caches[name].crop(args.context)
+        diff = float((outs["A"] - outs["B"]).abs().max() / outs["A"].abs().max())
+        print(f"\n{shape}: max relative logit difference A vs B at k={k}: {diff:.2e}")
+        counts: dict[tuple[str, int], int] = {}
+        for name, r in runners.items():
+            for k in args.ks:
+                t0 = time.perf_counter()
+                r.forward(rows[:k], caches[name])
+                caches[name].crop(args.context)
+                counts[(name, k)] = max(1, int(args.min_seconds / (time.perf_counter() - t0)) + 1)
+        samples: dict[tuple[str, int], list[float]] = {key: [] for key in counts}
+        for _ in range(args.rounds):
+            for k in args.ks:
+                for name, r in runners.items():
+                    n = counts[(name, k)]
+                    t0 = time.perf_counter()
+                    for _ in range(n):
+                        r.forward(rows[:k], caches[name])
+                        caches[name].crop(args.context)
+                    samples[(name, k)].append((time.perf_counter() - t0) / n)
+        med = {key: statistics.median(v) for key, v in samples.items()}
+        low = {key: min(v) for key, v in samples.items()}
+        print("medians (and minima) over rounds; ratios of medians (of minima)")
+        print(f"{'k':>4} {'A ms':>15} {'B ms':>15} {'B/A':>13} {'A k/1':>6} {'B k/1':>6}")
+        for k in args.ks:
+            a, b, la, lb = med[("A", k)], med[("B", k)], low[("A", k)], low[("B", k)]
+            a1, b1 = med.get(("A", 1), float("nan")), med.get(("B", 1), float("nan"))
+            print(
+                f"{k:>4} {a * 1e3:>7.2f} ({la * 1e3:>5.2f}) {b * 1e3:>7.2f} ({lb * 1e3:>5.2f}) {b / a:>6.3f} ({lb / la:.3f})"
+                f" {a / a1:>6.2f} {b / b1:>6.2f}"
+            )
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
