@@ -18,18 +18,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdec import bench
+from specdec.bench.prompts import DEFAULT_PROMPTS
+from specdec.bench.prompts import load_prompts as load_prompt_file
 from specdec.policy.estimates import expected_emitted_all
 from specdec.records import StepRecord
 from specdec.simulate.costs import CostModel, fit_costs
 
-DEFAULT_PROMPTS = bench.DEFAULT_PROMPTS
-
 
 def load_prompts(path: str | Path | None, limit: int | None = None) -> list[str]:
-    """Prompt texts from a JSONL file (format and errors: :func:`specdec.bench.load_prompts`; default: the shipped
+    """Prompt texts from a JSONL file (format and errors: :func:`specdec.bench.prompts.load_prompts`; default: the shipped
     held-out set), the first ``limit`` of them if given."""
-    prompts = [p.text for p in bench.load_prompts(path if path is not None else DEFAULT_PROMPTS)]
+    prompts = [p.text for p in load_prompt_file(path if path is not None else DEFAULT_PROMPTS)]
     return prompts[:limit] if limit else prompts
 
 

@@ -36,6 +36,10 @@ class RunResult:
     steps: list[StepCost] = field(default_factory=list)
 
 
+# runs[contender key][prompt id] -> one RunResult per repeat
+Runs = dict[str, dict[str, list[RunResult]]]
+
+
 class Contender(ABC):
     key: str  # stable identifier used in the JSON (e.g. "fixed_tau4")
     label: str  # what the table prints

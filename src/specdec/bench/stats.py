@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from specdec.bench import Prompt, Runs
-    from specdec.bench_contenders import Contender, RunResult
+    from specdec.bench.contenders import Contender, RunResult, Runs
+    from specdec.bench.prompts import Prompt
 
 SPECULATIVE_KINDS = ("fixed", "policy")
 GOALS = (  # (name, figure, threshold)
