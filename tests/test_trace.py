@@ -101,7 +101,7 @@ def test_concurrent_writers_produce_whole_lines(tmp_path: Path) -> None:
     parsed = read_trace(path)
     assert not parsed.bad_lines
     assert sorted(len(r.steps) for r in parsed.requests) == [300] * 4
-    assert all([s["step"] for s in r.steps] == list(range(300)) for r in parsed.requests)
+    assert all([s.step for s in r.steps] == list(range(300)) for r in parsed.requests)
 
 
 def test_reader_tolerates_a_torn_last_line_and_splits_reused_ids(tmp_path: Path) -> None:
@@ -117,7 +117,9 @@ def test_reader_tolerates_a_torn_last_line_and_splits_reused_ids(tmp_path: Path)
     trace = read_trace(path)
     assert len(trace.headers) == 2
     assert [len(r.steps) for r in trace.requests] == [1, 1]
-    assert "prompt_ids" in trace.requests[0].summary and "prompt_ids" not in trace.requests[1].summary
+    first, second = (r.summary for r in trace.requests)
+    assert first is not None and first.prompt_ids is not None
+    assert second is not None and second.prompt_ids is None
     assert len(trace.bad_lines) == 1 and "line 7" in trace.bad_lines[0]
 
 
@@ -153,4 +155,4 @@ def test_generate_cli_writes_a_trace(tiny_models: dict[str, Path], tmp_path: Pat
     )
     assert rc == 0
     (req,) = read_trace(path).requests
-    assert req.summary is not None and sum(len(s["emitted"]) for s in req.steps) == req.summary["new_tokens"]
+    assert req.summary is not None and sum(len(s.emitted) for s in req.steps) == req.summary.stats.new_tokens
