@@ -122,6 +122,7 @@ class TraceRequest:
     summary: RequestSummary | None = None
     session: int = 0
     written: list[float] = field(default_factory=list)  # each step line's ``ts`` (0.0 where absent)
+    first_line: int = 0  # line number of its first line in the file (requests are listed as they finish)
 
     @property
     def prompt_len(self) -> int:
@@ -180,7 +181,7 @@ def read_trace(path: str | Path) -> Trace:
                 if missing:
                     bad.append(f"line {no}: step line without {', '.join(missing)}")
                     continue
-                req = _open(open_, str(obj["request_id"]), session, len(done))
+                req = _open(open_, str(obj["request_id"]), session, len(done), no)
                 req.steps.append(StepRecord.from_json(obj))
                 req.written.append(float(obj.get("ts", 0.0)))
             elif kind == "request":
@@ -189,7 +190,7 @@ def read_trace(path: str | Path) -> Trace:
                 except KeyError as e:
                     bad.append(f"line {no}: request line without {e.args[0]}")
                     continue
-                req = _open(open_, str(summary.request_id), session, len(done))
+                req = _open(open_, str(summary.request_id), session, len(done), no)
                 req.summary = summary
                 done.append(open_.pop(req.request_id))
             else:
@@ -218,11 +219,11 @@ def _parse_line(raw: str, no: int, bad: list[str]) -> dict[str, Any] | None:
     return obj
 
 
-def _open(open_: dict[str, TraceRequest], request_id: str, session: int, n_done: int) -> TraceRequest:
+def _open(open_: dict[str, TraceRequest], request_id: str, session: int, n_done: int, line: int) -> TraceRequest:
     req = open_.get(request_id)
     if req is None:
         # Keys stay unique when an id is reused (a later session appended to the file, a client-chosen id).
         req = open_[request_id] = TraceRequest(
-            key=f"{request_id}@{session}.{n_done}", request_id=request_id, session=session
+            key=f"{request_id}@{session}.{n_done}", request_id=request_id, session=session, first_line=line
         )
     return req

@@ -19,7 +19,7 @@ from typing import Any
 
 from specdec.bench.contenders import Contender, EngineContender, HFModels, RunResult, Runs, hf_contenders
 from specdec.bench.prompts import Prompt
-from specdec.bench.stats import best_speculative, costs_from_runs, goals, summarize_contender
+from specdec.bench.stats import best_speculative, costs_from_runs, goals, steps_of, summarize_contender
 from specdec.engine import Engine
 from specdec.errors import InvalidRequestError
 
@@ -197,8 +197,8 @@ def summarize(contenders: Sequence[Contender], cfg: BenchConfig, runs: Runs, not
 
 def _target_pass_time(runs_by_prompt: dict[str, list[RunResult]]) -> float | None:
     """Seconds per target pass of a plain decoding step (the c denominator)."""
-    steps = [s for rs in runs_by_prompt.values() for r in rs for s in r.steps if s[0] == 0]
-    return statistics.median(s[2] for s in steps) if steps else None
+    plain = steps_of(r for rs in runs_by_prompt.values() for r in rs).verify_by_block.get(1)
+    return statistics.median(plain) if plain else None
 
 
 def trace_overhead(models: BenchModels, cfg: BenchConfig, report: dict[str, Any], log: Log) -> dict[str, Any]:
