@@ -34,7 +34,7 @@ def test_import_specdec_loads_no_torch_and_knows_its_version() -> None:
 
 
 def test_import_diagnose_loads_no_torch() -> None:
-    assert loaded_after("import specdec.diagnose, specdec.diagnose.html, specdec.trace") == NOTHING
+    assert loaded_after("import specdec.diagnose, specdec.diagnose.html, specdec.trace, specdec.analysis") == NOTHING
 
 
 def test_diagnose_command_loads_no_torch(tmp_path: Path) -> None:

@@ -123,6 +123,23 @@ def test_reader_tolerates_a_torn_last_line_and_splits_reused_ids(tmp_path: Path)
     assert len(trace.bad_lines) == 1 and "line 7" in trace.bad_lines[0]
 
 
+def test_reader_gives_records_and_reports_lines_it_cannot_build(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    with JsonlTrace(path) as t:
+        t.on_step(_record("x", 0))
+        t.on_step(_record("x", 1, tau=0, n=0))
+        t.on_request(_summary("x", steps=2))
+    line = {k: v for k, v in _record("y", 0).to_json().items() if k != "reason"}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")  # a step line without a field that has no default
+        f.write(json.dumps({"type": "request", "v": 1, "request_id": "y", "policy": "fixed"}) + "\n")
+    trace = read_trace(path)
+    (req,) = trace.requests
+    assert req.steps == [_record("x", 0), _record("x", 1, tau=0, n=0)] and req.summary == _summary("x", steps=2)
+    assert len(req.written) == 2 and all(ts > 0 for ts in req.written)
+    assert trace.bad_lines == ["line 5: step line without reason", "line 6: request line without prompt_len"]
+
+
 def test_reader_rejects_other_schema_versions_and_missing_files(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"type": "step", "v": 99}) + "\n")
