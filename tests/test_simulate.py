@@ -62,25 +62,34 @@ def test_fleet_budget_holds_in_the_writing_assistant_scenario() -> None:
 
 
 def _write_trace(path: Path) -> list[tuple[int, int]]:
+    """A greedy request's trace, written as the engine writes one: (τ, n̂) per step."""
+    from specdec.records import GenerationStats, RequestSummary, StepRecord, correction_kind
+    from specdec.trace import JsonlTrace
+
     steps = [(4, 4), (4, 1), (4, 0), (4, 3), (4, 2), (4, 4)]
-    with path.open("w") as f:
+    stats = GenerationStats(prompt_tokens=50)
+    with JsonlTrace(path) as trace:
         for i, (tau, n) in enumerate(steps):
-            emitted = [0] * (n + 1)
-            f.write(
-                json.dumps(
-                    {
-                        "type": "step",
-                        "request_id": "a",
-                        "step": i,
-                        "prompt_len": 50,
-                        "tau": tau,
-                        "n_accepted": n,
-                        "emitted": emitted,
-                    }
-                )
-                + "\n"
+            record = StepRecord(
+                request_id="a",
+                step=i,
+                prompt_len=50,
+                context_len=50 + stats.new_tokens,
+                policy="fixed",
+                reason="fixed",
+                tau=tau,
+                draft_tokens=[7] * tau,
+                accept_flags=[k < n for k in range(tau)],
+                n_accepted=n,
+                correction=correction_kind(tau, n),
+                emitted=[0] * (n + 1),
+                draft_time=0.001,
+                verify_time=0.004,
+                other_time=0.0001,
             )
-        f.write(json.dumps({"type": "request", "request_id": "a", "new_tokens": 20}) + "\n")
+            stats.add(record)
+            trace.on_step(record)
+        trace.on_request(RequestSummary("a", "fixed", 50, stats))
     return steps
 
 

@@ -67,11 +67,6 @@ class FleetBudget:
         if entry is not None:
             entry.used = min(used, entry.allowance)
 
-    @property
-    def bank(self) -> float:
-        """Passes the last W-1 requests left unused (negative: they borrowed)."""
-        return sum(self.budget - e.committed for e in self._recent)
-
 
 class FleetBudgetPolicy(Policy):
     """Runs any policy under a fleet-average budget: each request's allowance goes to the engine, which

@@ -16,17 +16,8 @@ from dataclasses import dataclass, field
 from specdec.records import StepRecord
 
 
-def expected_emitted(rates: list[float], tau: int) -> float:
-    """E[n̂ + 1 | τ]: tokens one step emits, the correction token included."""
-    total, survive = 1.0, 1.0
-    for k in range(tau):
-        survive *= rates[k]
-        total += survive
-    return total
-
-
 def expected_emitted_all(rates: list[float]) -> list[float]:
-    """``[E[n̂+1 | τ] for τ = 0..len(rates)]`` in one pass."""
+    """``[E[n̂+1 | τ] for τ = 0..len(rates)]``: tokens one step emits, the correction token included."""
     out, total, survive = [1.0], 1.0, 1.0
     for a in rates:
         survive *= a
@@ -57,9 +48,6 @@ class PositionRates:
         for k in range(min(n_accepted + 1, tau, self.max_pos)):
             self.wins[k] = self.decay * self.wins[k] + (1.0 if k < n_accepted else 0.0)
             self.trials[k] = self.decay * self.trials[k] + 1.0
-
-    def observed(self, k: int) -> float:
-        return self.trials[k]
 
     def rates(self, parent: list[float] | None, first_prior: float, n: int | None = None) -> list[float]:
         """The first ``n`` shrunk rates. Each position's prior is ``parent[k]`` when given, else the
