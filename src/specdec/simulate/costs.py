@@ -7,6 +7,17 @@ runtime, 1.9M 2-layer draft in fp32: verify 3.80 ms for 1 token + 0.047 ms per e
 draft 0.59 ms per token, c ≈ 0.16). ``gpu-70b`` is the issue's planning example: a 70B target on
 one GPU (verify 25 ms + 0.3 ms per extra token) with a 1B draft at 4 ms per token; its prefill,
 0.02 ms per prompt token, assumes most of a prompt is prefix-cached (as in a writing assistant).
+
+Batched steps (many sequences sharing one draft and one target pass, ``simulate_batched``) are costed by
+``verify_rows`` (the target pass by its total rows: a measured table by rows, else a memory floor then a
+compute slope, t = base + max(floor, per_row·rows)), ``draft_forward`` (one lockstep draft forward by the
+sequences drafting in it) and ``step_other`` (the rest of the step, per sequence). A model without batched
+figures (``gpu-70b``, a cost file written before them) costs a pass of r rows as a block of r tokens. The
+``cpu`` batched defaults are ASSUMPTIONS until measured, shaped after the shipped default pair on the CPU
+kernel (docs/benchmarks.md): a one-token pass 2.5 ms (memory-bound: streaming the weights), 16 rows 2.2×
+and 64 rows 7× that (fp32 multiply-adds bound beyond ~4 rows), a draft forward 0.15 ms for one row and 5%
+more per further row, 0.1 ms of step overhead per sequence. A ``costs.json`` that carries the batched
+fields overrides them.
 """
 
 from __future__ import annotations
@@ -36,9 +47,52 @@ class CostModel:
     jitter: float = 0.03  # lognormal sigma of every timing
     verify_table: dict[int, float] = field(default_factory=dict)  # measured seconds by block size (overrides the line)
     source: str = "given"
+    # Batched steps (see the module's docstring). A target pass of r rows: rows_table[r] when measured (between
+    # measured sizes: interpolated), else pass_base_s + max(pass_floor_s, pass_per_row_s·r) when pass_per_row_s is
+    # set, else verify(r). A lockstep draft forward over n sequences: draft_forward_s·(1 + draft_row_frac·(n-1))
+    # (draft_forward_s unset: draft_per_token_s). The rest of a step: other_per_sequence_s per sequence (unset:
+    # other_s).
+    pass_base_s: float = 0.0
+    pass_floor_s: float = 0.0
+    pass_per_row_s: float = 0.0
+    rows_table: dict[int, float] = field(default_factory=dict)
+    draft_forward_s: float | None = None
+    draft_row_frac: float = 0.05
+    other_per_sequence_s: float | None = None
+    batch_source: str = ""  # where the batched figures come from (empty: none given, derived from the solo ones)
 
     def verify(self, block: int) -> float:
         return self.verify_table.get(block, self.verify_base_s + self.verify_per_extra_s * (block - 1))
+
+    def verify_rows(self, rows: int) -> float:
+        """Seconds of one target pass over ``rows`` rows in all (every sequence's [last token, drafts])."""
+        if self.rows_table:
+            if rows in self.rows_table:
+                return self.rows_table[rows]
+            sizes = sorted(self.rows_table)
+            lo = max((s for s in sizes if s < rows), default=None)
+            hi = min((s for s in sizes if s > rows), default=None)
+            if lo is not None and hi is not None:
+                a, b = self.rows_table[lo], self.rows_table[hi]
+                return a + (b - a) * (rows - lo) / (hi - lo)
+            if hi is None and len(sizes) > 1:  # beyond the table: the slope of its last two sizes
+                s0, s1 = sizes[-2], sizes[-1]
+                slope = max(0.0, (self.rows_table[s1] - self.rows_table[s0]) / (s1 - s0))
+                return self.rows_table[s1] + slope * (rows - s1)
+            return self.rows_table[sizes[0]] * max(1.0, rows / sizes[0]) if hi is None else self.rows_table[hi]
+        if self.pass_per_row_s > 0:
+            return self.pass_base_s + max(self.pass_floor_s, self.pass_per_row_s * rows)
+        return self.verify(rows)
+
+    def draft_forward(self, sequences: int) -> float:
+        """Seconds of one lockstep draft forward over ``sequences`` sequences."""
+        one = self.draft_per_token_s if self.draft_forward_s is None else self.draft_forward_s
+        return one * (1.0 + self.draft_row_frac * (max(1, sequences) - 1))
+
+    def step_other(self, sequences: int) -> float:
+        """Seconds of the rest of a step shared by ``sequences`` sequences (policy, bookkeeping, commits)."""
+        per = self.other_s if self.other_per_sequence_s is None else self.other_per_sequence_s
+        return per * max(1, sequences)
 
     def noisy(self, seconds: float, rng: random.Random) -> float:
         return seconds * math.exp(rng.gauss(0.0, self.jitter)) if self.jitter else seconds
@@ -51,12 +105,20 @@ class CostModel:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["verify_table"] = {str(k): v for k, v in self.verify_table.items()}
+        d["rows_table"] = {str(k): v for k, v in self.rows_table.items()}
         return d
 
     @classmethod
-    def from_json(cls, d: dict[str, Any], source: str = "file") -> CostModel:
+    def from_json(cls, d: dict[str, Any], source: str = "file", batch_defaults: CostModel | None = None) -> CostModel:
+        """A cost model from JSON (``to_json``; files written before the batched fields read as before). The
+        batched fields a file lacks come from ``batch_defaults`` when given, else from the solo figures."""
         try:
             table = {int(k): float(v) for k, v in (d.get("verify_table") or {}).items()}
+            batched = _batched_fields(d, source)
+            if batched is None and batch_defaults is not None:
+                batched = {k: getattr(batch_defaults, k) for k in _BATCH_KEYS}
+            elif batched is None:
+                batched = {}
             return cls(
                 name=str(d.get("name", "measured")),
                 draft_per_token_s=float(d["draft_per_token_s"]),
@@ -67,9 +129,38 @@ class CostModel:
                 jitter=float(d.get("jitter", 0.03)),
                 verify_table=table,
                 source=source,
+                **batched,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise InvalidRequestError(f"bad cost model JSON ({source}): {e!r}", "costs") from None
+
+
+_BATCH_KEYS = (
+    "pass_base_s",
+    "pass_floor_s",
+    "pass_per_row_s",
+    "rows_table",
+    "draft_forward_s",
+    "draft_row_frac",
+    "other_per_sequence_s",
+    "batch_source",
+)
+
+
+def _batched_fields(d: dict[str, Any], source: str) -> dict[str, Any] | None:
+    """The batched figures of a cost file, or None when it has none (a file written before them)."""
+    if not any(k in d for k in _BATCH_KEYS[:-1]):
+        return None
+    opt = {k: (None if d.get(k) is None else float(d[k])) for k in ("draft_forward_s", "other_per_sequence_s")}
+    return {
+        "pass_base_s": float(d.get("pass_base_s", 0.0)),
+        "pass_floor_s": float(d.get("pass_floor_s", 0.0)),
+        "pass_per_row_s": float(d.get("pass_per_row_s", 0.0)),
+        "rows_table": {int(k): float(v) for k, v in (d.get("rows_table") or {}).items()},
+        "draft_row_frac": float(d.get("draft_row_frac", 0.05)),
+        "batch_source": str(d.get("batch_source") or source),
+        **opt,
+    }
 
 
 CPU_DEFAULT = CostModel(
@@ -80,6 +171,14 @@ CPU_DEFAULT = CostModel(
     other_s=0.15e-3,
     prefill_per_token_s=0.06e-3,
     source="defaults measured on a 2-core Zen4 CPU",
+    # Batched: assumed until measured (see the module's docstring): 1-4 rows 2.5 ms, 16 rows 5.5 ms, 64 rows 17.5 ms.
+    pass_base_s=1.5e-3,
+    pass_floor_s=1.0e-3,
+    pass_per_row_s=0.25e-3,
+    draft_forward_s=0.15e-3,
+    draft_row_frac=0.05,
+    other_per_sequence_s=0.1e-3,
+    batch_source="assumed (shaped after the default pair on the CPU kernel), until measured",
 )
 GPU_70B = CostModel(
     "gpu-70b",
@@ -104,7 +203,7 @@ def measured_cpu() -> CostModel:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise InvalidRequestError(f"cannot read measured costs {path}: {e}", "costs") from None
-        return replace(CostModel.from_json(data, source=str(path)), name="cpu")
+        return replace(CostModel.from_json(data, source=str(path), batch_defaults=CPU_DEFAULT), name="cpu")
     return CPU_DEFAULT
 
 
