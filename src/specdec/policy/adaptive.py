@@ -148,6 +148,7 @@ class AdaptivePolicy(Policy):
         self.latencies: deque[float] = deque(maxlen=200)
         self._latency_ratios: deque[float] = deque(maxlen=100)
         self._requests: dict[str, _Request] = {}
+        self._batch_steps = 0  # steps planned for a batch (``plan``): one in EXPLORE_EVERY runs one deeper
 
     # -- estimates --------------------------------------------------------------------------
 
@@ -325,15 +326,28 @@ class AdaptivePolicy(Policy):
             seconds = self.batch_costs.step_time(rows, depth, sum(t > 0 for t in taus), n, self.costs)
             return sum(g[t] for g, t in zip(gains, taus)) / seconds, seconds
 
-        best = max(
-            ([max(f, min(c, depth)) for f, c in zip(floors, caps)] for depth in range(max(caps, default=0) + 1)),
-            key=lambda taus: goodput(taus)[0],
+        by_depth = [[max(f, min(c, depth)) for f, c in zip(floors, caps)] for depth in range(max(caps, default=0) + 1)]
+        rates = [goodput(taus)[0] for taus in by_depth]
+        depth = max(range(len(by_depth)), key=lambda d: rates[d])
+        self._batch_steps += 1
+        # Depths never run leave the cost curves unmeasured where they would be read (rows beyond any pass seen,
+        # draft forwards never run) and acceptance unlearnt: now and then run one deeper when predicted nearly
+        # as good, or whatever predicted while no draft forward has been measured (its cost is then a prior).
+        explore = (
+            self._batch_steps % EXPLORE_EVERY == 0
+            and depth + 1 < len(by_depth)
+            and (rates[depth + 1] >= 0.9 * rates[depth] or not self.batch_costs.draft_forward.seen)
         )
+        if explore:
+            depth += 1
+        best = by_depth[depth]
         rate, seconds = goodput(best)
         rows = other_rows + sum(t + 1 for t in best)
-        row_cost = max(1e-9, self.batch_costs.step_time(rows + 1, 0, 0, n, self.costs) - seconds)
+        drafting = sum(t > 0 for t in best)
+        # One more row in the same pass (same depth, same sequences drafting): the pass's marginal cost.
+        row_cost = max(1e-9, self.batch_costs.step_time(rows + 1, depth, drafting, n, self.costs) - seconds)
         for i in range(len(best)):
-            while best[i] > floors[i] and (gains[i][best[i]] - gains[i][best[i] - 1]) < rate * row_cost:
+            while not explore and best[i] > floors[i] and (gains[i][best[i]] - gains[i][best[i] - 1]) < rate * row_cost:
                 best[i] -= 1
         out = []
         for d, tau, cap in zip(solo, best, caps):
@@ -348,9 +362,8 @@ class AdaptivePolicy(Policy):
 
     def observe(self, record: StepRecord) -> None:
         req = self._requests.get(record.request_id)
-        if record.batch_size > 1:
-            self.batch_costs.observe(record)
-        else:
+        self.batch_costs.observe(record)  # one-sequence steps too: the low end of the cost curves
+        if record.batch_size == 1:
             # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.
             self.costs.observe(record.tau, record.tau, record.draft_time, record.verify_time, record.other_time)
         if req is not None and req.arm is not None and record.tau:

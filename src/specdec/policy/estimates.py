@@ -249,9 +249,14 @@ class ArmComparison:
 @dataclass
 class CurveEWMA:
     """A cost measured at integer sizes (rows of a pass, sequences drafting), EWMA per size; sizes never
-    seen are interpolated between seen neighbours, extrapolated along the slope of the last two beyond."""
+    seen are interpolated between seen neighbours, flat below the smallest (a memory-bound floor) and
+    extended beyond the largest along a slope fitted over every seen size, shrunk toward a prior slope
+    (``growth``: the share of its one-size cost that each further size adds, 1.0 proportional) so that two
+    neighbouring sizes' noise (31 and 32 rows) cannot make it steep."""
 
     decay: float = 0.9
+    growth: float = 1.0
+    spread: float = 4.0  # the prior slope weighs as much as sizes spread by this much
     _at: dict[int, list[float]] = field(default_factory=dict)  # size -> [weight, mean]
 
     def observe(self, size: int, seconds: float, weight: float = 1.0) -> None:
@@ -263,52 +268,72 @@ class CurveEWMA:
     def seen(self) -> bool:
         return bool(self._at)
 
+    def slope(self) -> float:
+        """Cost per further size beyond the largest seen: weighted least squares over the seen sizes, ridge
+        toward the prior slope through the largest (a(1 + growth·(size - 1)) meeting its measured cost)."""
+        top = max(self._at)
+        prior = self.growth * self._at[top][1] / (1.0 + self.growth * (top - 1))
+        w = sum(v[0] for v in self._at.values())
+        mx = sum(v[0] * s for s, v in self._at.items()) / w
+        my = sum(v[0] * v[1] for v in self._at.values()) / w
+        var = sum(v[0] * (s - mx) ** 2 for s, v in self._at.items()) / w
+        cov = sum(v[0] * (s - mx) * (v[1] - my) for s, v in self._at.items()) / w
+        lam = self.spread**2
+        return max(0.0, (cov + lam * prior) / (var + lam))
+
     def __call__(self, size: int, fallback: float) -> float:
         if not self._at:
             return fallback
-        sizes = sorted(self._at)
         if size in self._at:
             return self._at[size][1]
+        sizes = sorted(self._at)
         lo = max((s for s in sizes if s < size), default=None)
         hi = min((s for s in sizes if s > size), default=None)
         if lo is not None and hi is not None:
             a, b = self._at[lo][1], self._at[hi][1]
             return a + (b - a) * (size - lo) / (hi - lo)
-        if len(sizes) == 1:  # one size seen: proportional beyond it, flat below
-            only = sizes[0]
-            return self._at[only][1] * (max(size, only) / only)
-        s0, s1 = (sizes[-2], sizes[-1]) if hi is None else (sizes[0], sizes[1])
-        slope = max(0.0, (self._at[s1][1] - self._at[s0][1]) / (s1 - s0))
-        base = s1 if hi is None else s0
-        return max(1e-9, self._at[base][1] + slope * (size - base))
+        if hi is not None:  # below every seen size: flat
+            return self._at[hi][1]
+        return max(1e-9, self._at[sizes[-1]][1] + self.slope() * (size - sizes[-1]))
+
+
+DRAFT_ROW_GROWTH = 0.05  # until measured: a lockstep draft forward costs 5% more per further sequence
 
 
 @dataclass
 class BatchCosts:
     """What a step shared by many sequences costs: the target pass by its rows, a lockstep draft forward by
     the sequences drafting in it, and the rest of the step by the sequences in it. Fed once per pass (each
-    of a step's records carries the step's times, so each counts 1/batch)."""
+    of a step's records carries the step's times, so each counts 1/batch); one-sequence steps feed it too
+    (the low end of the curves)."""
 
     verify: CurveEWMA = field(default_factory=CurveEWMA)  # rows -> seconds of the target pass
-    draft_forward: CurveEWMA = field(default_factory=CurveEWMA)  # sequences drafting -> seconds per forward
+    draft_forward: CurveEWMA = field(default_factory=lambda: CurveEWMA(growth=DRAFT_ROW_GROWTH))  # drafting -> s
     other: CurveEWMA = field(default_factory=CurveEWMA)  # sequences -> seconds of the rest of the step
 
     def observe(self, record: StepRecord) -> None:
         w = 1.0 / max(1, record.batch_size)
         rows = record.rows or record.tau + 1
         self.verify.observe(rows, record.verify_time, w)
-        if record.draft_passes and record.draft_time > 0:
+        passes = record.draft_passes or record.tau
+        if passes and record.draft_time > 0:
             drafting = max(1, record.drafting or 1)
-            self.draft_forward.observe(drafting, record.draft_time / record.draft_passes, w)
-        self.other.observe(record.batch_size, record.other_time, w)
+            self.draft_forward.observe(drafting, record.draft_time / passes, w)
+        self.other.observe(max(1, record.batch_size), record.other_time, w)
 
     def step_time(self, rows: int, depth: int, drafting: int, sequences: int, solo: StepCosts) -> float:
         """Predicted seconds of a step with ``rows`` target rows over ``sequences`` sequences, ``depth`` lockstep
-        draft forwards over ``drafting`` of them. Until measured, the solo costs scaled as a memory-bound
-        pass would be (flat in rows up to a block, then the solo slope)."""
+        draft forwards over ``drafting`` of them. What is not measured yet falls back on the solo costs, and
+        where those are not measured either, on priors *relative to what is measured*: a pass's seconds
+        from the solo line, a draft forward as ``prior_draft_frac`` of a one-row pass (the pass curve's
+        floor once seen), 5% more per further sequence. (Mixing the solo priors' absolute seconds, a 1 s
+        pass and a 0.1 s draft forward, with measured passes of milliseconds would price drafting out
+        for good: a policy that never drafts never measures a draft forward.)"""
         v0, v1 = solo.line()
+        one_row = self.verify(1, v0)  # measured: the pass curve's floor (flat below its smallest size)
         verify = self.verify(rows, v0 + v1 * (rows - 1))
-        d1 = solo.draft_per_token if solo.draft_per_token is not None else solo.prior_draft_frac * v0
-        draft = depth * self.draft_forward(max(1, drafting), d1 * (1 + 0.05 * (max(1, drafting) - 1)))
+        n = max(1, drafting)
+        d1 = solo.draft_per_token if solo.draft_per_token is not None else solo.prior_draft_frac * one_row
+        draft = depth * self.draft_forward(n, d1 * (1 + DRAFT_ROW_GROWTH * (n - 1))) if depth else 0.0
         other = self.other(sequences, (solo.other or 0.0) * sequences)
         return verify + draft + other
