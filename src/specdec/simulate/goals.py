@@ -1,15 +1,22 @@
-"""The policy goals of issue 5, checked in the simulator over seeds, with the figures behind each verdict."""
+"""The policy goals of issue 5, checked in the simulator over seeds, with the figures behind each verdict; and
+issue 15's batch-aware τ goals, under load (closed-loop clients, continuous batching) on cost models that
+carry batched figures (``cpu``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from specdec.simulate.arrivals import Arrivals
 from specdec.simulate.costs import CostModel, load_costs
 from specdec.simulate.report import policy_factory
-from specdec.simulate.runner import simulate
-from specdec.simulate.workloads import WORKLOADS, Workload
+from specdec.simulate.runner import LoadResult, simulate, simulate_batched
+from specdec.simulate.workloads import LOAD_WORKLOADS, WORKLOADS, Workload
 
 FIXED_TAUS = (1, 2, 3, 4, 5, 6, 8, 10, 12)
+LOAD_CLIENTS = (1, 4, 16, 32)  # closed-loop clients of the batched goals (the load test's levels)
+LOAD_FIXED_TAUS = (1, 2, 3, 4, 6, 8)
+LOAD_MAX_BATCH = 32
+LOAD_REQUESTS_PER_CLIENT = 4  # requests per run: this many per client, at least 32
 
 
 @dataclass
@@ -48,6 +55,85 @@ def check_goals(cost_names: list[str], seeds: list[int], requests: int | None = 
         every = [replace(w, requests=requests or 30) for w in WORKLOADS.values()]
         goals.append(_hard_cap(every, cost, seeds))
         goals.append(_fleet_everywhere(every, cost, seeds))
+    for cname in cost_names:  # after every one-request goal, so their lines read as before
+        cost = load_costs(cname)
+        if cost.batch_source:
+            for w in LOAD_WORKLOADS.values():
+                goals.extend(batched_goals(w, cost, seeds, requests))
+    return goals
+
+
+def _load_runs(
+    spec: str, w: Workload, cost: CostModel, seeds: list[int], clients: int, requests: int | None
+) -> list[LoadResult]:
+    n = requests or max(32, LOAD_REQUESTS_PER_CLIENT * clients)
+    w = replace(w, requests=n)
+    factory = policy_factory(spec)
+    return [
+        simulate_batched(factory(), w, cost, s, Arrivals("clients", clients=clients), LOAD_MAX_BATCH) for s in seeds
+    ]
+
+
+def _mean(vals: list[float]) -> float:
+    return sum(vals) / len(vals)
+
+
+def batched_goals(
+    w: Workload, cost: CostModel, seeds: list[int], requests: int | None = None, loads: tuple[int, ...] = LOAD_CLIENTS
+) -> list[Goal]:
+    """Issue 15's batch-aware τ under closed-loop load (``loads`` clients, continuous batching up to
+    LOAD_MAX_BATCH): adaptive within 5% of the best of plain and every fixed τ at each load; it speculates at
+    the lightest load and drafts less at the heaviest; fixed τ = 4 at the heaviest load is slower than plain."""
+    goals: list[Goal] = []
+    taus: dict[int, float] = {}
+    plain_at: dict[int, float] = {}
+    fixed4_at: dict[int, float] = {}
+    for clients in loads:
+        runs = {
+            spec: _load_runs(spec, w, cost, seeds, clients, requests)
+            for spec in ["adaptive", "fixed:tau=0", *(f"fixed:tau={t}" for t in LOAD_FIXED_TAUS)]
+        }
+        tps = {spec: _mean([r.tokens_per_s for r in rs]) for spec, rs in runs.items()}
+        p95 = {spec: _mean([r.p95_latency() for r in rs]) for spec, rs in runs.items()}
+        fixed = {t: tps[f"fixed:tau={t}"] for t in LOAD_FIXED_TAUS}
+        best_tau = max(fixed, key=lambda t: fixed[t])
+        plain, adaptive = tps["fixed:tau=0"], tps["adaptive"]
+        bar = max(plain, fixed[best_tau])
+        taus[clients] = _mean([r.mean_tau for r in runs["adaptive"]])
+        plain_at[clients], fixed4_at[clients] = plain, fixed[4]
+        goals.append(
+            Goal(
+                f"{w.name} clients:{clients} [{cost.name}] batched adaptive >= 0.95x max(plain, best fixed)",
+                adaptive >= 0.95 * bar,
+                f"adaptive {adaptive:.0f} tok/s = {adaptive / bar:.3f}x (plain {plain:.0f}, best fixed tau={best_tau} "
+                f"{fixed[best_tau]:.0f}); adaptive mean tau {taus[clients]:.2f}, "
+                f"rows/pass {_mean([r.summary()['rows_per_pass'] for r in runs['adaptive']]):.1f}; p95 latency "
+                f"adaptive {p95['adaptive']:.2f} s, plain {p95['fixed:tau=0']:.2f} s",
+            )
+        )
+    light, heavy = loads[0], loads[-1]
+    goals.append(
+        Goal(
+            f"{w.name} light load clients:{light} [{cost.name}] adaptive speculates (mean tau > 1)",
+            taus[light] > 1.0,
+            f"mean tau {taus[light]:.2f} per sequence-step",
+        )
+    )
+    goals.append(
+        Goal(
+            f"{w.name} heavy load clients:{heavy} [{cost.name}] adaptive drafts less than at clients:{light}",
+            taus[heavy] < taus[light],
+            f"mean tau {taus[heavy]:.2f} vs {taus[light]:.2f}; by load "
+            + ", ".join(f"{c}: {t:.2f}" for c, t in taus.items()),
+        )
+    )
+    goals.append(
+        Goal(
+            f"{w.name} heavy load clients:{heavy} [{cost.name}] fixed tau=4 slower than plain batched",
+            fixed4_at[heavy] < plain_at[heavy],
+            ", ".join(f"clients:{c} fixed tau=4 {fixed4_at[c] / plain_at[c]:.3f}x plain" for c in loads),
+        )
+    )
     return goals
 
 

@@ -120,6 +120,38 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
+def load_test_lengths(rng: random.Random, i: int) -> tuple[int, int, int]:
+    """The load test's requests: short prompts (~60 tokens), 64 new tokens asked, a tenth stop earlier by EOS."""
+    prompt = _lognormal(rng, 60, 0.6, 8, 512)
+    length = rng.randint(16, 63) if rng.random() < 0.1 else 10**9
+    return prompt, 64, length
+
+
+# Workloads about serving load (``simulate --arrivals``, the batched goals): kept apart from WORKLOADS, whose
+# goals and default table are about one request at a time.
+LOAD_WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in [
+        Workload(
+            "load-mixed",
+            "load",
+            "the load test's shape: 64-token requests, ~60-token prompts, α per request ~ U(0.05, 0.95)",
+            lambda s: PerRequest(0.05, 0.95),
+            load_test_lengths,
+            requests=64,
+        ),
+        Workload(
+            "load-0.8",
+            "load",
+            "the load test's shape with i.i.d. acceptance α = 0.8 (a draft that pays more)",
+            lambda s: IID(0.8),
+            load_test_lengths,
+            requests=64,
+        ),
+    ]
+}
+
+
 def replay_workload(trace: str) -> Workload:
     """A workload replaying a recorded JSONL trace: its prompts, lengths and acceptance, in order."""
     proc = Replay.from_trace(trace)
@@ -142,8 +174,11 @@ def replay_workload(trace: str) -> Workload:
 def get_workload(name: str) -> Workload:
     if name in WORKLOADS:
         return WORKLOADS[name]
+    if name in LOAD_WORKLOADS:
+        return LOAD_WORKLOADS[name]
     if name.startswith("replay:"):
         return replay_workload(name[len("replay:") :])
     raise InvalidRequestError(
-        f"unknown workload {name!r}: use one of {', '.join(WORKLOADS)} or replay:TRACE.jsonl", "workload"
+        f"unknown workload {name!r}: use one of {', '.join([*WORKLOADS, *LOAD_WORKLOADS])} or replay:TRACE.jsonl",
+        "workload",
     )
