@@ -45,11 +45,6 @@ def test_diagnose_command_loads_no_torch(tmp_path: Path) -> None:
     assert loaded_after(code) == NOTHING
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="policy/ imports ReachRule from drafters/base.py, which imports torch, until ReachRule moves to "
-    "policy/ (issue 14 item 3); strict: this starts failing (XPASS) once it has moved, then drop the mark",
-)
 def test_import_simulate_loads_no_torch() -> None:
     code = (
         "import specdec.simulate.goals\nfrom specdec.cli import main\n"

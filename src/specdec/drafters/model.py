@@ -9,7 +9,7 @@ import torch
 
 from specdec.drafters.base import Draft, DraftAsk, Drafter, Pick, lockstep
 from specdec.runtime.base import KVCache, ModelRunner
-from specdec.sampling import logits_to_probs, sample
+from specdec.sampling import SamplingParams, logits_to_probs, sample
 
 
 @dataclass
@@ -84,6 +84,7 @@ class ModelDrafter(Drafter):
         for j, i in enumerate(rows):
             if picks[j] is None:
                 ask = asks[i]
+                assert isinstance(ask.params, SamplingParams)
                 q = logits_to_probs(self._fit_vocab(logits[j][-1:]), ask.params)[0]
                 y = int(sample(q[None], ask.generator).item())
                 picks[j] = Pick(y, float(q[y]), float(q.max()), q)

@@ -23,18 +23,24 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.drafters.base import DraftAsk, Pick, lockstep
+from specdec.drafters.loop import DraftAsk, Pick, lockstep
 from specdec.policy.base import Policy, StepContext
 from specdec.policy.budget import FleetBudgetPolicy
 from specdec.records import FinishReason, GenerationStats, StepRecord
-from specdec.sampling import SamplingParams
 from specdec.simulate.arrivals import Arrivals
 from specdec.simulate.costs import CostModel
 from specdec.simulate.oracle import OraclePolicy
 from specdec.simulate.processes import AcceptanceProcess, SimRequest, draft_confidence
 from specdec.simulate.workloads import Workload
 
-_GREEDY = SamplingParams()
+
+class _Greedy:
+    """Synthetic drafts are judged by their acceptance draws alone: the loop sees a greedy request."""
+
+    greedy = True
+
+
+_GREEDY = _Greedy()
 _NO_GENERATOR: Any = None  # simulated drafts draw from the runner's own random stream
 
 
