@@ -56,7 +56,7 @@ from specdec.server.errors import APIError
 from specdec.server.guard import Guard
 from specdec.server.settings import ServerSettings
 
-log = logging.getLogger("specdec.server.ray")
+log = logging.getLogger("ray.serve")  # Serve routes it to the replica logs (and the driver)
 
 REPLICA_HEADER = "x-specdec-replica"  # which replica answered: its Serve replica id
 APP_NAME = "specdec"
@@ -261,6 +261,7 @@ class _EngineReplica:
         from specdec.server.app import create_app
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        threads = replica_threads()
         if callable(model) and not isinstance(model, ModelSettings):
             engine = model()
         else:
@@ -270,7 +271,7 @@ class _EngineReplica:
         self._pusher = asyncio.get_running_loop().create_task(
             _push_forever(hub, self.replica_id, metrics_interval, self._metrics)
         )
-        log.info("replica %s serving %r", self.replica_id, settings.model_name)
+        log.info("replica %s serving %r with %d torch threads", self.replica_id, settings.model_name, threads)
 
     async def _metrics(self) -> str:
         messages = [m async for m in self.asgi(_internal_get("/metrics"), b"")]
@@ -326,6 +327,20 @@ class _EngineReplica:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.hub.drop.remote(self.replica_id), 2)
         self.app.state.scheduler.stop()
+
+
+def replica_threads() -> int:
+    """Set this process's torch threads to the CPUs Ray reserved for it (at least 1) and return the count.
+
+    Ray exports OMP_NUM_THREADS for the reservation, but only if unset and only when the worker starts its
+    task; setting torch's pool here makes ``num_cpus`` mean the replica's compute threads, always.
+    """
+    import torch
+
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU") or 1.0
+    threads = max(1, int(cpus))
+    torch.set_num_threads(threads)
+    return threads
 
 
 def _internal_get(path: str) -> dict[str, Any]:
