@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         return run_ray(args, settings)
     given = [f"--{name.replace('_', '-')}" for name in _RAY_ONLY if getattr(args, name) is not None]
     if given:
-        raise InvalidRequestError(f"{', '.join(given)} : only with --ray (or --ray-address)", given[0])
+        raise InvalidRequestError(f"{', '.join(given)}: only with --ray (or --ray-address)", given[0])
     engine = ModelSettings.from_args(args).load()
     observers: list[Observer] = []
     if args.trace:

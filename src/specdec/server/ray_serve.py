@@ -438,7 +438,13 @@ class _Forwarder:
             await send({"type": "websocket.close", "code": 1003})
             return
         if scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
-            body = await self.ingress.hub.render.remote()
+            try:
+                body = await self.ingress.hub.render.remote()
+            except Exception as e:  # the hub is being replaced: say so rather than serve a partial fleet
+                await _Relay(send).fail(
+                    APIError(503, f"fleet metrics unavailable ({_kind(e)}): retry", None, "metrics_unavailable")
+                )
+                return
             headers = [(b"content-type", CONTENT_TYPE_LATEST.encode()), (b"content-length", str(len(body)).encode())]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
@@ -588,8 +594,8 @@ def run_forever(
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        serve.start(http_options={"host": host, "port": port})
         logging_config = {"log_level": log_level.upper(), "enable_access_log": log_level in ("info", "debug")}
+        serve.start(http_options={"host": host, "port": port}, logging_config=logging_config)
         serve.run(
             build_app(model, settings, ray_settings),
             name=ray_settings.app_name,
