@@ -274,11 +274,12 @@ class _EngineReplica:
         log.info("replica %s serving %r with %d torch threads", self.replica_id, settings.model_name, threads)
 
     async def _metrics(self) -> str:
-        messages = [m async for m in self.asgi(_internal_get("/metrics"), b"")]
+        messages = [m async for batch in self.asgi(_internal_get("/metrics"), b"") for m in batch]
         return b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body").decode()
 
-    async def asgi(self, request: dict[str, Any], body: bytes) -> AsyncIterator[Message]:
-        """Run one HTTP request through the app; yield its ASGI send messages as they come."""
+    async def asgi(self, request: dict[str, Any], body: bytes) -> AsyncIterator[list[Message]]:
+        """Run one HTTP request through the app; yield its ASGI send messages as they come, in batches of
+        those already sent (a whole JSON response, start and body, travels as one object)."""
         out: asyncio.Queue[Message | None] = asyncio.Queue()
         gone = asyncio.Event()  # the caller stopped listening: the app sees a disconnect
         delivered = False
@@ -305,8 +306,15 @@ class _EngineReplica:
 
         task = asyncio.get_running_loop().create_task(run())
         try:
-            while (message := await out.get()) is not None:
-                yield message
+            ended = False
+            while not ended:
+                batch = [await out.get()]
+                while not out.empty():
+                    batch.append(out.get_nowait())
+                ended = batch[-1] is None
+                messages = [m for m in batch if m is not None]
+                if messages:
+                    yield messages
             await task  # an exception the app let out reaches the ingress
         finally:
             if not task.done():  # cancelled: the client went away; the app frees the request
@@ -507,8 +515,9 @@ class _Ingress:
             relay = _Relay(send)
             stream = cast(DeploymentResponseGenerator, self.replicas.options(stream=True).asgi.remote(request, body))
             try:
-                async for message in stream:
-                    await relay.pass_on(message)
+                async for batch in stream:
+                    for message in batch:
+                        await relay.pass_on(message)
                 if relay.complete:
                     return
                 failure: BaseException = RuntimeError("the replica ended the response before its last byte")
