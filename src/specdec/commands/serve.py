@@ -171,6 +171,9 @@ def run_ray(args: argparse.Namespace, settings: ServerSettings) -> int:
     if args.trace:
         raise InvalidRequestError("--trace is not supported with --ray (each replica would need its own file)", "trace")
     model = ModelSettings.from_args(args)
+    # Replicas are other processes (other machines, with --ray-address): give them absolute paths.
+    model.target = model.target.resolve() if model.target is not None else None
+    model.draft = model.draft.resolve() if model.draft is not None else None
     local = args.ray_address is None
     if local:
         for flag, path in (("--target", model.target), ("--draft", model.draft)):

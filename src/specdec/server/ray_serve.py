@@ -8,7 +8,8 @@ Three deployments make one Serve application (``build_app``)::
 
 - ``SpecdecReplica`` holds its own engine (target, draft, policy) and runs the same FastAPI app as
   ``specdec serve`` (``create_app``); the ingress hands it each HTTP request as ASGI messages and relays
-  the answer, streamed message by message, so every route, error and stream format is the single-process one.
+  the answer as the replica sends it (streams stay streams), so every route, error and stream format is the
+  single-process one.
 - ``SpecdecIngress`` is the HTTP entry point (``@serve.ingress``). It owns what a single process cannot:
   a replica that dies before anything reached the client is retried on another replica (generation has no
   side effects); one that dies mid-stream ends the stream with an OpenAI-shaped ``error`` event and
@@ -20,6 +21,7 @@ Three deployments make one Serve application (``build_app``)::
 Start it with ``specdec serve --ray`` (see docs/scaling.md) or compose it yourself::
 
     from ray import serve
+    from specdec.server import ServerSettings
     from specdec.server.ray_serve import RaySettings, build_app
 
     serve.run(build_app(settings=ServerSettings(model_name="mine"), ray_settings=RaySettings(replicas=2)))
