@@ -160,7 +160,11 @@ def build_app(
     settings = settings or ServerSettings()
     rs = ray_settings or RaySettings()
     model = model if model is not None else default_model_settings()
-    hub = SpecdecMetrics.options(num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(3 * rs.metrics_interval + 5)
+    hub = SpecdecMetrics.options(
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        logging_config={"enable_access_log": False},  # its calls are the replicas' pushes, every few seconds
+    ).bind(3 * rs.metrics_interval + 5)
     per_replica = settings.max_active + settings.max_queue + 1  # past that the replica's own 429 answers
     scaling: dict[str, Any] = (
         {"autoscaling_config": rs.autoscaling_config()}
