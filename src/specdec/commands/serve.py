@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         return run_ray(args, settings)
     given = [f"--{name.replace('_', '-')}" for name in _RAY_ONLY if getattr(args, name) is not None]
     if given:
-        raise InvalidRequestError(f"{', '.join(given)} : only with --ray (or --ray-address)", given[0])
+        raise InvalidRequestError(f"{', '.join(given)}: only with --ray (or --ray-address)", given[0])
     engine = ModelSettings.from_args(args).load()
     observers: list[Observer] = []
     if args.trace:
@@ -181,6 +181,9 @@ def run_ray(args: argparse.Namespace, settings: ServerSettings) -> int:
     if args.trace:
         raise InvalidRequestError("--trace is not supported with --ray (each replica would need its own file)", "trace")
     model = ModelSettings.from_args(args)
+    # Replicas are other processes (other machines, with --ray-address): give them absolute paths.
+    model.target = model.target.resolve() if model.target is not None else None
+    model.draft = model.draft.resolve() if model.draft is not None else None
     local = args.ray_address is None
     if local:
         for flag, path in (("--target", model.target), ("--draft", model.draft)):

@@ -8,7 +8,8 @@ Three deployments make one Serve application (``build_app``)::
 
 - ``SpecdecReplica`` holds its own engine (target, draft, policy) and runs the same FastAPI app as
   ``specdec serve`` (``create_app``); the ingress hands it each HTTP request as ASGI messages and relays
-  the answer, streamed message by message, so every route, error and stream format is the single-process one.
+  the answer as the replica sends it (streams stay streams), so every route, error and stream format is the
+  single-process one.
 - ``SpecdecIngress`` is the HTTP entry point (``@serve.ingress``). It owns what a single process cannot:
   a replica that dies before anything reached the client is retried on another replica (generation has no
   side effects); one that dies mid-stream ends the stream with an OpenAI-shaped ``error`` event and
@@ -20,6 +21,7 @@ Three deployments make one Serve application (``build_app``)::
 Start it with ``specdec serve --ray`` (see docs/scaling.md) or compose it yourself::
 
     from ray import serve
+    from specdec.server import ServerSettings
     from specdec.server.ray_serve import RaySettings, build_app
 
     serve.run(build_app(settings=ServerSettings(model_name="mine"), ray_settings=RaySettings(replicas=2)))
@@ -56,7 +58,7 @@ from specdec.server.errors import APIError
 from specdec.server.guard import Guard
 from specdec.server.settings import ServerSettings
 
-log = logging.getLogger("specdec.server.ray")
+log = logging.getLogger("ray.serve")  # Serve routes it to the replica logs (and the driver)
 
 REPLICA_HEADER = "x-specdec-replica"  # which replica answered: its Serve replica id
 APP_NAME = "specdec"
@@ -158,7 +160,11 @@ def build_app(
     settings = settings or ServerSettings()
     rs = ray_settings or RaySettings()
     model = model if model is not None else default_model_settings()
-    hub = SpecdecMetrics.options(num_replicas=1, ray_actor_options={"num_cpus": 0}).bind(3 * rs.metrics_interval + 5)
+    hub = SpecdecMetrics.options(
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        logging_config={"enable_access_log": False},  # its calls are the replicas' pushes, every few seconds
+    ).bind(3 * rs.metrics_interval + 5)
     per_replica = settings.max_active + settings.max_queue + 1  # past that the replica's own 429 answers
     scaling: dict[str, Any] = (
         {"autoscaling_config": rs.autoscaling_config()}
@@ -261,6 +267,7 @@ class _EngineReplica:
         from specdec.server.app import create_app
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
+        threads = replica_threads()
         if callable(model) and not isinstance(model, ModelSettings):
             engine = model()
         else:
@@ -270,14 +277,15 @@ class _EngineReplica:
         self._pusher = asyncio.get_running_loop().create_task(
             _push_forever(hub, self.replica_id, metrics_interval, self._metrics)
         )
-        log.info("replica %s serving %r", self.replica_id, settings.model_name)
+        log.info("replica %s serving %r with %d torch threads", self.replica_id, settings.model_name, threads)
 
     async def _metrics(self) -> str:
-        messages = [m async for m in self.asgi(_internal_get("/metrics"), b"")]
+        messages = [m async for batch in self.asgi(_internal_get("/metrics"), b"") for m in batch]
         return b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body").decode()
 
-    async def asgi(self, request: dict[str, Any], body: bytes) -> AsyncIterator[Message]:
-        """Run one HTTP request through the app; yield its ASGI send messages as they come."""
+    async def asgi(self, request: dict[str, Any], body: bytes) -> AsyncIterator[list[Message]]:
+        """Run one HTTP request through the app; yield its ASGI send messages as they come, in batches of
+        those already sent (a whole JSON response, start and body, travels as one object)."""
         out: asyncio.Queue[Message | None] = asyncio.Queue()
         gone = asyncio.Event()  # the caller stopped listening: the app sees a disconnect
         delivered = False
@@ -304,8 +312,15 @@ class _EngineReplica:
 
         task = asyncio.get_running_loop().create_task(run())
         try:
-            while (message := await out.get()) is not None:
-                yield message
+            ended = False
+            while not ended:
+                batch = [await out.get()]
+                while not out.empty():
+                    batch.append(out.get_nowait())
+                ended = batch[-1] is None
+                messages = [m for m in batch if m is not None]
+                if messages:
+                    yield messages
             await task  # an exception the app let out reaches the ingress
         finally:
             if not task.done():  # cancelled: the client went away; the app frees the request
@@ -326,6 +341,20 @@ class _EngineReplica:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.hub.drop.remote(self.replica_id), 2)
         self.app.state.scheduler.stop()
+
+
+def replica_threads() -> int:
+    """Set this process's torch threads to the CPUs Ray reserved for it (at least 1) and return the count.
+
+    Ray exports OMP_NUM_THREADS for the reservation, but only if unset and only when the worker starts its
+    task; setting torch's pool here makes ``num_cpus`` mean the replica's compute threads, always.
+    """
+    import torch
+
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU") or 1.0
+    threads = max(1, int(cpus))
+    torch.set_num_threads(threads)
+    return threads
 
 
 def _internal_get(path: str) -> dict[str, Any]:
@@ -423,7 +452,13 @@ class _Forwarder:
             await send({"type": "websocket.close", "code": 1003})
             return
         if scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD"):
-            body = await self.ingress.hub.render.remote()
+            try:
+                body = await self.ingress.hub.render.remote()
+            except Exception as e:  # the hub is being replaced: say so rather than serve a partial fleet
+                await _Relay(send).fail(
+                    APIError(503, f"fleet metrics unavailable ({_kind(e)}): retry", None, "metrics_unavailable")
+                )
+                return
             headers = [(b"content-type", CONTENT_TYPE_LATEST.encode()), (b"content-length", str(len(body)).encode())]
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
@@ -486,8 +521,9 @@ class _Ingress:
             relay = _Relay(send)
             stream = cast(DeploymentResponseGenerator, self.replicas.options(stream=True).asgi.remote(request, body))
             try:
-                async for message in stream:
-                    await relay.pass_on(message)
+                async for batch in stream:
+                    for message in batch:
+                        await relay.pass_on(message)
                 if relay.complete:
                     return
                 failure: BaseException = RuntimeError("the replica ended the response before its last byte")
@@ -573,8 +609,8 @@ def run_forever(
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        serve.start(http_options={"host": host, "port": port})
         logging_config = {"log_level": log_level.upper(), "enable_access_log": log_level in ("info", "debug")}
+        serve.start(http_options={"host": host, "port": port}, logging_config=logging_config)
         serve.run(
             build_app(model, settings, ray_settings),
             name=ray_settings.app_name,
