@@ -247,33 +247,40 @@ struct OutSpec {
     int accumulate;
 };
 
-// A tile's accumulators (rows t0.., outputs r0.., NV vectors per row) into Y: straight from the registers where
-// all its outputs exist, through a buffer for the last panel of a matrix whose m is not a multiple of 16.
-template <int R, int NV>
-static inline __attribute__((always_inline)) void emit(VF (&acc)[R][NV], const OutSpec& o, int64_t t0, int64_t r0) {
-    if (r0 + NV * VLANES <= o.m) {
-#pragma GCC unroll 32
-        for (int i = 0; i < R * NV; i++) {
-            const int t = i / NV, v = i % NV;
-            VF x = acc[t][v];
-            if (o.b) x = vadd(x, vloadu(o.b + r0 + v * VLANES));
-            float* y = o.Y + (t0 + t) * o.ldy + r0 + v * VLANES;
-            vstore(y, o.accumulate ? vadd(vloadu(y), x) : x);
-        }
-        return;
-    }
-    float buf[NV * VLANES];
+// One vector of a tile's sums into Y at (row, col): + bias, + Y when accumulating. (By value: passing the tile's
+// accumulator array by reference made GCC keep it in memory on the AVX2 build, ~2x slower.)
+static inline __attribute__((always_inline)) void emit_vec(VF x, const OutSpec& o, int64_t row, int64_t col) {
+    if (o.b) x = vadd(x, vloadu(o.b + col));
+    float* y = o.Y + row * o.ldy + col;
+    vstore(y, o.accumulate ? vadd(vloadu(y), x) : x);
+}
+
+// The last panel of a matrix whose m is not a multiple of 16: the tile's sums `buf` [R][w] into the outputs that
+// exist, one by one.
+static inline void emit_tail(const float* buf, int64_t R, int64_t w, const OutSpec& o, int64_t t0, int64_t r0) {
     const int64_t cols = o.m - r0;
-    for (int t = 0; t < R; t++) {
-#pragma GCC unroll 8
-        for (int v = 0; v < NV; v++) vstore(buf + v * VLANES, acc[t][v]);
+    for (int64_t t = 0; t < R; t++) {
         float* y = o.Y + (t0 + t) * o.ldy + r0;
         for (int64_t j = 0; j < cols; j++) {
-            const float x = o.b ? buf[j] + o.b[r0 + j] : buf[j];
+            const float x = o.b ? buf[t * w + j] + o.b[r0 + j] : buf[t * w + j];
             y[j] = o.accumulate ? y[j] + x : x;
         }
     }
 }
+
+// Stores acc[R][NV] (a local array of the calling tile) at rows t0.., outputs r0..
+#define SD_EMIT(acc, R, NV, o, t0, r0)                                                          \
+    do {                                                                                       \
+        if ((r0) + (NV) * VLANES <= (o).m) {                                                   \
+            _Pragma("GCC unroll 32") for (int i_ = 0; i_ < (R) * (NV); i_++)                   \
+                emit_vec(acc[i_ / (NV)][i_ % (NV)], o, (t0) + i_ / (NV), (r0) + (i_ % (NV)) * VLANES); \
+        } else {                                                                               \
+            float buf_[(R) * (NV) * VLANES];                                                   \
+            _Pragma("GCC unroll 32") for (int i_ = 0; i_ < (R) * (NV); i_++)                   \
+                vstore(buf_ + i_ * VLANES, acc[i_ / (NV)][i_ % (NV)]);                         \
+            emit_tail(buf_, R, (NV) * VLANES, o, t0, r0);                                      \
+        }                                                                                      \
+    } while (0)
 
 // Y[t0 + t][r0 + 16p + j] (+)= sum_c X[t][c] * panel p's output j (+ b), for t < R, p < P: one chain per element
 // (see above).
@@ -303,7 +310,7 @@ static inline __attribute__((always_inline)) void tile_f32(const float* X, int64
             }
         }
     }
-    emit<R, P * VPP>(acc, o, t0, r0);
+    SD_EMIT(acc, R, P * VPP, o, t0, r0);
 }
 
 // Calls f(IC<R>, IC<p>) for 1 <= p <= panels_max(R, CV): the tile's shape as compile-time constants, so its
@@ -407,7 +414,7 @@ static inline __attribute__((always_inline)) void tile_bf16dp(const uint16_t* Xb
                 acc[t][p] = _mm512_dpbf16_ps(acc[t][p], x, (__m512bh)_mm512_loadu_si512(Wp + p * ps + pairs * (2 * PANEL)));
         }
     }
-    emit<R, P>(acc, o, t0, r0);
+    SD_EMIT(acc, R, P, o, t0, r0);
 }
 
 // X rows (fp32, stride ldx) -> bf16 rows of n (round to nearest even), rows split over the team; ends with the
