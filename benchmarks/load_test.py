@@ -1,25 +1,35 @@
-"""Load benchmark for a running ``specdec serve``: throughput and latency at several concurrency levels,
-with speculation and with plain target decoding, side by side on the same server.
+"""Load benchmark for ``specdec serve``: throughput and latency at several concurrency levels, for
+batched plain decoding, batched speculation (the policy, and fixed τ) and one-request-per-pass serving,
+side by side in one run.
 
-Plain decoding is the same server asked for ``"speculative": {"tau": 0}``, so both modes share the
-models, the scheduler and the HTTP path; they alternate in rounds so machine noise hits both alike.
+    python benchmarks/load_test.py --spawn --concurrency 1 4 16 32 --requests 32 --json load.json
+    python benchmarks/load_test.py --url http://127.0.0.1:8000 --modes plain spec   # a server you started
+
+``--spawn`` starts two servers on loopback with the same models (``--serve-args``): one with the default
+``--max-batch`` and one with ``--max-batch 1``; mode ``unbatched`` is the policy on the second, every
+other mode runs on the first (``plain`` asks for ``"speculative": {"tau": 0}``, ``spec`` for the policy,
+``tauN`` for fixed τ = N). Modes alternate within each concurrency level so machine noise hits all alike.
 Every request streams (``stream_options.include_usage``) so time to first token is measured too.
 
-    specdec serve --port 8000 &
-    python benchmarks/load_test.py --url http://127.0.0.1:8000 --concurrency 1 4 16 --requests 32
-
 Reports, per mode and concurrency: output tokens/s (all clients together), requests/s, p50/p95 request
-latency, p50 time to first token, and the speculative/plain throughput ratio. Greedy outputs of the two
-modes are compared (speculation is lossless, so they must match).
+latency, p50 time to first token, and each mode's throughput relative to batched plain. Greedy outputs are
+compared token for token (the server returns the ids with ``"speculative": {"return_steps": ...}``; here
+the text, which the ids determine) with a solo target-only run of the same prompt on the same server:
+speculation and batching are lossless, so every output must match.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import shlex
+import socket
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +37,13 @@ import httpx
 
 PROMPTS = [
     "def quicksort(items):\n",
+    "def binary_search(items, target):\n    lo, hi = 0, len(items)\n",
+    'class Stack:\n    """A last-in first-out container."""\n\n    def __init__(self):\n',
+    'import json\n\n\ndef load_config(path):\n    """Read a JSON config file."""\n',
+    "def fibonacci(n):\n",
+    "    def __repr__(self):\n        return ",
+    "try:\n    import numpy as np\nexcept ImportError:\n",
+    "def merge(left, right):\n    result = []\n",
     "import os\nimport sys\n\n\ndef main(argv):\n",
     "class LRUCache:\n    def __init__(self, capacity):\n",
     "def parse_args():\n    parser = argparse.ArgumentParser(",
@@ -106,7 +123,7 @@ async def one_request(client: httpx.AsyncClient, body: dict[str, Any]) -> Sample
 
 def request_body(args: argparse.Namespace, mode: str, i: int) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "prompt": PROMPTS[i % len(PROMPTS)],
+        "prompt": args.prompt_list[i % len(args.prompt_list)],
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "seed": i,
@@ -117,7 +134,9 @@ def request_body(args: argparse.Namespace, mode: str, i: int) -> dict[str, Any]:
         body["model"] = args.model
     if mode == "plain":
         body["speculative"] = {"tau": 0}
-    elif args.policy:
+    elif mode.startswith("tau"):
+        body["speculative"] = {"tau": int(mode[3:])}
+    elif args.policy:  # spec, unbatched
         body["speculative"] = {"policy": args.policy}
     return body
 
@@ -133,7 +152,7 @@ async def run_level(
             try:
                 sample = await one_request(client, request_body(args, mode, i))
                 result.samples.append(sample)
-                result.texts.setdefault(i % len(PROMPTS), set()).add(sample.text)
+                result.texts.setdefault(i % len(args.prompt_list), set()).add(sample.text)
             except (httpx.HTTPError, RuntimeError) as e:
                 result.errors.append(str(e))
 
@@ -142,34 +161,98 @@ async def run_level(
     result.wall += time.perf_counter() - t0
 
 
-async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def spawned_servers(args: argparse.Namespace) -> Iterator[dict[str, str]]:
+    """Two ``specdec serve`` processes on loopback: the batched one and ``--max-batch 1``."""
+    procs, urls = [], {}
+    try:
+        for name, extra in (("batched", []), ("unbatched", ["--max-batch", "1"])):
+            port = _free_port()
+            cmd = [sys.executable, "-m", "specdec.cli", "serve", "--port", str(port), "--log-level", "warning"]
+            cmd += shlex.split(args.serve_args) + extra
+            procs.append(subprocess.Popen(cmd))
+            urls[name] = f"http://127.0.0.1:{port}"
+        for url, proc in zip(urls.values(), procs):
+            deadline = time.monotonic() + 300
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server for {url} exited with {proc.returncode}")
+                try:
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the server for {url} did not start within 300 s")
+                time.sleep(0.5)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+async def main_async(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=max(args.concurrency) + 4)
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout, limits=limits) as client:
-        health = (await client.get("/health")).json()
-        models = (await client.get("/v1/models")).json()
+    clients = {
+        name: httpx.AsyncClient(base_url=url, headers=headers, timeout=args.timeout, limits=limits)
+        for name, url in urls.items()
+    }
+    try:
+        main = clients["batched"]
+
+        def client_for(mode: str) -> httpx.AsyncClient:
+            return clients["unbatched"] if mode == "unbatched" else main
+
+        health = {name: (await c.get("/health")).json() for name, c in clients.items()}
+        models = (await main.get("/v1/models")).json()
         for mode in args.modes:  # warm-up: first requests pay one-off costs
-            await one_request(client, {**request_body(args, mode, 0), "max_tokens": 8})
+            await one_request(client_for(mode), {**request_body(args, mode, 0), "max_tokens": 8})
+        # The reference: each prompt alone, target-only, greedy.
+        solo: dict[int, str] = {}
+        if args.temperature == 0:
+            for k in range(len(args.prompt_list)):
+                solo[k] = (await one_request(main, request_body(args, "plain", k))).text
         results = {(m, c): Result(m, c) for c in args.concurrency for m in args.modes}
         for concurrency in args.concurrency:
             for _ in range(args.rounds):
                 for mode in args.modes:
-                    await run_level(client, args, mode, concurrency, results[(mode, concurrency)])
-                    print(f"  {mode:>5} x{concurrency:<3} done", file=sys.stderr, flush=True)
+                    await run_level(client_for(mode), args, mode, concurrency, results[(mode, concurrency)])
+                    print(f"  {mode:>9} x{concurrency:<3} done", file=sys.stderr, flush=True)
+    finally:
+        for c in clients.values():
+            await c.aclose()
     rows = [r.summary() for r in results.values()]
-    identical = None
-    if args.temperature == 0:  # greedy: every request with the same prompt, in either mode, must match
-        outputs: dict[int, set[str]] = {}
+    identity = None
+    if solo:  # greedy: every output of every mode and load must equal the solo target-only output
+        checked = differ = 0
         for r in results.values():
-            for k, v in r.texts.items():
-                outputs.setdefault(k, set()).update(v)
-        identical = sum(len(v) == 1 for v in outputs.values()), len(outputs)
+            for k, texts in r.texts.items():
+                checked += 1
+                differ += any(t != solo[k] for t in texts)
+            r_id = sum(1 for k, texts in r.texts.items() if all(t == solo[k] for t in texts))
+            next(row for row in rows if row["mode"] == r.mode and row["concurrency"] == r.concurrency)[
+                "identical_prompts"
+            ] = f"{r_id}/{len(r.texts)}"
+        identity = {"prompt_mode_levels": checked, "differing": differ}
     return {
         "server": health,
         "model": models["data"][0],
-        "settings": vars(args),
+        "settings": {k: v for k, v in vars(args).items() if k != "prompt_list"},
+        "prompts": args.prompt_list,
         "rows": rows,
-        "greedy_identical": identical,
+        "greedy_identity": identity,
     }
 
 
@@ -177,57 +260,87 @@ def render(report: dict[str, Any]) -> str:
     rows = report["rows"]
     by = {(r["mode"], r["concurrency"]): r for r in rows}
     lines = [
-        "| mode | clients | requests | errors | output tok/s | req/s | p50 latency s | p95 latency s | p50 TTFT s |"
-        " spec/plain tok/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | clients | requests | errors | output tok/s | vs plain | req/s | p50 latency s | p95 latency s |"
+        " p50 TTFT s | identical to solo |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ratio = ""
         plain = by.get(("plain", r["concurrency"]))
-        if r["mode"] == "spec" and plain and plain["tokens_per_s"]:
-            ratio = f"{r['tokens_per_s'] / plain['tokens_per_s']:.2f}×"
+        ratio = f"{r['tokens_per_s'] / plain['tokens_per_s']:.2f}×" if plain and plain["tokens_per_s"] else ""
         lines.append(
             f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {r['tokens_per_s']:.1f} | "
-            f"{r['requests_per_s']:.2f} | {r['p50_latency_s']:.3f} | {r['p95_latency_s']:.3f} | "
-            f"{r['p50_ttft_s']:.3f} | {ratio} |"
+            f"{ratio} | {r['requests_per_s']:.2f} | {r['p50_latency_s']:.3f} | {r['p95_latency_s']:.3f} | "
+            f"{r['p50_ttft_s']:.3f} | {r.get('identical_prompts', '')} |"
         )
-    same = report["greedy_identical"]
+    same = report["greedy_identity"]
     if same is not None:
         lines.append(
-            f"\nPrompts whose greedy outputs were identical in every request of both modes: {same[0]}/{same[1]}."
+            f"\nGreedy outputs differing from the solo target-only run: {same['differing']} of "
+            f"{same['prompt_mode_levels']} (prompt, mode, level) groups."
         )
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="a running batched server (without --spawn)")
+    p.add_argument("--unbatched-url", default=None, help="a running --max-batch 1 server, for mode 'unbatched'")
+    p.add_argument("--spawn", action="store_true", help="start both servers here (loopback) and stop them after")
+    p.add_argument("--serve-args", default="", help="extra 'specdec serve' arguments for --spawn (models, ...)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="model id to send (default: none, the server's)")
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
     p.add_argument("--requests", type=int, default=32, help="requests per mode, concurrency level and round")
     p.add_argument("--rounds", type=int, default=1, help="alternations of the modes at each level")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--policy", default=None, help="policy for the speculative mode (default: the server's)")
-    p.add_argument("--modes", nargs="+", default=["spec", "plain"], choices=["spec", "plain"])
+    p.add_argument("--policy", default="adaptive", help="policy of modes spec and unbatched (default: adaptive)")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["plain", "spec", "unbatched", "tau1", "tau2", "tau3", "tau4"],
+        help="plain, spec, unbatched, tauN (fixed τ = N on the batched server)",
+    )
+    p.add_argument("--prompts", default=None, metavar="FILE", help="prompts, one JSON string per line (JSONL)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", default=None, metavar="FILE", help="also write the full report as JSON")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for mode in args.modes:
+        if mode not in ("plain", "spec", "unbatched") and not (mode.startswith("tau") and mode[3:].isdigit()):
+            p.error(f"unknown mode {mode!r}: plain, spec, unbatched or tauN")
+    if "unbatched" in args.modes and not (args.spawn or args.unbatched_url):
+        p.error("mode 'unbatched' needs --spawn or --unbatched-url")
+    args.prompt_list = PROMPTS
+    if args.prompts:
+        with open(args.prompts) as f:
+            args.prompt_list = [json.loads(line) for line in f if line.strip()]
+        if not args.prompt_list or not all(isinstance(x, str) and x for x in args.prompt_list):
+            p.error(f"{args.prompts}: expected one non-empty JSON string per line")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        report = asyncio.run(main_async(args))
+        if args.spawn:
+            with spawned_servers(args) as urls:
+                report = asyncio.run(main_async(args, urls))
+        else:
+            urls = {"batched": args.url, **({"unbatched": args.unbatched_url} if args.unbatched_url else {})}
+            report = asyncio.run(main_async(args, urls))
     except httpx.ConnectError as e:
-        print(f"load_test: error: cannot reach a server at {args.url}: {e}", file=sys.stderr)
+        print(f"load_test: error: cannot reach a server: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"load_test: error: {e}", file=sys.stderr)
         return 2
     print(render(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-    return 1 if any(r["errors"] for r in report["rows"]) else 0
+    failed = any(r["errors"] for r in report["rows"])
+    differ = report["greedy_identity"] is not None and report["greedy_identity"]["differing"] > 0
+    return 1 if failed or differ else 0
 
 
 if __name__ == "__main__":

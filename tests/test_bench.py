@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from specdec.bench import DEFAULT_PROMPTS, BenchConfig, Prompt, load_prompts, parse_taus, run_bench
-from specdec.bench_contenders import Contender, EngineContender, RunResult
-from specdec.bench_stats import compare_outputs, first_difference, ideal_speedup
+from specdec.bench.contenders import Contender, EngineContender, RunResult
+from specdec.bench.prompts import DEFAULT_PROMPTS, Prompt, load_prompts, parse_taus
+from specdec.bench.run import BenchConfig, run_bench
+from specdec.bench.stats import compare_outputs, first_difference, ideal_speedup
 from specdec.cli import main
 from specdec.commands.bench import load_models
 from specdec.commands.common import ModelSettings

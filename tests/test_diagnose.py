@@ -58,7 +58,7 @@ def test_n_accepted_disagreeing_with_the_flags_is_flagged(tmp_path: Path) -> Non
 
     _rewrite(path, edit)
     d = diagnose(path)
-    if d.trace.requests[3].steps[7]["tau"] == 0:
+    if d.trace.requests[3].steps[7].tau == 0:
         pytest.skip("step drew τ = 0")
     assert d.top is not None and d.top.code == "inconsistent_trace"
     assert "request req3 step 7" in " ".join(d.top.evidence)

@@ -1,38 +1,48 @@
-"""The draft-model drafter: rollback to the shared prefix, and the greedy fast path."""
+"""The draft-model drafter: state by position, the greedy fast path, draft rules, lockstep over many sequences."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
 import torch
 
-from specdec.drafters.base import ReachRule
-from specdec.drafters.model import ModelDrafter, _common_prefix
+from specdec.drafters.base import Draft, DraftAsk
+from specdec.drafters.model import ModelDrafter
+from specdec.policy.base import DraftRule, MinConfidence, ReachRule
 from specdec.runtime import load_runner
 from specdec.sampling import SamplingParams
 
 
-def test_common_prefix_matches_a_plain_scan() -> None:
-    rng = random.Random(0)  # deterministic
-    for _ in range(3000):
-        a = [rng.randint(0, 3) for _ in range(rng.randint(0, 30))]
-        b = [rng.randint(0, 3) for _ in range(rng.randint(0, 30))]
-        if rng.random() < 0.5:
-            b = a[: rng.randint(0, len(a))] + b
-        k = 0
-        while k < min(len(a), len(b)) and a[k] == b[k]:
-            k += 1
-        assert _common_prefix(a, b) == k, (a, b)
-
-
-def test_greedy_draft_is_the_argmax_chain_with_its_distributions(tiny_models: dict[str, Path]) -> None:
+def _drafter(tiny_models: dict[str, Path]) -> ModelDrafter:
     runner = load_runner(tiny_models["draft"], device=torch.device("cpu"), dtype="float32")
-    drafter = ModelDrafter(runner, runner.vocab_size)
+    return ModelDrafter(runner, runner.vocab_size)
+
+
+def _ask(
+    drafter: ModelDrafter,
+    context: list[int],
+    tau: int,
+    params: SamplingParams | None = None,
+    seed: int = 0,
+    rule: DraftRule | None = None,
+    state: object = None,
+) -> DraftAsk:
+    if state is None:
+        state = drafter.new_state()
+        drafter.prefill(state, context)
+    return DraftAsk(state, context, tau, params or SamplingParams(), torch.Generator().manual_seed(seed), rule)
+
+
+def _one(drafter: ModelDrafter, ask: DraftAsk) -> Draft:
+    return drafter.propose([ask])[0]
+
+
+def test_greedy_draft_is_the_argmax_chain_with_its_probabilities(tiny_models: dict[str, Path]) -> None:
+    drafter = _drafter(tiny_models)
+    runner = drafter.runner
     context = list(range(3, 23))
-    gen = torch.Generator().manual_seed(0)
-    draft = drafter.propose(drafter.new_state(), context, 5, SamplingParams(), gen)
+    draft = _one(drafter, _ask(drafter, context, 5))
     # Reference: feed the context, then take the argmax five times.
     cache = runner.new_cache()
     logits = runner.forward(torch.tensor(context), cache, last_only=True)[-1]
@@ -41,53 +51,79 @@ def test_greedy_draft_is_the_argmax_chain_with_its_distributions(tiny_models: di
         tops.append(float(torch.softmax(logits, -1).max()))
         want.append(int(logits.argmax()))
         logits = runner.forward(torch.tensor([want[-1]]), cache, last_only=True)[-1]
-    assert draft.tokens.tolist() == want and draft.probs is None  # greedy verification never reads q
-    assert draft.confidence == pytest.approx(tops, rel=1e-5)
+    assert draft.tokens == want and draft.probs is None  # greedy verification never reads q
+    assert draft.tops == pytest.approx(tops, rel=1e-5)
+    assert draft.token_probs == draft.tops  # greedy: the token drawn is the top one
     # A confidence threshold between the 3rd and the others' top probabilities stops right before it.
     cut = tops[2] + 1e-4
     if all(t > cut for t in tops[:2]):
-        stopped = drafter.propose(drafter.new_state(), context, 5, SamplingParams(), gen, min_confidence=cut)
-        assert stopped.tokens.tolist() == want[:2]
-    none = drafter.propose(drafter.new_state(), context, 5, SamplingParams(), gen, min_confidence=1.01)
-    assert none.tokens.numel() == 0
-    # Drafting again after two verified tokens reuses the cache: same as a fresh drafter.
-    state = drafter.new_state()
-    drafter.propose(state, context, 5, SamplingParams(), gen)
-    longer = context + want[:2]
-    again = drafter.propose(state, longer, 3, SamplingParams(), gen)
-    fresh = drafter.propose(drafter.new_state(), longer, 3, SamplingParams(), gen)
-    assert again.tokens.tolist() == fresh.tokens.tolist()
+        stopped = _one(drafter, _ask(drafter, context, 5, rule=MinConfidence(cut)))
+        assert stopped.tokens == want[:2]
+    assert _one(drafter, _ask(drafter, context, 5, rule=MinConfidence(1.01))).tokens == []
+
+
+def test_rollback_by_position_equals_a_fresh_drafter(tiny_models: dict[str, Path]) -> None:
+    drafter = _drafter(tiny_models)
+    context = list(range(3, 23))
+    first = _ask(drafter, context, 5)
+    draft = _one(drafter, first)
+    # Two drafts accepted and a correction: the drafter keeps the context and the two accepted tokens.
+    drafter.rollback(first.state, len(context) + 2)
+    assert first.state.cache.length == len(context) + 2
+    longer = context + draft.tokens[:2] + [7]
+    again = _one(drafter, _ask(drafter, longer, 3, state=first.state))
+    fresh = _one(drafter, _ask(drafter, longer, 3))
+    assert again.tokens == fresh.tokens
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_lockstep_over_many_sequences_equals_each_alone(tiny_models: dict[str, Path], temperature: float) -> None:
+    """Ragged contexts and τ (0 included), each sequence with its own generator: the batched drafts are
+    the solo drafts token for token (the CPU kernel's rows do not depend on each other)."""
+    drafter = _drafter(tiny_models)
+    params = SamplingParams(temperature=temperature)
+    contexts = [list(range(3, 23)), [5, 9, 11], list(range(40, 90)), [17] * 7]
+    taus = [5, 0, 3, 7]
+    alone = [_one(drafter, _ask(drafter, c, t, params, seed=i)) for i, (c, t) in enumerate(zip(contexts, taus))]
+    together = drafter.propose([_ask(drafter, c, t, params, seed=i) for i, (c, t) in enumerate(zip(contexts, taus))])
+    for a, b, tau in zip(alone, together, taus):
+        assert a.tokens == b.tokens and len(b.tokens) == tau
+        assert a.token_probs == b.token_probs
+        if temperature > 0 and tau:
+            assert b.probs is not None and torch.equal(a.probs, b.probs)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_reach_rule_stops_after_the_token_that_drops_the_survival_chance(
     tiny_models: dict[str, Path], temperature: float
 ) -> None:
-    runner = load_runner(tiny_models["draft"], device=torch.device("cpu"), dtype="float32")
-    drafter = ModelDrafter(runner, runner.vocab_size)
+    drafter = _drafter(tiny_models)
+    runner = drafter.runner
     context = list(range(3, 23))
     params = SamplingParams(temperature=temperature)
-    full = drafter.propose(drafter.new_state(), context, 6, params, torch.Generator().manual_seed(1))
+    full = _one(drafter, _ask(drafter, context, 6, params, seed=1))
+    ask = _ask(drafter, context, 6, params, seed=1, rule=ReachRule((0.6,) * 10, (0.3,)))
     calls = []
-    forward = runner.forward
-    runner.forward = lambda *a, **k: (calls.append(1), forward(*a, **k))[1]  # type: ignore[method-assign]
+    forward_batch = runner.forward_batch
+    runner.forward_batch = lambda *a, **k: (calls.append(1), forward_batch(*a, **k))[1]  # type: ignore[method-assign]
     # Every token is judged 0.6 likely to pass: 0.6, 0.36, 0.216 -> the third takes it below 0.3.
-    rule = ReachRule((0.6,) * 10, (0.3,))
-    short = drafter.propose(drafter.new_state(), context, 6, params, torch.Generator().manual_seed(1), reach_rule=rule)
-    assert short.tokens.tolist() == full.tokens.tolist()[:3]  # the token that crossed is kept
-    assert len(short.confidence) == 3 and (short.probs is None) == (temperature == 0.0)
+    short = _one(drafter, ask)
+    assert short.tokens == full.tokens[:3]  # the token that crossed is kept
+    assert len(short.tops) == 3 and (short.probs is None) == (temperature == 0.0)
     assert len(calls) == 3  # the context, then two draft forwards: the fourth token's forward never ran
-    sure = ReachRule((1.0,) * 10, (0.3,))
-    kept = drafter.propose(drafter.new_state(), context, 6, params, torch.Generator().manual_seed(1), reach_rule=sure)
-    assert kept.tokens.tolist() == full.tokens.tolist()
+    sure = _ask(drafter, context, 6, params, seed=1, rule=ReachRule((1.0,) * 10, (0.3,)))
+    assert _one(drafter, sure).tokens == full.tokens
 
 
-def test_reach_rule_reads_the_confidence_by_tenths() -> None:
+def test_reach_rule_reads_the_probability_by_tenths() -> None:
     rule = ReachRule(tuple(b / 10 for b in range(10)), (0.05, 0.5))
     assert rule.reach(1.0, 0.95) == pytest.approx(0.9)
     assert rule.reach(0.5, 1.0) == pytest.approx(0.45)  # p = 1.0 falls in the top tenth
     assert rule.reach(1.0, 0.0) == 0.0
-    assert rule.go_on(0.3, 1) and not rule.go_on(0.3, 2) and not rule.go_on(0.3, 9)  # the last threshold serves deeper
+    # reach 0.3 after one token (0.3 >= 0.05): go on; after two (0.3·0.3 < 0.5): stop; deeper: the last threshold.
+    assert rule.go_on([0.35], [0.35])
+    assert not rule.go_on([0.35, 0.95], [0.35, 0.95])
+    assert not rule.go_on([0.95] * 9, [0.95] * 9)
     with pytest.raises(ValueError, match="at least one"):
         ReachRule((0.5,) * 10, ())
     with pytest.raises(ValueError, match="10 entries"):

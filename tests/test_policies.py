@@ -14,7 +14,9 @@ from specdec.policy import (
     FleetBudget,
     FleetBudgetPolicy,
     HeuristicPolicy,
+    MinConfidence,
     Policy,
+    ReachRule,
     StepContext,
     make_policy,
     split_policy_specs,
@@ -38,7 +40,6 @@ def ctx_for(
         max_verify_passes=cap,
         max_tau=max(0, max_new - new - 1),
         elapsed=0.0,
-        can_draft=True,
     )
 
 
@@ -64,16 +65,24 @@ def record_for(rid: str, step: int, tau: int, n_acc: int, probs: list[float] | N
 
 
 def drive(policy: Policy, accept: Callable[[int, int], int], steps: int, rid: str = "r", **ctx_kw: int) -> list[int]:
-    """Run ``steps`` engine-like steps; ``accept(step, tau) -> n̂`` scripts the draft. Returns the τ chosen."""
+    """Run ``steps`` engine-like steps; ``accept(step, tau) -> n̂`` scripts the draft. Returns the τ drafted.
+
+    As the engine does: the policy's allowance narrows the cap, which ends the request; τ is clamped."""
     taus, new, passes = [], 0, 0
     policy.begin(ctx_for(rid, 0, 0, 0, **ctx_kw))
+    allowance = policy.allowance(rid)
+    if allowance is not None:
+        cap = ctx_kw.get("cap")
+        ctx_kw = {**ctx_kw, "cap": allowance if cap is None else min(cap, allowance)}
     for step in range(steps):
-        d = policy.next_tau(ctx_for(rid, step, new, passes, **ctx_kw))
-        if d.stop:
+        ctx = ctx_for(rid, step, new, passes, **ctx_kw)
+        if ctx.max_verify_passes is not None and passes >= ctx.max_verify_passes:
             break
-        n_acc = accept(step, d.tau) if d.tau else 0
-        policy.observe(record_for(rid, step, d.tau, n_acc))
-        taus.append(d.tau)
+        d = policy.next_tau(ctx)
+        tau = max(0, min(d.tau, ctx.max_tau))
+        n_acc = accept(step, tau) if tau else 0
+        policy.observe(record_for(rid, step, tau, n_acc))
+        taus.append(tau)
         new, passes = new + n_acc + 1, passes + 1
     policy.end(rid, GenerationStats(new_tokens=new, target_passes=passes, latency=0.1))
     return taus
@@ -144,13 +153,13 @@ def test_heuristic_count_persists_across_requests_unless_transient() -> None:
     assert drive(q, lambda s, t: 0, 1, rid="b") == [5]
 
 
-def test_heuristic_is_clamped_by_the_engine_room() -> None:
-    assert HeuristicPolicy(start=9).next_tau(ctx_for("r", 0, 0, 0, max_new=4)).tau == 3
+def test_heuristic_asks_its_count_and_leaves_the_clamp_to_the_engine() -> None:
+    assert HeuristicPolicy(start=9).next_tau(ctx_for("r", 0, 0, 0, max_new=4)).tau == 9
 
 
 def test_confidence_asks_the_drafter_to_stop_early() -> None:
     d = ConfidencePolicy(tau=6, threshold=0.3).next_tau(ctx_for("r", 0, 0, 0))
-    assert (d.tau, d.min_confidence) == (6, 0.3)
+    assert (d.tau, d.rule) == (6, MinConfidence(0.3))
 
 
 # -- adaptive: fallback, recovery, goodput -----------------------------------------------------
@@ -205,22 +214,22 @@ def _calibrated(policy: AdaptivePolicy, steps: int = 40) -> None:
 
 def test_adaptive_hands_the_drafter_a_calibrated_stop_rule() -> None:
     p = AdaptivePolicy()
-    assert p.next_tau(ctx_for("cold", 0, 0, 0)).reach_rule is None  # nothing calibrated yet: no stop rule
+    assert p.next_tau(ctx_for("cold", 0, 0, 0)).rule is None  # nothing calibrated yet: no stop rule
     _calibrated(p)
     d = p.next_tau(ctx_for("r", 0, 0, 0))
-    rule = d.reach_rule
-    assert rule is not None and "P(all pass) >=" in d.reason, d.reason
+    rule = d.rule
+    assert isinstance(rule, ReachRule) and "P(all pass) >=" in d.reason, d.reason
     table = rule.accept_by_tenth
     assert table[9] > 0.8 and table[1] < 0.3, table  # what it was taught, through the prior
     # Confident tokens keep the draft going; one doubtful token ends it after itself.
-    reach, kept = 1.0, 0
+    kept: list[float] = []
     for conf in [0.95] * 3 + [0.12] + [0.95] * 20:
-        reach = rule.reach(reach, conf)
-        kept += 1
-        if not rule.go_on(reach, kept):
+        kept.append(conf)
+        if not rule.go_on(kept, kept):
             break
+    kept = len(kept)  # type: ignore[assignment]
     assert kept == 4, (kept, rule.min_reach)
-    assert AdaptivePolicy(early_stop=False).next_tau(ctx_for("r", 0, 0, 0)).reach_rule is None
+    assert AdaptivePolicy(early_stop=False).next_tau(ctx_for("r", 0, 0, 0)).rule is None
 
 
 def test_adaptive_stop_rule_threshold_follows_the_cost_of_a_draft_token() -> None:
@@ -230,9 +239,9 @@ def test_adaptive_stop_rule_threshold_follows_the_cost_of_a_draft_token() -> Non
         _calibrated(p)
         for _ in range(20):
             p.costs.observe(4, 4, draft_s * 4, VERIFY_S + 4 * VERIFY_EXTRA_S, 0.0)
-    r_cheap = cheap.next_tau(ctx_for("r", 0, 0, 0)).reach_rule
-    r_dear = dear.next_tau(ctx_for("r", 0, 0, 0)).reach_rule
-    assert r_cheap is not None and r_dear is not None
+    r_cheap = cheap.next_tau(ctx_for("r", 0, 0, 0)).rule
+    r_dear = dear.next_tau(ctx_for("r", 0, 0, 0)).rule
+    assert isinstance(r_cheap, ReachRule) and isinstance(r_dear, ReachRule)
     assert r_dear.min_reach[0] > 2 * r_cheap.min_reach[0], (r_cheap.min_reach, r_dear.min_reach)
 
 
@@ -257,15 +266,15 @@ def test_adaptive_turns_the_stop_rule_off_when_it_measures_slower() -> None:
     arms = []
     for step in range(400):
         d = p.next_tau(ctx_for("r", step, 3 * step, step))
-        arms.append(d.reach_rule is not None)
-        n_acc = min(d.tau, 1 if d.reach_rule is not None else 4)
+        arms.append(d.rule is not None)
+        n_acc = min(d.tau, 1 if d.rule is not None else 4)
         p.observe(record_for("r", step, d.tau, n_acc, probs=[0.9] * d.tau))
     assert sum(arms[:40]) >= 15  # both arms measured at first
     assert sum(arms[-200:]) <= 200 / 8 + 1, sum(arms[-200:])  # then the rule only on check steps
     assert sum(arms[-200:]) >= 200 / 32 - 1  # ... which never stop
     assert not p.arms.prefer_rule()
     d = p.next_tau(ctx_for("r", 1, 3, 1))
-    assert d.reach_rule is None and "stop rule off (measured slower)" in d.reason, d.reason
+    assert d.rule is None and "stop rule off (measured slower)" in d.reason, d.reason
 
 
 def test_arm_comparison_prefers_the_rule_until_it_is_measured_slower() -> None:

@@ -62,25 +62,34 @@ def test_fleet_budget_holds_in_the_writing_assistant_scenario() -> None:
 
 
 def _write_trace(path: Path) -> list[tuple[int, int]]:
+    """A greedy request's trace, written as the engine writes one: (τ, n̂) per step."""
+    from specdec.records import GenerationStats, RequestSummary, StepRecord, correction_kind
+    from specdec.trace import JsonlTrace
+
     steps = [(4, 4), (4, 1), (4, 0), (4, 3), (4, 2), (4, 4)]
-    with path.open("w") as f:
+    stats = GenerationStats(prompt_tokens=50)
+    with JsonlTrace(path) as trace:
         for i, (tau, n) in enumerate(steps):
-            emitted = [0] * (n + 1)
-            f.write(
-                json.dumps(
-                    {
-                        "type": "step",
-                        "request_id": "a",
-                        "step": i,
-                        "prompt_len": 50,
-                        "tau": tau,
-                        "n_accepted": n,
-                        "emitted": emitted,
-                    }
-                )
-                + "\n"
+            record = StepRecord(
+                request_id="a",
+                step=i,
+                prompt_len=50,
+                context_len=50 + stats.new_tokens,
+                policy="fixed",
+                reason="fixed",
+                tau=tau,
+                draft_tokens=[7] * tau,
+                accept_flags=[k < n for k in range(tau)],
+                n_accepted=n,
+                correction=correction_kind(tau, n),
+                emitted=[0] * (n + 1),
+                draft_time=0.001,
+                verify_time=0.004,
+                other_time=0.0001,
             )
-        f.write(json.dumps({"type": "request", "request_id": "a", "new_tokens": 20}) + "\n")
+            stats.add(record)
+            trace.on_step(record)
+        trace.on_request(RequestSummary("a", "fixed", 50, stats))
     return steps
 
 
@@ -165,8 +174,7 @@ def test_goal_check_reports_every_goal_with_figures() -> None:
 
 
 def test_a_reach_rule_in_the_runner_keeps_the_token_it_stops_at_and_charges_its_forwards() -> None:
-    from specdec.drafters.base import ReachRule
-    from specdec.policy import Decision, Policy, StepContext
+    from specdec.policy import Decision, Policy, ReachRule, StepContext
     from specdec.records import StepRecord
 
     class OneThenStop(Policy):
@@ -175,7 +183,7 @@ def test_a_reach_rule_in_the_runner_keeps_the_token_it_stops_at_and_charges_its_
 
         def next_tau(self, ctx: StepContext) -> Decision:
             # every drafted token is judged certain to fail: the first takes the chance to 0, drafting stops
-            return Decision(min(8, ctx.max_tau), "t", reach_rule=ReachRule((0.0,) * 10, (0.5,)))
+            return Decision(8, "t", ReachRule((0.0,) * 10, (0.5,)))
 
         def observe(self, record: StepRecord) -> None:
             self.records.append(record)

@@ -101,7 +101,7 @@ def test_concurrent_writers_produce_whole_lines(tmp_path: Path) -> None:
     parsed = read_trace(path)
     assert not parsed.bad_lines
     assert sorted(len(r.steps) for r in parsed.requests) == [300] * 4
-    assert all([s["step"] for s in r.steps] == list(range(300)) for r in parsed.requests)
+    assert all([s.step for s in r.steps] == list(range(300)) for r in parsed.requests)
 
 
 def test_reader_tolerates_a_torn_last_line_and_splits_reused_ids(tmp_path: Path) -> None:
@@ -117,8 +117,27 @@ def test_reader_tolerates_a_torn_last_line_and_splits_reused_ids(tmp_path: Path)
     trace = read_trace(path)
     assert len(trace.headers) == 2
     assert [len(r.steps) for r in trace.requests] == [1, 1]
-    assert "prompt_ids" in trace.requests[0].summary and "prompt_ids" not in trace.requests[1].summary
+    first, second = (r.summary for r in trace.requests)
+    assert first is not None and first.prompt_ids is not None
+    assert second is not None and second.prompt_ids is None
     assert len(trace.bad_lines) == 1 and "line 7" in trace.bad_lines[0]
+
+
+def test_reader_gives_records_and_reports_lines_it_cannot_build(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    with JsonlTrace(path) as t:
+        t.on_step(_record("x", 0))
+        t.on_step(_record("x", 1, tau=0, n=0))
+        t.on_request(_summary("x", steps=2))
+    line = {k: v for k, v in _record("y", 0).to_json().items() if k != "reason"}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")  # a step line without a field that has no default
+        f.write(json.dumps({"type": "request", "v": 1, "request_id": "y", "policy": "fixed"}) + "\n")
+    trace = read_trace(path)
+    (req,) = trace.requests
+    assert req.steps == [_record("x", 0), _record("x", 1, tau=0, n=0)] and req.summary == _summary("x", steps=2)
+    assert len(req.written) == 2 and all(ts > 0 for ts in req.written)
+    assert trace.bad_lines == ["line 5: step line without reason", "line 6: request line without prompt_len"]
 
 
 def test_reader_rejects_other_schema_versions_and_missing_files(tmp_path: Path) -> None:
@@ -153,4 +172,4 @@ def test_generate_cli_writes_a_trace(tiny_models: dict[str, Path], tmp_path: Pat
     )
     assert rc == 0
     (req,) = read_trace(path).requests
-    assert req.summary is not None and sum(len(s["emitted"]) for s in req.steps) == req.summary["new_tokens"]
+    assert req.summary is not None and sum(len(s.emitted) for s in req.steps) == req.summary.stats.new_tokens

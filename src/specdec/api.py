@@ -12,7 +12,7 @@ from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.engine import Engine, Observer
 from specdec.errors import InvalidRequestError, ModelLoadError, UnsupportedError, VocabMismatchError
-from specdec.policy import Policy, make_policy
+from specdec.policy import Policy, make_policy, request_policy
 from specdec.runtime import load_runner, resolve_device, resolve_dtype
 from specdec.runtime.base import ModelRunner
 from specdec.runtime.hf import HFRunner, check_checkpoint_dir
@@ -71,8 +71,8 @@ def load(
     dtype: str | torch.dtype | None = "auto",
     draft_dtype: str | torch.dtype | None = None,
     runtime: str = "auto",
-    policy: str | Policy = "fixed",
-    tau: int = 4,
+    policy: str | Policy | None = None,
+    tau: int | None = None,
     observers: list[Observer] | None = None,
     trace: str | Path | None = None,
     trust_remote_code: bool = False,
@@ -82,7 +82,8 @@ def load(
 
     ``target``/``draft``: checkpoint directories, or loaded ``transformers`` models (then pass
     ``tokenizer``). With no target, the shipped default pair is used (its draft included, unless
-    ``prompt_lookup``). ``policy``/``tau``: the default for requests that do not choose their own.
+    ``prompt_lookup``). ``policy``/``tau``: the default for requests that do not choose their own (a policy
+    spec such as ``adaptive:max_tau=8``; ``tau=N`` is ``fixed:tau=N``; default: ``fixed``, τ = 4).
     ``trace``: append a JSONL trace of every step and request to this file (see docs/trace.md).
     ``compile``: ``torch.compile`` each native-runtime model's step, one graph per block size (slow to
     start; see docs/runtime.md for when it pays). Checkpoints on the ``transformers`` runtime refuse it.
@@ -120,11 +121,12 @@ def load(
     elif prompt_lookup:
         drafter = PromptLookupDrafter(target_runner.vocab_size, target_runner.device)
 
-    chosen = (
-        policy
-        if isinstance(policy, Policy)
-        else (make_policy("fixed", tau=tau if drafter else 0) if policy == "fixed" else make_policy(policy))
-    )
+    if isinstance(policy, Policy):
+        if tau is not None:
+            raise InvalidRequestError(f"tau={tau} cannot be combined with a policy object", "tau")
+        chosen = policy
+    else:
+        chosen = make_policy(request_policy(policy, tau) or "fixed")
     observers = list(observers or [])
     if trace is not None:
         from specdec.trace import JsonlTrace

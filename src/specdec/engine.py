@@ -1,28 +1,30 @@
-"""The speculative decoding loop: draft, verify once, commit, observe.
+"""The speculative decoding step, for one request or many: draft, verify once, commit, observe.
 
-``Engine.start`` returns a ``Generation``: one request's state (its caches, its generator),
-advanced one step at a time by ``Generation.step()``, so a server can interleave requests.
-``generate`` and ``stream`` are thin loops over it.
+``Engine.start`` validates and prefills a request and returns its ``Generation`` (its caches, its
+generator, its stops). ``Engine.step(generations)`` advances any number of them by one step that they
+share: the drafter drafts for all of them in lockstep, the target runs **one** pass over every
+sequence's block, and each is verified with its own settings and generator. One request alone is the
+same step with one sequence (``Generation.step``); ``generate`` and ``stream`` are loops over it.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import Draft, DraftAsk, Drafter
 from specdec.errors import ContextLengthError, InvalidRequestError
-from specdec.policy import FixedPolicy, Policy, StepContext, make_policy
+from specdec.policy import Decision, Policy, StepContext, make_policy, request_policy
 from specdec.records import FinishReason, GenerationStats, RequestSummary, StepRecord
 from specdec.runtime.base import ModelRunner
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.text import StopMatcher, TextDecoder
-from specdec.verify import verify_greedy, verify_sampling
+from specdec.verify import Verdict, verify_greedy, verify_sampling
 
 
 class Observer(Protocol):
@@ -73,13 +75,15 @@ class Engine:
         policy: Policy | None = None,
         observers: Sequence[Observer] = (),
         max_context: int | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter
-        self.policy = policy or FixedPolicy(4 if drafter else 0)
+        self.policy = policy or make_policy("fixed")
         self.observers: list[Observer] = list(observers)
         self.max_context = max_context or target.max_context
+        self.clock = clock
         self._named_policies: dict[str, Policy] = {self.policy.name: self.policy}
         self.eos_ids = _eos_ids(tokenizer, target)
 
@@ -100,7 +104,10 @@ class Engine:
         max_verify_passes: int | None = None,
         request_id: str | None = None,
     ) -> Generation:
-        """Validate a request and prefill it; advance it with ``Generation.step()``."""
+        """Validate a request and prefill it; advance it with ``Generation.step()`` or ``Engine.step``.
+
+        ``tau=N`` is the fixed policy ``fixed:tau=N`` (an error with any other ``policy``).
+        """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise InvalidRequestError(
@@ -120,7 +127,15 @@ class Engine:
                 f"window of {self.max_context} tokens",
                 "max_new_tokens" if len(prompt_ids) < self.max_context else "prompt",
             )
-        chosen = self._resolve_policy(tau, policy)
+        if tau is not None and tau and self.drafter is None:
+            raise InvalidRequestError(f"tau={tau} needs a drafter: load a draft model or enable prompt lookup", "tau")
+        if isinstance(policy, Policy):
+            if tau is not None:
+                raise InvalidRequestError(f"tau={tau} cannot be combined with a policy object", "tau")
+            chosen = policy
+        else:
+            spec = request_policy(policy, tau)
+            chosen = self.policy if spec is None else self.get_policy(spec)
         return Generation(
             self,
             prompt_ids,
@@ -153,7 +168,9 @@ class Engine:
         elif isinstance(prompt, torch.Tensor):
             if prompt.dim() == 2 and prompt.shape[0] != 1:
                 raise InvalidRequestError(
-                    f"batch size {prompt.shape[0]} is not supported: pass one sequence per request", "prompt"
+                    f"batch size {prompt.shape[0]} in one request: pass one sequence per request "
+                    "(Engine.step runs many requests together)",
+                    "prompt",
                 )
             ids = prompt.reshape(-1).tolist()
         else:
@@ -167,32 +184,125 @@ class Engine:
             )
         return ids
 
-    def get_policy(self, name: str) -> Policy:
-        """The engine's long-lived instance of a named policy (stateful policies learn across requests)."""
-        if name not in self._named_policies:
-            self._named_policies[name] = make_policy(name)
-        return self._named_policies[name]
+    def get_policy(self, spec: str) -> Policy:
+        """The engine's long-lived instance of a policy spec (stateful policies learn across requests)."""
+        if spec not in self._named_policies:
+            self._named_policies[spec] = make_policy(spec)
+        return self._named_policies[spec]
 
-    # -- internals --------------------------------------------------------------------------
+    # -- the step ---------------------------------------------------------------------------
 
-    def _resolve_policy(self, tau: int | None, policy: str | Policy | None) -> Policy:
-        if isinstance(policy, Policy):
-            return policy
-        if tau is not None:
-            if policy not in (None, "fixed"):
-                raise InvalidRequestError(
-                    f"tau={tau} sets a fixed policy; it cannot be combined with policy {policy!r}", "tau"
-                )
-            if not isinstance(tau, int) or tau < 0:
-                raise InvalidRequestError(f"tau must be an integer >= 0, got {tau}", "tau")
-            if tau > 0 and self.drafter is None:
-                raise InvalidRequestError(
-                    f"tau={tau} needs a drafter: load a draft model or enable prompt lookup", "tau"
-                )
-            return FixedPolicy(tau)
-        if policy is None:
-            return self.policy
-        return self.get_policy(policy)
+    @torch.inference_mode()
+    def step(self, generations: Sequence[Generation]) -> list[StepEvent | None]:
+        """One draft → verify → commit step shared by every unfinished generation given.
+
+        Returns one event per generation (None for one that was finished, or that this step found out
+        of verification budget and finished).
+        """
+        live = [g for g in generations if not g.done and not g.out_of_budget()]
+        if not live:
+            return [None] * len(generations)
+        ctxs = [g.context_for_policy(len(live)) for g in live]
+        decisions = self._plan(live, ctxs)
+        taus = [max(0, min(d.tau, ctx.max_tau)) if self.drafter is not None else 0 for d, ctx in zip(decisions, ctxs)]
+
+        t1 = self.clock()
+        drafts = self._draft(live, taus, decisions)
+
+        t2 = self.clock()
+        device = self.target.device
+        blocks = [
+            (torch.tensor([g.context[-1], *d.tokens], dtype=torch.long, device=device), g.cache)
+            for g, d in zip(live, drafts)
+        ]
+        try:
+            target_logits = self.target.forward_batch(blocks)  # ONE pass over every sequence's [last, ŷ1..ŷτ]
+            verdicts = [self._verify(g, d, logits) for g, d, logits in zip(live, drafts, target_logits)]
+        except BaseException:
+            self._undo(live)
+            raise
+        t3 = self.clock()
+
+        shape = _StepShape(
+            sequences=len(live),
+            rows=sum(len(d.tokens) + 1 for d in drafts),
+            drafting=sum(1 for d in drafts if d.tokens),
+            draft_passes=max(len(d.tokens) for d in drafts),
+        )
+        pending = [
+            g.commit_step(d, v, decision, t_plan=t1, t_draft=t2 - t1, t_verify=t3 - t2, shape=shape)
+            for g, d, v, decision in zip(live, drafts, verdicts, decisions)
+        ]
+        by_gen = {id(g): g.observe_step(step, t_verified=t3) for g, step in zip(live, pending)}
+        return [by_gen.get(id(g)) for g in generations]
+
+    def _plan(self, live: list[Generation], ctxs: list[StepContext]) -> list[Decision]:
+        """Each sequence's decision from its policy. Policies that plan a batch (``batch_aware``) go last and
+        see the target rows the others already put in the pass."""
+        decisions: list[Decision | None] = [None] * len(live)
+        if self.drafter is None:
+            return [Decision(0, "no drafter") for _ in live]
+        groups: dict[int, tuple[Policy, list[int]]] = {}
+        for i, g in enumerate(live):
+            groups.setdefault(id(g.policy), (g.policy, []))[1].append(i)
+        for policy, idx in sorted(groups.values(), key=lambda group: group[0].batch_aware):
+            decided = [(d, ctx) for d, ctx in zip(decisions, ctxs) if d is not None]
+            other_rows = sum(min(d.tau, ctx.max_tau) + 1 for d, ctx in decided)
+            other_rows += len(live) - len(decided) - len(idx)  # undecided others: one row at least
+            for i, d in zip(idx, policy.plan([ctxs[i] for i in idx], other_rows)):
+                decisions[i] = d
+        return [d for d in decisions if d is not None]
+
+    def _draft(self, live: list[Generation], taus: list[int], decisions: list[Decision]) -> list[Draft]:
+        if self.drafter is None or not any(taus):
+            return [Draft() for _ in live]
+        asks = [
+            DraftAsk(g.draft_state, g.context, tau, g.params, g.generator, d.rule)
+            for g, tau, d in zip(live, taus, decisions)
+        ]
+        try:
+            return self.drafter.propose(asks)
+        except BaseException:
+            self._undo(live)
+            raise
+
+    def _undo(self, live: list[Generation]) -> None:
+        """A step failed half way: put every sequence back as it was before it, so each can be stepped again
+        (alone, to find the one at fault). The target's cache held exactly context[:-1]; the drafter may
+        have fed unverified tokens, so it starts over from the context."""
+        for g in live:
+            g.cache.crop(min(g.cache.length, len(g.context) - 1))
+            if self.drafter is not None:
+                self.drafter.rollback(g.draft_state, 0)
+
+    def _verify(self, gen: Generation, draft: Draft, target_logits: torch.Tensor) -> Verdict:
+        device = target_logits.device
+        draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=device)
+        if gen.params.greedy:
+            return verify_greedy(draft_tokens, target_logits)
+        target_probs = logits_to_probs(target_logits, gen.params)
+        if draft.probs is None:
+            if draft.tokens:  # only greedy requests may be drafted without q
+                name = self.drafter.name if self.drafter else "?"
+                raise RuntimeError(f"drafter {name!r} gave no draft distributions for a sampled request")
+            draft_probs = torch.empty(0, target_probs.shape[-1], device=device)
+        else:
+            draft_probs = draft.probs.to(device)
+        return verify_sampling(draft_tokens, draft_probs, target_probs, gen.generator)
+
+
+@dataclass(frozen=True)
+class _StepShape:
+    sequences: int
+    rows: int  # of the target pass
+    drafting: int  # sequences that drafted
+    draft_passes: int  # lockstep draft forwards
+
+
+@dataclass
+class _Committed:
+    record: StepRecord
+    finish: FinishReason | None
 
 
 class Generation:
@@ -220,23 +330,27 @@ class Generation:
         self.records: list[StepRecord] = []
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.done = False
-        self._t_start = time.perf_counter()
+        self._t_start = engine.clock()
         self._decoder = TextDecoder(engine.tokenizer)
         self._stops = StopMatcher(stops)
-        self._generator = params.generator(engine.target.device)
-        self._cache = engine.target.new_cache()
+        self.generator = params.generator(engine.target.device)
+        self.cache = engine.target.new_cache()
         drafter = engine.drafter
-        self._draft_state = drafter.new_state() if drafter else None
-        # Prefill: the target's cache holds context[:-1]; each step feeds [context[-1], ŷ_1..ŷ_τ].
+        self.draft_state = drafter.new_state() if drafter else None
+        # Prefill, in a pass of its own: the target's cache holds context[:-1]; each step feeds
+        # [context[-1], ŷ_1..ŷ_τ]. The drafter takes the prompt in the same way.
         with torch.inference_mode():
             if len(prompt_ids) > 1:
                 ids = torch.tensor(prompt_ids[:-1], dtype=torch.long, device=engine.target.device)
-                engine.target.forward(ids, self._cache, last_only=True)
+                engine.target.forward(ids, self.cache, last_only=True)
             if drafter is not None:
-                drafter.propose(self._draft_state, self.context, 0, params, self._generator)
-        self.stats.prefill_time = time.perf_counter() - self._t_start
-        self._t_mark = time.perf_counter()
-        self.policy.begin(self._step_context())
+                drafter.prefill(self.draft_state, prompt_ids)
+        self.stats.prefill_time = engine.clock() - self._t_start
+        self._t_mark = engine.clock()
+        self.policy.begin(self.context_for_policy(1))
+        allowance = self.policy.allowance(request_id)
+        if allowance is not None:
+            self.max_verify_passes = allowance if max_verify_passes is None else min(allowance, max_verify_passes)
 
     def __iter__(self) -> Iterator[StepEvent]:
         while not self.done:
@@ -244,11 +358,24 @@ class Generation:
             if event is not None:
                 yield event
 
+    def step(self) -> StepEvent | None:
+        """One draft → verify → commit step of this request alone. Returns None once it is finished."""
+        return self.engine.step([self])[0]
+
     @property
     def new_tokens(self) -> list[int]:
         return self.context[len(self.prompt_ids) :]
 
-    def _step_context(self) -> StepContext:
+    def out_of_budget(self) -> bool:
+        """True (and the request finished) once its verification passes are spent: the one place the cap is
+        enforced."""
+        if self.max_verify_passes is not None and self.stats.target_passes >= self.max_verify_passes:
+            if not self.done:
+                self._finish("verify_budget")
+            return True
+        return False
+
+    def context_for_policy(self, batch_size: int) -> StepContext:
         n_new = len(self.context) - len(self.prompt_ids)
         remaining = self.max_new_tokens - n_new
         room = self.engine.max_context - len(self.context)
@@ -262,66 +389,30 @@ class Generation:
             verify_passes=self.stats.target_passes,
             max_verify_passes=self.max_verify_passes,
             max_tau=max(0, min(remaining - 1, room)),
-            elapsed=time.perf_counter() - self._t_start,
-            can_draft=self.engine.drafter is not None,
+            elapsed=self.engine.clock() - self._t_start,
+            batch_size=batch_size,
         )
 
-    @torch.inference_mode()
-    def step(self) -> StepEvent | None:
-        """One draft → verify → commit step. Returns None once the request is finished."""
-        if self.done:
-            return None
-        if self.max_verify_passes is not None and self.stats.target_passes >= self.max_verify_passes:
-            self._finish("verify_budget")
-            return None
-        engine, params = self.engine, self.params
-        t0 = self._t_mark
-        ctx = self._step_context()
-        decision = self.policy.next_tau(ctx)
-        if decision.stop:
-            self._finish("verify_budget")
-            return None
-        tau = max(0, min(decision.tau, ctx.max_tau)) if engine.drafter is not None else 0
-
-        t1 = time.perf_counter()
-        draft_confidence: list[float] = []
-        if tau > 0:
-            assert engine.drafter is not None
-            draft = engine.drafter.propose(
-                self._draft_state,
-                self.context,
-                tau,
-                params,
-                self._generator,
-                decision.min_confidence,
-                decision.reach_rule,
-            )
-            draft_tokens, draft_probs, draft_confidence = draft.tokens, draft.probs, draft.confidence
-        else:
-            draft_tokens = torch.empty(0, dtype=torch.long, device=engine.target.device)
-            draft_probs = torch.empty(0, engine.target.vocab_size, device=engine.target.device)
-        tau = int(draft_tokens.shape[0])  # a drafter may propose fewer than asked
-
-        t2 = time.perf_counter()
+    def commit_step(
+        self,
+        draft: Draft,
+        verdict: Verdict,
+        decision: Decision,
+        *,
+        t_plan: float,
+        t_draft: float,
+        t_verify: float,
+        shape: _StepShape,
+    ) -> _Committed:
+        """Keep [ŷ1..ŷn̂, ȳ], roll both caches back past the rejected slots, and make the step's record."""
         base = len(self.context)
-        block = torch.cat(
-            [torch.tensor(self.context[-1:], device=engine.target.device), draft_tokens.to(engine.target.device)]
-        )
-        target_logits = engine.target.forward(block, self._cache)  # [τ+1, V], one pass
-        if params.greedy:
-            verdict = verify_greedy(draft_tokens, target_logits)
-        else:
-            target_probs = logits_to_probs(target_logits, params)
-            if draft_probs is None:  # only greedy drafts may omit q
-                assert engine.drafter is not None
-                raise RuntimeError(f"drafter {engine.drafter.name!r} gave no draft distributions for a sampled request")
-            verdict = verify_sampling(draft_tokens, draft_probs, target_probs, self._generator)
-        t3 = time.perf_counter()
-
-        # Roll back the rejected slots. Worked example, context c (len L), τ = 3, n̂ = 1:
-        # the cache held c[:-1] (L-1), the block appended [c[-1], ŷ1, ŷ2, ŷ3] (L+3); keep c + [ŷ1] (L+1).
-        self._cache.crop(base + verdict.n_accepted)
+        # Worked example, context c (len L), τ = 3, n̂ = 1: the cache held c[:-1] (L-1), the block appended
+        # [c[-1], ŷ1, ŷ2, ŷ3] (L+3); keep c + [ŷ1] (L+1). The drafter keeps the same prefix of what it fed.
+        self.cache.crop(base + verdict.n_accepted)
+        if self.engine.drafter is not None:
+            self.engine.drafter.rollback(self.draft_state, base + verdict.n_accepted)
         emitted, finish = self._commit(verdict.tokens)
+        tau = len(draft.tokens)
         record = StepRecord(
             request_id=self.request_id,
             step=len(self.records),
@@ -330,30 +421,43 @@ class Generation:
             policy=self.policy.name,
             reason=decision.reason,
             tau=tau,
-            draft_tokens=draft_tokens.tolist(),
+            draft_tokens=list(draft.tokens),
             accept_flags=verdict.accept_flags,
             n_accepted=verdict.n_accepted,
             correction=verdict.correction,
             emitted=emitted,
-            draft_time=t2 - t1,
-            verify_time=t3 - t2,
-            other_time=0.0,
-            # Greedy verification reads no q; the draft's probability of its own (argmax) token is its confidence.
-            draft_token_probs=verdict.draft_token_probs if not params.greedy else draft_confidence[:tau],
+            draft_time=t_draft,
+            verify_time=t_verify,
+            other_time=t_plan - self._t_mark,  # the rest is added once the whole step is committed
+            draft_token_probs=list(draft.token_probs),
             target_token_probs=verdict.target_token_probs,
+            draft_confidence=list(draft.tops),
+            tau_planned=decision.tau,
+            batch_size=shape.sequences,
+            rows=shape.rows,
+            drafting=shape.drafting,
+            draft_passes=shape.draft_passes,
+            verify_passes=self.stats.target_passes + 1,
+            max_verify_passes=self.max_verify_passes,
         )
+        return _Committed(record, finish)
+
+    def observe_step(self, step: _Committed, *, t_verified: float) -> StepEvent:
+        """Detokenise, count and tell the policy and the observers about a committed step."""
+        record, finish = step.record, step.finish
         text = self._decoder.text_for(self.new_tokens, final=finish is not None)
         text_piece = self._stops.release(text, final=finish is not None)
-        t4 = time.perf_counter()
-        record.other_time = (t1 - t0) + (t4 - t3)
+        # Other time: from this request's last step to the step's plan, and from the pass to now (commits of
+        # every sequence in the step, detokenising).
+        record.other_time += self.engine.clock() - t_verified
         self.records.append(record)
         self.stats.add(record)
         self.policy.observe(record)
-        for obs in engine.observers:
+        for obs in self.engine.observers:
             obs.on_step(record)
         if finish is not None:
             self._finish(finish)
-        self._t_mark = time.perf_counter()
+        self._t_mark = self.engine.clock()
         return StepEvent(record=record, text=text_piece, finished=self.done)
 
     def _commit(self, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
@@ -381,7 +485,8 @@ class Generation:
     def _finish(self, reason: FinishReason) -> None:
         self.done = True
         self.stats.finish_reason = reason
-        self.stats.latency = time.perf_counter() - self._t_start
+        self.stats.latency = self.engine.clock() - self._t_start
+        self._release()
         self.policy.end(self.request_id, self.stats)
         summary = RequestSummary(
             request_id=self.request_id,
@@ -401,12 +506,19 @@ class Generation:
         for obs in self.engine.observers:
             obs.on_request(summary)
 
+    def _release(self) -> None:
+        """Hand the caches back at once (the slot serves the next request)."""
+        if self.cache is not None:
+            self.engine.target.release(self.cache)
+            self.cache = None  # type: ignore[assignment]
+        if self.draft_state is not None and self.engine.drafter is not None:
+            self.engine.drafter.release(self.draft_state)
+            self.draft_state = None
+
     def cancel(self) -> None:
         """Stop a request early (e.g. its client went away); its caches are released."""
         if not self.done:
             self._finish("cancelled")
-        self._cache = None  # type: ignore[assignment]
-        self._draft_state = None
 
     def result(self) -> GenerationResult:
         if not self.done:

@@ -10,17 +10,27 @@ Conventions (used the same way everywhere):
   accepted) or ``plain`` (tau = 0). ``emitted`` may be shorter when a stop condition
   cut the step (EOS, stop string, max_new_tokens).
 - mean accepted length = emitted tokens per target pass, the correction token included.
+- in a batched step every sequence's record carries the whole step's times (what the request waited);
+  ``batch_size`` and ``rows`` say how many sequences and target rows shared the passes.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, Literal, TypeVar
 
 Correction = Literal["recovered", "bonus", "plain"]
 FinishReason = Literal["stop", "length", "verify_budget", "cancelled"]
 
 TRACE_SCHEMA_VERSION = 1
+
+
+def correction_kind(tau: int, n_accepted: int) -> Correction:
+    """The kind of a step's last token: ``plain`` (τ = 0), ``bonus`` (all τ accepted), else ``recovered``."""
+    if tau == 0:
+        return "plain"
+    return "bonus" if n_accepted == tau else "recovered"
 
 
 @dataclass
@@ -40,8 +50,16 @@ class StepRecord:
     draft_time: float  # seconds proposing the draft (draft model forwards, sampling)
     verify_time: float  # seconds in the target's forward pass and the acceptance rule
     other_time: float  # the rest of the step: policy, bookkeeping, stop checks, detokenising
-    draft_token_probs: list[float] = field(default_factory=list)  # q(ŷ_t) of each draft token
-    target_token_probs: list[float] = field(default_factory=list)  # p(ŷ_t) of each draft token
+    draft_token_probs: list[float] = field(default_factory=list)  # q(ŷ_t): the draft's probability of its token
+    target_token_probs: list[float] = field(default_factory=list)  # p(ŷ_t) of each draft token (sampled requests)
+    draft_confidence: list[float] = field(default_factory=list)  # the draft's top probability at each position
+    tau_planned: int | None = None  # τ the policy asked for, before the engine's clamp and the draft rule
+    batch_size: int = 1  # sequences that shared this step's draft and target passes
+    rows: int = 0  # rows of the step's target pass over all its sequences (this one's: tau + 1)
+    drafting: int = 0  # sequences of the step that drafted (each lockstep draft forward runs over those left)
+    draft_passes: int = 0  # lockstep draft forwards the step ran (its deepest draft)
+    verify_passes: int = 0  # target passes this request has used, this step's included
+    max_verify_passes: int | None = None  # the request's cap (its own, or the policy's allowance if smaller)
 
     @property
     def n_emitted_accepted(self) -> int:
@@ -57,6 +75,18 @@ class StepRecord:
         d["type"] = "step"
         d["v"] = TRACE_SCHEMA_VERSION
         return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> StepRecord:
+        """A trace's step line (``to_json``) back as a record: see ``field_values`` for absent and extra keys."""
+        return cls(**field_values(cls, d))
+
+    def confidences(self) -> list[float]:
+        """The draft's top probability at each drafted position. Records that carry ``draft_confidence`` give it;
+        older ones (and traces written before the field) give ``draft_token_probs``, which held the confidence in
+        greedy mode and q(ŷ) when sampling, the nearest figure they recorded."""
+        conf = getattr(self, "draft_confidence", None)
+        return list(conf) if conf else list(self.draft_token_probs)
 
 
 @dataclass
@@ -118,6 +148,12 @@ class RequestSummary:
     settings: dict[str, Any] = field(default_factory=dict)
     prompt_ids: list[int] | None = None  # lets `specdec audit --trace` replay the request
 
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RequestSummary:
+        """A trace's request line (``to_json``: the stats flattened into it) back as a summary; the derived figures
+        it also carries (``acceptance_rate`` ...) are recomputed by ``GenerationStats``."""
+        return cls(**field_values(cls, {**d, "stats": GenerationStats(**field_values(GenerationStats, d))}))
+
     def to_json(self) -> dict[str, Any]:
         extra = {"prompt_ids": self.prompt_ids} if self.prompt_ids is not None else {}
         return {
@@ -130,3 +166,19 @@ class RequestSummary:
             **self.stats.to_json(),
             **extra,
         }
+
+
+R = TypeVar("R")
+
+
+def field_values(cls: type[R], d: Mapping[str, Any]) -> dict[str, Any]:
+    """The keys of ``d`` that are fields of the dataclass ``cls``, to build one from a JSON line. Other keys (``type``,
+    ``v``, ``ts``, derived figures) are left out; a field ``d`` lacks takes its default (lines written before the
+    field existed), and a field without a default must be there: ``KeyError`` names it."""
+    out: dict[str, Any] = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name in d:
+            out[f.name] = d[f.name]
+        elif f.default is MISSING and f.default_factory is MISSING:
+            raise KeyError(f.name)
+    return out

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
 
@@ -118,19 +118,21 @@ class TraceRequest:
 
     key: str  # request_id, made unique across sessions appended to the same file
     request_id: str
-    steps: list[dict[str, Any]] = field(default_factory=list)
-    summary: dict[str, Any] | None = None
+    steps: list[StepRecord] = field(default_factory=list)
+    summary: RequestSummary | None = None
     session: int = 0
+    written: list[float] = field(default_factory=list)  # each step line's ``ts`` (0.0 where absent)
+    first_line: int = 0  # line number of its first line in the file (requests are listed as they finish)
 
     @property
     def prompt_len(self) -> int:
         if self.summary is not None:
-            return int(self.summary["prompt_len"])
-        return int(self.steps[0]["prompt_len"]) if self.steps else 0
+            return self.summary.prompt_len
+        return self.steps[0].prompt_len if self.steps else 0
 
     @property
     def temperature(self) -> float | None:
-        settings = (self.summary or {}).get("settings") or {}
+        settings = (self.summary.settings if self.summary is not None else None) or {}
         t = settings.get("temperature")
         return float(t) if t is not None else None
 
@@ -143,25 +145,12 @@ class Trace:
     bad_lines: list[str]  # "line N: why" for lines that could not be read (a torn last line after a kill)
 
     @property
-    def steps(self) -> list[dict[str, Any]]:
+    def steps(self) -> list[StepRecord]:
         return [s for r in self.requests for s in r.steps]
 
 
-STEP_FIELDS = (
-    "request_id",
-    "step",
-    "prompt_len",
-    "context_len",
-    "tau",
-    "draft_tokens",
-    "accept_flags",
-    "n_accepted",
-    "correction",
-    "emitted",
-    "draft_time",
-    "verify_time",
-    "other_time",
-)
+# what a step line must hold: StepRecord's fields without a default (later fields default for older lines)
+STEP_FIELDS = tuple(f.name for f in fields(StepRecord) if f.default is MISSING and f.default_factory is MISSING)
 
 
 def read_trace(path: str | Path) -> Trace:
@@ -192,10 +181,17 @@ def read_trace(path: str | Path) -> Trace:
                 if missing:
                     bad.append(f"line {no}: step line without {', '.join(missing)}")
                     continue
-                _open(open_, str(obj["request_id"]), session, len(done)).steps.append(obj)
+                req = _open(open_, str(obj["request_id"]), session, len(done), no)
+                req.steps.append(StepRecord.from_json(obj))
+                req.written.append(float(obj.get("ts", 0.0)))
             elif kind == "request":
-                req = _open(open_, str(obj.get("request_id", "?")), session, len(done))
-                req.summary = obj
+                try:
+                    summary = RequestSummary.from_json(obj)
+                except KeyError as e:
+                    bad.append(f"line {no}: request line without {e.args[0]}")
+                    continue
+                req = _open(open_, str(summary.request_id), session, len(done), no)
+                req.summary = summary
                 done.append(open_.pop(req.request_id))
             else:
                 bad.append(f"line {no}: unknown line type {kind!r}")
@@ -223,11 +219,11 @@ def _parse_line(raw: str, no: int, bad: list[str]) -> dict[str, Any] | None:
     return obj
 
 
-def _open(open_: dict[str, TraceRequest], request_id: str, session: int, n_done: int) -> TraceRequest:
+def _open(open_: dict[str, TraceRequest], request_id: str, session: int, n_done: int, line: int) -> TraceRequest:
     req = open_.get(request_id)
     if req is None:
         # Keys stay unique when an id is reused (a later session appended to the file, a client-chosen id).
         req = open_[request_id] = TraceRequest(
-            key=f"{request_id}@{session}.{n_done}", request_id=request_id, session=session
+            key=f"{request_id}@{session}.{n_done}", request_id=request_id, session=session, first_line=line
         )
     return req

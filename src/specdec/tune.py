@@ -18,18 +18,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdec import bench
+from specdec.analysis import StepAggregate, calibration
+from specdec.bench.prompts import DEFAULT_PROMPTS
+from specdec.bench.prompts import load_prompts as load_prompt_file
 from specdec.policy.estimates import expected_emitted_all
 from specdec.records import StepRecord
 from specdec.simulate.costs import CostModel, fit_costs
 
-DEFAULT_PROMPTS = bench.DEFAULT_PROMPTS
-
 
 def load_prompts(path: str | Path | None, limit: int | None = None) -> list[str]:
-    """Prompt texts from a JSONL file (format and errors: :func:`specdec.bench.load_prompts`; default: the shipped
+    """Prompt texts from a JSONL file (format and errors: :func:`specdec.bench.prompts.load_prompts`; default: the shipped
     held-out set), the first ``limit`` of them if given."""
-    prompts = [p.text for p in bench.load_prompts(path if path is not None else DEFAULT_PROMPTS)]
+    prompts = [p.text for p in load_prompt_file(path if path is not None else DEFAULT_PROMPTS)]
     return prompts[:limit] if limit else prompts
 
 
@@ -51,17 +51,9 @@ class DraftReport:
 
 
 def position_rates(records: Sequence[StepRecord], max_tau: int) -> list[float]:
-    """Conditional acceptance by position from steps' n̂ (only the accepted prefix and first rejection count)."""
-    wins, trials = [0] * max_tau, [0] * max_tau
-    for r in records:
-        for k in range(min(r.n_accepted + 1, r.tau, max_tau)):
-            trials[k] += 1
-            wins[k] += k < r.n_accepted
-    rates, prev = [], 0.5
-    for w, t in zip(wins, trials):
-        prev = (w + prev) / (t + 1)  # one pseudo-count toward the position before: deep positions are rare
-        rates.append(prev)
-    return rates
+    """Conditional acceptance by position from steps' n̂ (only the accepted prefix and first rejection count),
+    each shrunk toward the position before: deep positions are rare."""
+    return StepAggregate.of(records).shrunk_rates(max_tau)
 
 
 def predict(rates: list[float], cost: CostModel) -> dict[int, float]:
@@ -71,17 +63,6 @@ def predict(rates: list[float], cost: CostModel) -> dict[int, float]:
         tau: emitted[tau] / (tau * cost.draft_per_token_s + cost.verify(tau + 1) + cost.other_s) * plain
         for tau in range(len(rates) + 1)
     }
-
-
-def calibration(records: Sequence[StepRecord]) -> list[tuple[float, float, int]]:
-    """P(draft token accepted | its draft probability), by tenths: where a confidence threshold pays."""
-    wins, trials = [0] * 10, [0] * 10
-    for r in records:
-        for k in range(min(r.n_accepted + 1, r.tau, len(r.draft_token_probs))):
-            b = min(int(r.draft_token_probs[k] * 10), 9)
-            trials[b] += 1
-            wins[b] += k < r.n_accepted
-    return [(b / 10, wins[b] / trials[b], trials[b]) for b in range(10) if trials[b]]
 
 
 Runner = Callable[..., tuple[list[StepRecord], float, int, float]]
@@ -112,19 +93,16 @@ def measure_draft(engine: Any, name: str, prompts: list[str], max_new_tokens: in
     spec_recs, _, _, _ = run_prompts(engine, prompts, max_new_tokens, tau=max_tau)
     cost = fit_costs(plain_recs + spec_recs, name=f"measured:{name}", prefill_per_token_s=prefill)
     rates = position_rates(spec_recs, max_tau)
-    drafted = sum(r.tau for r in spec_recs)
-    by_prompt: dict[str, list[int]] = {}
+    by_prompt: dict[str, list[StepRecord]] = {}
     for r in spec_recs:
-        acc = by_prompt.setdefault(r.request_id, [0, 0])
-        acc[0] += r.n_accepted
-        acc[1] += r.tau
+        by_prompt.setdefault(r.request_id, []).append(r)
     pred = predict(rates, cost)
     best = max(pred, key=lambda t: (pred[t], -t))
     return DraftReport(
         draft=name,
         rates=rates,
-        acceptance_rate=sum(r.n_accepted for r in spec_recs) / drafted if drafted else 0.0,
-        alpha_by_prompt=[a / d for a, d in by_prompt.values() if d],
+        acceptance_rate=StepAggregate.of(spec_recs).alpha or 0.0,
+        alpha_by_prompt=[a for recs in by_prompt.values() if (a := StepAggregate.of(recs).alpha) is not None],
         costs=cost.to_json(),
         c=cost.c,
         predicted=pred,

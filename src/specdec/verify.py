@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.records import Correction
+from specdec.records import Correction, correction_kind
 from specdec.sampling import sample
 
 
@@ -49,12 +49,6 @@ def residual(target_p: torch.Tensor, draft_q: torch.Tensor) -> torch.Tensor:
     diff = (target_p - draft_q).clamp_min(0)
     total = diff.sum()
     return diff / total if total > 0 else target_p
-
-
-def _correction_kind(tau: int, n: int) -> Correction:
-    if tau == 0:
-        return "plain"
-    return "bonus" if n == tau else "recovered"
 
 
 def verify_sampling(
@@ -90,7 +84,7 @@ def verify_with_uniforms(
         accept_flags=flags.tolist(),
         n_accepted=n,
         tokens=draft_tokens[:n].tolist() + [y],
-        correction=_correction_kind(tau, n),
+        correction=correction_kind(tau, n),
         target_token_probs=p_tok.tolist(),
         draft_token_probs=q_tok.tolist(),
     )
@@ -109,7 +103,7 @@ def verify_greedy(
         accept_flags=flags.tolist(),
         n_accepted=n,
         tokens=draft_tokens[:n].tolist() + [int(best[n].item())],
-        correction=_correction_kind(tau, n),
+        correction=correction_kind(tau, n),
         target_token_probs=[],
         draft_token_probs=[],
     )

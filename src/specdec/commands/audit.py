@@ -137,23 +137,23 @@ def _trace_prompts(args: argparse.Namespace) -> tuple[list[Any], list[list[int]]
     from specdec.trace import read_trace
 
     trace = read_trace(args.trace)
-    done = [(r.summary, r) for r in trace.requests if r.summary is not None and r.summary.get("prompt_ids")]
+    done = [(r.summary, r) for r in trace.requests if r.summary is not None and r.summary.prompt_ids]
     if not done:
         raise SpecdecError(
             f"trace {args.trace} records no prompts (written with record_prompts=False or by an "
             "older specdec): use --prompts"
         )
     if args.temperature != 0:
-        return [summary["prompt_ids"] for summary, _ in done[: args.samples]], None
+        return [summary.prompt_ids for summary, _ in done[: args.samples]], None
     # Replay exactly what was served: greedy requests that ran to a length limit or a stop.
     greedy = [
-        (summary, r) for summary, r in done if r.temperature == 0 and summary.get("finish_reason") in ("length", "stop")
+        (summary, r) for summary, r in done if r.temperature == 0 and summary.stats.finish_reason in ("length", "stop")
     ]
     if not greedy:
         raise SpecdecError(
             f"trace {args.trace} holds no finished greedy requests to compare; pass "
             "--temperature T to test its prompts statistically"
         )
-    pairs = [(summary["prompt_ids"], [t for s in r.steps for t in s["emitted"]]) for summary, r in greedy]
+    pairs = [(summary.prompt_ids, [t for s in r.steps for t in s.emitted]) for summary, r in greedy]
     pairs = [(ids, out) for ids, out in pairs if out][: args.samples]
     return [ids for ids, _ in pairs], [out for _, out in pairs]

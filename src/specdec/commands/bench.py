@@ -71,7 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _config(args: argparse.Namespace) -> Any:
-    from specdec.bench import DEFAULT_POLICIES, DEFAULT_PROMPTS, BenchConfig, load_prompts, parse_taus
+    from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts, parse_taus
+    from specdec.bench.run import DEFAULT_POLICIES, BenchConfig
     from specdec.errors import InvalidRequestError
     from specdec.policy import split_policy_specs
 
@@ -105,8 +106,8 @@ def _config(args: argparse.Namespace) -> Any:
 def load_models(settings: ModelSettings, with_hf: bool) -> Any:
     """Our engine (plus a target-only engine sharing its target) and transformers copies of the same checkpoints."""
     from specdec.api import default_draft, default_target
-    from specdec.bench import BenchModels
-    from specdec.bench_contenders import HFModels
+    from specdec.bench.contenders import HFModels
+    from specdec.bench.run import BenchModels
     from specdec.drafters.model import ModelDrafter
     from specdec.engine import Engine
     from specdec.policy import FixedPolicy
@@ -177,8 +178,8 @@ def machine() -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from specdec.bench import run_bench
-    from specdec.bench_report import markdown, plot, summary, table
+    from specdec.bench.report import markdown, plot, summary, table
+    from specdec.bench.run import run_bench
     from specdec.errors import SpecdecError
 
     if args.plot is not None:

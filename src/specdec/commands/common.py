@@ -19,8 +19,8 @@ class ModelSettings:
     dtype: str
     draft_dtype: str | None
     runtime: str
-    policy: str
-    tau: int
+    policy: str | None  # a policy spec; None: the fixed policy
+    tau: int | None  # shorthand for fixed:tau=N (an error beside another policy)
     trust_remote_code: bool
     compile: bool = False
 
@@ -49,7 +49,6 @@ class ModelSettings:
             draft = default_draft()
         if self.no_draft:
             draft = None
-        drafting = draft is not None or self.prompt_lookup
         return load(
             target or default_target(),
             draft,
@@ -59,7 +58,7 @@ class ModelSettings:
             draft_dtype=self.draft_dtype,
             runtime=self.runtime,
             policy=self.policy,
-            tau=self.tau if drafting else 0,
+            tau=self.tau,
             observers=observers,
             trust_remote_code=self.trust_remote_code,
             compile=self.compile,
@@ -89,9 +88,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--runtime", default="auto", help="auto, native or hf (auto: native for Llama-family checkpoints)")
     g.add_argument(
         "--policy",
-        default="fixed",
+        default=None,
         help="how τ is chosen each step: fixed, heuristic, confidence, adaptive, or with settings "
-        "NAME:KEY=VALUE,... e.g. adaptive:max_tau=8 (default: fixed)",
+        "NAME:KEY=VALUE,... e.g. adaptive:max_tau=8 (default: fixed:tau=4)",
     )
-    g.add_argument("--tau", type=int, default=4, help="draft tokens per step for the fixed policy (default: 4)")
+    g.add_argument(
+        "--tau",
+        type=int,
+        default=None,
+        help="draft tokens per step: shorthand for --policy fixed:tau=N (with another policy, set its own "
+        "bound instead, e.g. adaptive:max_tau=N; default: 4)",
+    )
     g.add_argument("--trust-remote-code", action="store_true", help="allow checkpoints with custom Python code")

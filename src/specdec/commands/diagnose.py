@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--html", type=Path, default=None, metavar="FILE", help="also write an HTML report with plots")
     p.add_argument("--json", action="store_true", help="print the findings as one JSON object")
     p.add_argument("--strict", action="store_true", help="exit with status 1 when problems are found (for CI)")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, loads_models=False)  # no models: cli.main leaves transformers unloaded
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,10 +6,14 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdec.commands.common import ModelSettings, add_model_args
 from specdec.engine import Observer
-from specdec.errors import InvalidRequestError
+from specdec.errors import InvalidRequestError, ModelLoadError, UnsupportedError
+
+if TYPE_CHECKING:
+    from specdec.server.settings import ServerSettings
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -35,7 +39,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=os.environ.get("SPECDEC_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDEC_API_KEY, else none)",
     )
-    g.add_argument("--max-active", type=int, default=16, help="requests generated at once, step by step (default: 16)")
+    g.add_argument(
+        "--max-active", type=int, default=16, help="requests in flight at once, each with a cache slot (default: 16)"
+    )
+    g.add_argument(
+        "--max-batch",
+        type=int,
+        default=16,
+        help="requests sharing each step's draft and target passes (continuous batching; the CPU kernel "
+        "batches, other runtimes run one pass per request); 1: one request per pass, round-robin (default: 16)",
+    )
     g.add_argument(
         "--max-queue", type=int, default=64, help="requests waiting beyond those; more get 429 (default: 64)"
     )
@@ -53,7 +66,54 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--trace", default=None, metavar="FILE", help="append a JSONL trace of every step and request")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    r = p.add_argument_group("ray (scale out over replicas; needs pip install 'specdec[ray]'; see docs/scaling.md)")
+    r.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve through Ray Serve, one engine per replica, on a local Ray instance (unless --ray-address)",
+    )
+    r.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="deploy on an existing Ray cluster (HOST:PORT of its head, or 'auto'); implies --ray",
+    )
+    r.add_argument(
+        "--replicas", type=int, default=None, help="engine replicas (default: 1; initial count when autoscaling)"
+    )
+    r.add_argument("--replica-cpus", type=float, default=None, help="CPUs Ray reserves per replica (default: 1)")
+    r.add_argument(
+        "--replica-gpus",
+        type=float,
+        default=None,
+        help="GPUs Ray reserves per replica (default: 1 with --device cuda, else 0)",
+    )
+    r.add_argument("--min-replicas", type=int, default=None, help="autoscaling: fewest replicas (default: 1)")
+    r.add_argument("--max-replicas", type=int, default=None, help="autoscaling: most replicas (turns autoscaling on)")
+    r.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=None,
+        help="autoscaling: requests per replica Serve aims for (default: Serve's, 2)",
+    )
+    r.add_argument(
+        "--ray-retries",
+        type=int,
+        default=None,
+        help="times a request is sent to another replica when its replica dies before answering (default: 2)",
+    )
     p.set_defaults(func=run)
+
+
+_RAY_ONLY = (
+    "replicas",
+    "replica_cpus",
+    "replica_gpus",
+    "min_replicas",
+    "max_replicas",
+    "target_ongoing_requests",
+    "ray_retries",
+)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,10 +127,16 @@ def run(args: argparse.Namespace) -> int:
         model_name=args.model_name or _default_name(args.target),
         api_key=args.api_key or None,
         max_active=args.max_active,
+        max_batch=args.max_batch,
         max_queue=args.max_queue,
         request_timeout=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
     )
+    if args.ray or args.ray_address:
+        return run_ray(args, settings)
+    given = [f"--{name.replace('_', '-')}" for name in _RAY_ONLY if getattr(args, name) is not None]
+    if given:
+        raise InvalidRequestError(f"{', '.join(given)} : only with --ray (or --ray-address)", given[0])
     engine = ModelSettings.from_args(args).load()
     observers: list[Observer] = []
     if args.trace:
@@ -107,6 +173,60 @@ def run(args: argparse.Namespace) -> int:
             close = getattr(obs, "close", None)
             if close:
                 close()
+    return 0
+
+
+def run_ray(args: argparse.Namespace, settings: ServerSettings) -> int:
+    """``specdec serve --ray``: the same API from Ray Serve replicas, each loading its own engine."""
+    if args.trace:
+        raise InvalidRequestError("--trace is not supported with --ray (each replica would need its own file)", "trace")
+    model = ModelSettings.from_args(args)
+    local = args.ray_address is None
+    if local:
+        for flag, path in (("--target", model.target), ("--draft", model.draft)):
+            if path is not None and not Path(path).is_dir():
+                raise ModelLoadError(f"{flag} {path}: no such directory")
+        if args.host in LOOPBACK:
+            # A local instance for a loopback server: Ray's own processes listen and talk on 127.0.0.1 only
+            # (on Linux this switch makes Ray take the loopback address as the node's address).
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError:
+        raise UnsupportedError("--ray needs Ray Serve, which is not installed: pip install 'specdec[ray]'") from None
+    from specdec.server.ray_serve import RaySettings, run_forever
+
+    gpus = args.replica_gpus if args.replica_gpus is not None else (1.0 if args.device.startswith("cuda") else 0.0)
+    ray_settings = RaySettings(
+        replicas=args.replicas if args.replicas is not None else 1,
+        num_cpus=args.replica_cpus if args.replica_cpus is not None else 1.0,
+        num_gpus=gpus,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+        target_ongoing_requests=args.target_ongoing_requests,
+        retries=args.ray_retries if args.ray_retries is not None else 2,
+    )
+    if args.host not in LOOPBACK and not settings.api_key:
+        print(
+            f"specdec: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
+            file=sys.stderr,
+        )
+    autoscaling = ray_settings.autoscaling_config()
+    scaling = (
+        f"{ray_settings.replicas} replicas"
+        if autoscaling is None
+        else f"{autoscaling['min_replicas']}..{autoscaling['max_replicas']} replicas (autoscaling)"
+    )
+
+    def ready(url: str) -> None:
+        print(
+            f"specdec: serving {settings.model_name!r} on Ray Serve ({scaling}, each {ray_settings.num_cpus:g} CPU "
+            f"{ray_settings.num_gpus:g} GPU; policy {model.policy}) at {url} (OpenAI API under /v1)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    run_forever(model, settings, ray_settings, args.ray_address, args.host, args.port, args.log_level, ready)
     return 0
 
 

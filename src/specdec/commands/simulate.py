@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="check the policy goals over 5 seeds on cpu and gpu-70b costs; exit 1 if one fails",
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, loads_models=False)  # no models: cli.main leaves transformers unloaded
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,55 +1,25 @@
 """Aggregates of a trace that the checks and the plots share: acceptance, costs, the verify-time fit.
 
+The counting is ``specdec.analysis.StepAggregate``'s (one definition of α, accepted length, per-position
+acceptance and the verify fit for every reader); this module adds what is diagnose's own: prompt-length
+buckets, interleaving, the paired draft cost and the speedup models.
+
 Cost words: ``t1`` is the target's cost of one plain pass (a block of 1 token), seconds;
 ``c`` = draft cost per drafted token / ``t1``; ``v(k)`` = verify cost of a block of k tokens / ``t1``.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 from dataclasses import dataclass, field
-from typing import Any
 
+from specdec.analysis import StepAggregate, VerifyFit, low_quantile
+from specdec.records import StepRecord
 from specdec.trace import Trace
 
-Step = dict[str, Any]
 PROMPT_BUCKET_EDGES = (0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-MIN_SAMPLES_PER_BLOCK = 5  # steps of one block size before its typical verify time is trusted
 COST_QUANTILE = 0.25  # a low quantile estimates the uncontended cost: other load only ever adds time
-
-
-@dataclass
-class VerifyFit:
-    """Verify time vs block size k = τ + 1: typical cost per size and the line ``a + b·k`` through them."""
-
-    medians: dict[int, float]  # k -> typical (lower-quartile) verify seconds
-    counts: dict[int, int]
-    intercept: float | None = None
-    slope: float | None = None
-
-    @property
-    def measured(self) -> bool:
-        return self.slope is not None
-
-    def t1(self) -> float:
-        """One-token pass cost: measured at k = 1, else from the line, else the cheapest block (assumed parallel)."""
-        if self.counts.get(1, 0) >= MIN_SAMPLES_PER_BLOCK:
-            return self.medians[1]
-        if self.intercept is not None and self.slope is not None and self.intercept + self.slope > 0:
-            return self.intercept + self.slope
-        return min(self.medians.values()) if self.medians else 0.0
-
-    def serial_fraction(self) -> float | None:
-        """Extra cost per extra token, in units of t1: 0 = fully parallel, 1 = one pass per token."""
-        if self.slope is None:
-            return None
-        t1 = self.t1()
-        return self.slope / t1 if t1 > 0 else None
-
-    def v(self, k: int) -> float:
-        """Verify cost of a block of k tokens, in units of t1 (1 + σ(k−1); 1 when unmeasured)."""
-        sigma = self.serial_fraction()
-        return 1.0 + max(0.0, sigma or 0.0) * (k - 1)
 
 
 @dataclass
@@ -57,35 +27,33 @@ class Bucket:
     label: str
     lo: int
     hi: int
-    drafted: int = 0
-    accepted: int = 0
-    steps: int = 0
+    drafting: list[StepRecord] = field(default_factory=list)  # the steps with τ > 0 of its requests
     requests: set[str] = field(default_factory=set)
-    time: float = 0.0
+    time: float = 0.0  # step seconds of its requests, every step
+
+    @functools.cached_property
+    def agg(self) -> StepAggregate:
+        return StepAggregate.of(self.drafting)
+
+    @property
+    def drafted(self) -> int:
+        return self.agg.drafted
 
     @property
     def alpha(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
+        return self.agg.alpha or 0.0
 
     @property
     def mean_accepted_length(self) -> float:
-        return (self.accepted + self.steps) / self.steps if self.steps else 0.0
+        return self.agg.accepted_length or 0.0
 
 
 @dataclass
 class TraceStats:
-    steps: list[Step]
+    steps: list[StepRecord]
+    agg: StepAggregate
     n_requests: int
-    drafted: int
-    accepted: int
-    draft_steps: int
-    emitted: int
-    draft_time: float
-    verify_time: float
-    other_time: float
     fit: VerifyFit
-    position_reached: list[int]  # steps whose position i was tested with every earlier draft accepted
-    position_accepted: list[int]  # steps that accepted position i (and all before it)
     prompt_buckets: list[Bucket]
     temperatures: set[float]
     draft_cost_per_token: float | None  # typical seconds per drafted token
@@ -94,21 +62,59 @@ class TraceStats:
     concurrent: bool  # steps of different requests interleave (other_time then includes their work)
 
     @property
+    def drafted(self) -> int:
+        return self.agg.drafted
+
+    @property
+    def accepted(self) -> int:
+        return self.agg.accepted
+
+    @property
+    def draft_steps(self) -> int:
+        return self.agg.draft_steps
+
+    @property
+    def emitted(self) -> int:
+        return self.agg.emitted
+
+    @property
+    def draft_time(self) -> float:
+        return self.agg.draft_time
+
+    @property
+    def verify_time(self) -> float:
+        return self.agg.verify_time
+
+    @property
+    def other_time(self) -> float:
+        return self.agg.other_time
+
+    @property
+    def position_reached(self) -> list[int]:
+        """Steps whose position i was tested with every earlier draft accepted."""
+        return self.agg.reached
+
+    @property
+    def position_accepted(self) -> list[int]:
+        """Steps that accepted position i (and all before it)."""
+        return self.agg.passed
+
+    @property
     def total_time(self) -> float:
-        return self.draft_time + self.verify_time + self.other_time
+        return self.agg.total_time
 
     @property
     def alpha(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
+        return self.agg.alpha or 0.0
 
     @property
     def mean_tau(self) -> float:
-        return self.drafted / self.draft_steps if self.draft_steps else 0.0
+        return self.agg.mean_tau or 0.0
 
     @property
     def mean_accepted_length(self) -> float:
         """Tokens per verify pass of drafting steps, the correction token included (stop cuts ignored)."""
-        return (self.accepted + self.draft_steps) / self.draft_steps if self.draft_steps else 1.0
+        return self.agg.accepted_length or 1.0
 
     @property
     def t1(self) -> float:
@@ -120,7 +126,7 @@ class TraceStats:
 
     def conditional_acceptance(self) -> list[float]:
         """P(position i accepted | every earlier position accepted), per 0-based position."""
-        return [a / r if r else 0.0 for a, r in zip(self.position_accepted, self.position_reached)]
+        return self.agg.conditional_acceptance()
 
     def expected_length(self, tau: int) -> float:
         """Tokens per pass at this τ from the measured per-position acceptance (last rate carried on)."""
@@ -144,9 +150,9 @@ class TraceStats:
         slows the whole machine cancels; the median step cost damps isolated stalls.
         """
         units = [
-            total / (s["verify_time"] / self.fit.v(s["tau"] + 1) + s["other_time"])
+            total / (s.verify_time / self.fit.v(s.tau + 1) + s.other_time)
             for s in self.steps
-            if (total := s["draft_time"] + s["verify_time"] + s["other_time"]) > 0 and s["verify_time"] > 0
+            if (total := s.draft_time + s.verify_time + s.other_time) > 0 and s.verify_time > 0
         ]
         if not units or not self.steps:
             return None
@@ -155,65 +161,23 @@ class TraceStats:
 
 def analyse(trace: Trace) -> TraceStats:
     steps = trace.steps
-    drafting = [s for s in steps if s["tau"] > 0]
-    max_tau = max((s["tau"] for s in steps), default=0)
-    reached, accepted = [0] * max_tau, [0] * max_tau
-    for s in drafting:
-        n = min(s["n_accepted"], s["tau"])
-        for i in range(min(n + 1, s["tau"])):
-            reached[i] += 1
-        for i in range(n):
-            accepted[i] += 1
-    per_token = [s["draft_time"] / s["tau"] for s in drafting]
-    fit = fit_verify(steps)
+    agg = StepAggregate.of(steps)
+    fit = agg.verify_fit(COST_QUANTILE)
     paired = [
-        s["draft_time"] / s["tau"] / (s["verify_time"] / fit.v(s["tau"] + 1)) for s in drafting if s["verify_time"] > 0
+        s.draft_time / s.tau / (s.verify_time / fit.v(s.tau + 1)) for s in steps if s.tau > 0 and s.verify_time > 0
     ]
     return TraceStats(
         steps=steps,
+        agg=agg,
         n_requests=len(trace.requests),
-        drafted=sum(s["tau"] for s in drafting),
-        accepted=sum(min(s["n_accepted"], s["tau"]) for s in drafting),
-        draft_steps=len(drafting),
-        emitted=sum(len(s["emitted"]) for s in steps),
-        draft_time=sum(s["draft_time"] for s in steps),
-        verify_time=sum(s["verify_time"] for s in steps),
-        other_time=sum(s["other_time"] for s in steps),
         fit=fit,
-        position_reached=reached,
-        position_accepted=accepted,
         prompt_buckets=prompt_buckets(trace),
         temperatures={t for r in trace.requests if (t := r.temperature) is not None},
-        draft_cost_per_token=_quantile(per_token, COST_QUANTILE) if per_token else None,
+        draft_cost_per_token=low_quantile(agg.draft_per_token, COST_QUANTILE) if agg.draft_per_token else None,
         c_paired=statistics.median(paired) if paired else None,
-        other_per_step=statistics.median(s["other_time"] for s in steps) if steps else 0.0,
-        concurrent=_interleaved(steps, trace),
+        other_per_step=statistics.median(agg.other) if steps else 0.0,
+        concurrent=_interleaved(trace),
     )
-
-
-def fit_verify(steps: list[Step]) -> VerifyFit:
-    by_k: dict[int, list[float]] = {}
-    for s in steps:
-        by_k.setdefault(s["tau"] + 1, []).append(s["verify_time"])
-    medians = {k: _quantile(v, COST_QUANTILE) for k, v in sorted(by_k.items())}
-    counts = {k: len(v) for k, v in by_k.items()}
-    fit = VerifyFit(medians=medians, counts=counts)
-    pts = [(k, medians[k]) for k in medians if counts[k] >= MIN_SAMPLES_PER_BLOCK]
-    # Two sizes only count when both are well sampled: a line through two noisy points proves nothing.
-    enough = len(pts) >= 3 or (len(pts) == 2 and min(counts[k] for k, _ in pts) >= 4 * MIN_SAMPLES_PER_BLOCK)
-    if enough and max(k for k, _ in pts) - min(k for k, _ in pts) >= 2:
-        # Least squares through the per-size medians: each size counts once, outliers are already damped.
-        mk = sum(k for k, _ in pts) / len(pts)
-        mt = sum(t for _, t in pts) / len(pts)
-        sxx = sum((k - mk) ** 2 for k, _ in pts)
-        fit.slope = sum((k - mk) * (t - mt) for k, t in pts) / sxx
-        fit.intercept = mt - fit.slope * mk
-    return fit
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def prompt_buckets(trace: Trace) -> list[Bucket]:
@@ -224,11 +188,9 @@ def prompt_buckets(trace: Trace) -> list[Bucket]:
         b = next(b for b in buckets if b.lo <= req.prompt_len < b.hi)
         b.requests.add(req.key)
         for s in req.steps:
-            b.time += s["draft_time"] + s["verify_time"] + s["other_time"]
-            if s["tau"] > 0:
-                b.steps += 1
-                b.drafted += s["tau"]
-                b.accepted += min(s["n_accepted"], s["tau"])
+            b.time += s.draft_time + s.verify_time + s.other_time
+            if s.tau > 0:
+                b.drafting.append(s)
     return [b for b in buckets if b.requests]
 
 
@@ -236,9 +198,9 @@ def _bucket_label(lo: int, hi: int) -> str:
     return f"{lo}+" if hi >= 1 << 62 else f"{lo}-{hi - 1}"
 
 
-def _interleaved(steps: list[Step], trace: Trace) -> bool:
+def _interleaved(trace: Trace) -> bool:
     """True when another request's step was written between two steps of one request."""
-    order = sorted((s.get("ts", 0.0), i, r.key) for i, r in enumerate(trace.requests) for s in r.steps)
+    order = sorted((ts, i, r.key) for i, r in enumerate(trace.requests) for ts in r.written)
     seen_done: set[str] = set()
     last = None
     for _, _, key in order:

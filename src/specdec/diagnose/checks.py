@@ -121,7 +121,7 @@ def check_acceptance_plausibility(ctx: Context) -> list[Finding]:
 
 
 def _mean_prob(ctx: Context, key: str) -> float:
-    vals = [x for s in ctx.trace.steps for x in (s.get(key) or [])]
+    vals = [x for s in ctx.trace.steps for x in getattr(s, key)]
     return statistics.fmean(vals) if vals else 0.0
 
 
@@ -131,7 +131,7 @@ def check_serial_verify(ctx: Context) -> list[Finding]:
     if sigma is None or sigma < SERIAL_WARNING:
         return []
     st = ctx.stats
-    excess = sum(max(0.0, s["verify_time"] - st.t1) for s in st.steps)
+    excess = sum(max(0.0, s.verify_time - st.t1) for s in st.steps)
     impact = excess / st.total_time if st.total_time else 0.0
     ks = sorted(k for k in fit.medians if fit.counts[k] >= 3)
     table = ", ".join(f"k={k}: {fit.medians[k] * 1e3:.2f} ms" for k in ks)
@@ -202,9 +202,7 @@ def _merge(buckets: list[Bucket]) -> Bucket:
         hi=buckets[-1].hi,
     )
     for b in buckets:
-        out.drafted += b.drafted
-        out.accepted += b.accepted
-        out.steps += b.steps
+        out.drafting += b.drafting
         out.time += b.time
         out.requests |= b.requests
     return out

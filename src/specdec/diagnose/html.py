@@ -49,7 +49,7 @@ def _thin(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def plot_positions(d: Diagnosis) -> str:
     st = d.stats
     labels = [str(i + 1) for i in range(len(st.position_reached))]
-    drafts_with = [sum(1 for s in st.steps if s["tau"] > i) for i in range(len(labels))]
+    drafts_with = [sum(1 for s in st.steps if s.tau > i) for i in range(len(labels))]
     uncond = [a / n if n else 0.0 for a, n in zip(st.position_accepted, drafts_with)]
     return bar_chart(
         "Acceptance by draft position",
@@ -87,7 +87,7 @@ def plot_time_split(d: Diagnosis) -> str:
 
 def plot_verify(d: Diagnosis) -> str:
     st = d.stats
-    pts = _thin([(float(s["tau"] + 1), s["verify_time"] * 1e3) for s in st.steps])
+    pts = _thin([(float(s.tau + 1), s.verify_time * 1e3) for s in st.steps])
     typical = [(float(k), v * 1e3) for k, v in st.fit.medians.items()]
     ideal = [(float(k), st.t1 * 1e3) for k in st.fit.medians]
     serial = [(float(k), st.t1 * 1e3 * k) for k in st.fit.medians]
@@ -101,8 +101,8 @@ def plot_verify(d: Diagnosis) -> str:
 
 
 def plot_tau(d: Diagnosis) -> str:
-    pts = _thin([(float(i), float(s["tau"])) for i, s in enumerate(d.stats.steps)])
-    acc = _thin([(float(i), float(s["n_accepted"])) for i, s in enumerate(d.stats.steps)])
+    pts = _thin([(float(i), float(s.tau)) for i, s in enumerate(d.stats.steps)])
+    acc = _thin([(float(i), float(s.n_accepted)) for i, s in enumerate(d.stats.steps)])
     return xy_chart("τ over time (steps in trace order)", {"τ": pts, "n̂": acc}, ylabel="tokens", xlabel="step")
 
 

@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specdec.records import GenerationStats, RequestSummary, StepRecord
+from specdec.records import GenerationStats, RequestSummary, StepRecord, correction_kind
 from specdec.trace import JsonlTrace
 
 
@@ -115,7 +115,7 @@ def _step(
         draft_tokens=drafts,
         accept_flags=flags,
         n_accepted=n,
-        correction="plain" if tau == 0 else ("bonus" if n == tau else "recovered"),
+        correction=correction_kind(tau, n),
         emitted=emitted,
         draft_time=tau * sc.c * sc.t1 * rng.uniform(0.9, 1.1),
         verify_time=sc.t1 * (1 + sc.serial * tau) * noise,

@@ -6,10 +6,11 @@ and the recovered token is drawn from p with ŷ removed: still exactly lossless.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from specdec.drafters.base import Draft, Drafter, ReachRule, one_hot
-from specdec.sampling import SamplingParams
+from specdec.drafters.base import Draft, DraftAsk, Drafter, one_hot
 
 
 def lookup(context: list[int], tau: int, max_ngram: int, min_ngram: int) -> list[int]:
@@ -38,16 +39,10 @@ class PromptLookupDrafter(Drafter):
     def new_state(self) -> None:
         return None
 
-    def propose(
-        self,
-        state: None,
-        context: list[int],
-        tau: int,
-        params: SamplingParams,
-        generator: torch.Generator,
-        min_confidence: float | None = None,
-        reach_rule: ReachRule | None = None,
-    ) -> Draft:
-        found = lookup(context, tau, self.max_ngram, self.min_ngram) if tau > 0 else []
-        tokens = torch.tensor(found, dtype=torch.long, device=self.device)
-        return Draft(tokens, one_hot(tokens, self.vocab_size), [1.0] * len(found))
+    def propose(self, asks: Sequence[DraftAsk]) -> list[Draft]:
+        drafts = []
+        for ask in asks:
+            found = lookup(ask.context, ask.tau, self.max_ngram, self.min_ngram) if ask.tau > 0 else []
+            probs = None if ask.params.greedy or not found else one_hot(found, self.vocab_size, self.device)
+            drafts.append(Draft(found, probs, [1.0] * len(found), [1.0] * len(found)))
+        return drafts

@@ -7,10 +7,10 @@ from typing import Any
 
 from specdec.errors import InvalidRequestError
 from specdec.policy.adaptive import AdaptivePolicy, make_adaptive
-from specdec.policy.base import Decision, Policy, StepContext
+from specdec.policy.base import Decision, DraftRule, MinConfidence, Policy, ReachRule, StepContext
 from specdec.policy.budget import FleetBudget, FleetBudgetPolicy
 from specdec.policy.confidence import ConfidencePolicy
-from specdec.policy.fixed import FixedPolicy
+from specdec.policy.fixed import DEFAULT_TAU, FixedPolicy
 from specdec.policy.heuristic import HeuristicPolicy
 
 POLICIES: dict[str, Callable[..., Policy]] = {
@@ -49,6 +49,27 @@ def parse_policy_spec(spec: str) -> tuple[str, dict[str, Any]]:
     return name.strip(), settings
 
 
+def request_policy(policy: str | None, tau: int | None) -> str | None:
+    """The one reading of a request's ``policy`` and ``tau`` (CLI, Python API and HTTP share it): ``tau=N``
+    means the fixed policy ``fixed:tau=N``; with any other policy it is an error, never silently dropped.
+    Returns the policy spec, or None for the engine's default."""
+    if tau is None:
+        return policy
+    if not isinstance(tau, int) or isinstance(tau, bool) or tau < 0:
+        raise InvalidRequestError(f"tau must be an integer >= 0, got {tau!r}", "tau")
+    if policy is not None:
+        name, settings = parse_policy_spec(policy)
+        if name != "fixed":
+            raise InvalidRequestError(
+                f"tau={tau} sets the fixed policy; it cannot be combined with policy {policy!r} "
+                f"(its own settings bound τ, e.g. {name}:max_tau={max(tau, 1)})",
+                "tau",
+            )
+        if "tau" in settings and settings["tau"] != tau:
+            raise InvalidRequestError(f"tau={tau} conflicts with policy {policy!r}", "tau")
+    return f"fixed:tau={tau}"
+
+
 def split_policy_specs(text: str) -> list[str]:
     """A comma-separated list of specs, where a spec's own ``key=value`` settings also use commas:
     ``adaptive:max_tau=8,margin=0.05,heuristic`` -> ``["adaptive:max_tau=8,margin=0.05", "heuristic"]``."""
@@ -78,7 +99,12 @@ def _value(text: str) -> Any:
 
 
 __all__ = [
+    "DEFAULT_TAU",
     "POLICIES",
+    "DraftRule",
+    "MinConfidence",
+    "ReachRule",
+    "request_policy",
     "AdaptivePolicy",
     "ConfidencePolicy",
     "Decision",

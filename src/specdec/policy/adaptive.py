@@ -14,15 +14,16 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.drafters.base import ReachRule
 from specdec.errors import InvalidRequestError
-from specdec.policy.base import Decision, Policy, StepContext
+from specdec.policy.base import Decision, Policy, ReachRule, StepContext
 from specdec.policy.budget import FleetBudgetPolicy
 from specdec.policy.estimates import (
     ArmComparison,
+    BatchCosts,
     ConfidenceCalibration,
     PositionRates,
     StepCosts,
@@ -88,6 +89,8 @@ class _Request:
     cusum_up: float = 0.0  # log-likelihood-ratio CUSUMs: has this request's acceptance shifted up / down?
     cusum_down: float = 0.0
     changes: int = 0  # shifts detected so far
+    plan: _Plan | None = None  # the last step's plan (its expected tokens by τ serve the batch planner)
+    budget_bound: bool = False  # the last decision was made to fit a verification budget
     # steps since each CUSUM last stood at 0, i.e. since the shift it tests may have begun: (τ, n̂)
     recent_up: list[tuple[int, int]] = field(default_factory=list)
     recent_down: list[tuple[int, int]] = field(default_factory=list)
@@ -109,6 +112,7 @@ class _Plan:
 
 class AdaptivePolicy(Policy):
     name = "adaptive"
+    batch_aware = True
 
     def __init__(
         self,
@@ -138,6 +142,7 @@ class AdaptivePolicy(Policy):
         self.global_rates = PositionRates(max_pos=pos, decay=0.99)
         self.bucket_rates = [PositionRates(max_pos=pos, decay=0.98) for _ in range(len(self.bucket_edges) + 1)]
         self.costs = StepCosts()
+        self.batch_costs = BatchCosts()
         self.calibration = ConfidenceCalibration()
         self.arms = ArmComparison()
         self.latencies: deque[float] = deque(maxlen=200)
@@ -187,20 +192,20 @@ class AdaptivePolicy(Policy):
         self._request(ctx)
 
     def next_tau(self, ctx: StepContext) -> Decision:
-        if not ctx.can_draft:
-            return Decision(0, "no drafter")
         req = self._request(ctx)
         req.steps += 1
         k = min(self.max_tau, ctx.max_tau)
         if k == 0:
             return self._decide(req, 0, "plain: no room to draft", None)
         plan = self._plan(req, k)
+        req.plan, req.budget_bound = plan, False
         want = max(1, ctx.max_new_tokens - ctx.new_tokens)
         left = None if ctx.max_verify_passes is None else ctx.max_verify_passes - ctx.verify_passes
         if req.predicted_latency is None:
             best = plan.best(list(range(k + 1)))
             req.predicted_latency = ctx.elapsed + want / plan.emitted[best] * plan.times[best]
         if left is not None and left * 1.0 < want:
+            req.budget_bound = True
             return self._under_budget(req, plan, want, left, ctx)
         return self._free(req, plan, ctx)
 
@@ -292,14 +297,62 @@ class AdaptivePolicy(Policy):
         per_token = plan.times[tau] / plan.emitted[tau]
         rule = ReachRule(self.calibration.table(prior), reach_thresholds(plan.times, plan.rates, per_token, cap))
         shown = rule.min_reach[min(tau, len(rule.min_reach)) - 1]
-        return Decision(cap, reason + f", up to {cap} while P(all pass) >= {shown:.2f} at {tau}", reach_rule=rule)
+        return Decision(cap, reason + f", up to {cap} while P(all pass) >= {shown:.2f} at {tau}", rule)
+
+    def plan(self, ctxs: Sequence[StepContext], other_rows: int = 0) -> list[Decision]:
+        """τ for every sequence of a step, for the goodput of the whole batch (tokens per second over all).
+
+        The pass's cost depends on its rows, not on one request's τ: with many sequences the target pass
+        is compute-bound and every drafted token costs a row for all. Each request's own decision (its
+        budget, its fallback and probes, its stop rule) is the most it drafts; a shared depth D caps every
+        τ at D, the D with the best predicted batch goodput is kept, then each request gives back the
+        tokens whose expected gain per second of row falls below that goodput. Requests bound by a
+        verification budget keep their τ (passes are what is scarce for them)."""
+        solo = [self.next_tau(ctx) for ctx in ctxs]
+        if len(ctxs) == 1 and other_rows == 0:
+            return solo
+        reqs = [self._requests[ctx.request_id] for ctx in ctxs]
+        caps = [min(d.tau, ctx.max_tau) for d, ctx in zip(solo, ctxs)]
+        floors = [cap if req.budget_bound else 0 for cap, req in zip(caps, reqs)]
+        gains = [req.plan.emitted if req.plan is not None else [1.0] for req in reqs]
+        # Expected tokens of τ beyond the plan's horizon (a stop rule's cap): the plan's last increment, flat.
+        gains = [g + [g[-1]] * (cap + 1 - len(g)) for g, cap in zip(gains, caps)]
+        n = len(ctxs) + other_rows  # sequences in the step, at most (other rows: one per other sequence at least)
+
+        def goodput(taus: list[int]) -> tuple[float, float]:
+            rows = other_rows + sum(t + 1 for t in taus)
+            depth = max(taus, default=0)
+            seconds = self.batch_costs.step_time(rows, depth, sum(t > 0 for t in taus), n, self.costs)
+            return sum(g[t] for g, t in zip(gains, taus)) / seconds, seconds
+
+        best = max(
+            ([max(f, min(c, depth)) for f, c in zip(floors, caps)] for depth in range(max(caps, default=0) + 1)),
+            key=lambda taus: goodput(taus)[0],
+        )
+        rate, seconds = goodput(best)
+        rows = other_rows + sum(t + 1 for t in best)
+        row_cost = max(1e-9, self.batch_costs.step_time(rows + 1, 0, 0, n, self.costs) - seconds)
+        for i in range(len(best)):
+            while best[i] > floors[i] and (gains[i][best[i]] - gains[i][best[i] - 1]) < rate * row_cost:
+                best[i] -= 1
+        out = []
+        for d, tau, cap in zip(solo, best, caps):
+            if tau == cap:
+                out.append(d)
+            else:
+                rule = d.rule if tau > 0 else None
+                out.append(Decision(tau, f"{d.reason}; batch of {n}: tau={tau} for the batch's goodput", rule))
+        return out
 
     # -- learning ---------------------------------------------------------------------------
 
     def observe(self, record: StepRecord) -> None:
         req = self._requests.get(record.request_id)
-        # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.
-        self.costs.observe(record.tau, record.tau, record.draft_time, record.verify_time, record.other_time)
+        if record.batch_size > 1:
+            self.batch_costs.observe(record)
+        else:
+            # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.
+            self.costs.observe(record.tau, record.tau, record.draft_time, record.verify_time, record.other_time)
         if req is not None and req.arm is not None and record.tau:
             seconds = record.draft_time + record.verify_time + record.other_time
             self.arms.observe(req.arm, len(record.emitted), seconds)

@@ -1,11 +1,18 @@
-"""A policy chooses τ each step from what it has observed; it never sees models, only records and costs."""
+"""A policy chooses τ each step from what it has observed; it never sees models, only records and costs.
+
+What a policy decides and what the engine decides are kept apart: the policy says how many tokens it
+wants drafted (``Decision.tau``) and, optionally, a ``DraftRule`` that the drafting loop asks after each
+drafted token whether to go on. The engine alone clamps τ (no drafter, room left in the context and in
+``max_new_tokens``) and enforces the verification budget; a policy may only hand the engine a smaller
+allowance (``allowance``, e.g. a fleet-wide budget).
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from specdec.drafters.base import ReachRule
 from specdec.records import GenerationStats, StepRecord
 
 
@@ -20,26 +27,93 @@ class StepContext:
     new_tokens: int  # emitted so far
     max_new_tokens: int
     verify_passes: int  # target passes used so far (prefill not counted)
-    max_verify_passes: int | None  # hard cap for this request, if any
-    max_tau: int  # the engine's clamp (room left in the context window and in max_new_tokens)
+    max_verify_passes: int | None  # the request's cap (its own, or the policy's allowance if smaller)
+    max_tau: int  # the most the engine will draft (room left in the context window and in max_new_tokens)
     elapsed: float  # seconds since the request started
-    can_draft: bool  # False when the engine has no drafter
+    batch_size: int = 1  # sequences sharing this step's passes
+
+
+class DraftRule:
+    """Asked by the drafting loop after each drafted token: keep it, and draft another?
+
+    ``probs`` are the draft's probabilities of the tokens drafted so far (q(ŷ), the last one just drawn),
+    ``tops`` its top probabilities there (its confidence; the same as ``probs`` for a greedy draft).
+    """
+
+    def keep(self, probs: Sequence[float], tops: Sequence[float]) -> bool:
+        """Whether to keep the token just drawn (False drops it and ends the draft)."""
+        return True
+
+    def go_on(self, probs: Sequence[float], tops: Sequence[float]) -> bool:
+        """After keeping the tokens so far, whether to draft one more."""
+        return True
+
+
+@dataclass(frozen=True)
+class MinConfidence(DraftRule):
+    """Drop the token (and stop) once the draft's top probability falls below ``threshold``."""
+
+    threshold: float
+
+    def keep(self, probs: Sequence[float], tops: Sequence[float]) -> bool:
+        return tops[-1] >= self.threshold
+
+
+@dataclass(frozen=True)
+class ReachRule(DraftRule):
+    """Stop drafting once the chance that every token drafted so far will be accepted falls too low.
+
+    Each drafted token's chance of acceptance is read from the draft's probability p of that token (q(ŷ):
+    the top probability when drafting greedily), by tenths: ``accept_by_tenth[min(int(10 p), 9)]`` (a
+    calibrated table the policy supplies). Their running product is the chance that the block so far
+    survives verification. After the j-th token the drafter goes on only while that chance is at least
+    ``min_reach[j - 1]`` (the last entry serves deeper positions): the token that takes it below is still
+    kept (its forward has run, and verifying it costs one slot), but the next draft forward is not run.
+    Unlike a per-token confidence cut, every drafted token gets verified, so the policy's statistics see
+    no hidden outcomes.
+    """
+
+    accept_by_tenth: tuple[float, ...]
+    min_reach: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.accept_by_tenth) != 10:
+            raise ValueError(f"accept_by_tenth needs 10 entries, got {len(self.accept_by_tenth)}")
+        if not self.min_reach:
+            raise ValueError("min_reach needs at least one threshold")
+
+    def reach(self, before: float, prob: float) -> float:
+        return before * self.accept_by_tenth[min(max(int(prob * 10), 0), 9)]
+
+    def go_on(self, probs: Sequence[float], tops: Sequence[float]) -> bool:
+        reach = 1.0
+        for p in probs:
+            reach = self.reach(reach, p)
+        return reach >= self.min_reach[min(len(probs), len(self.min_reach)) - 1]
 
 
 @dataclass(frozen=True)
 class Decision:
-    tau: int
+    tau: int  # tokens the policy wants drafted (the engine clamps it)
     reason: str
-    min_confidence: float | None = None  # ask the drafter to stop early below this top probability
-    reach_rule: ReachRule | None = None  # ask the drafter to stop once the draft's survival chance falls too low
-    stop: bool = False  # end the request now with finish reason "verify_budget" (budget policies)
+    rule: DraftRule | None = None  # asked by the drafting loop after each token
 
 
 class Policy(ABC):
     name: str
+    batch_aware: bool = False  # plans τ for a whole batch (``plan``) rather than one sequence at a time
 
     @abstractmethod
     def next_tau(self, ctx: StepContext) -> Decision: ...
+
+    def plan(self, ctxs: Sequence[StepContext], other_rows: int = 0) -> list[Decision]:
+        """Decisions for sequences sharing one step; ``other_rows``: target rows the step's other
+        sequences (other policies) already put in the pass. By default each sequence on its own."""
+        return [self.next_tau(ctx) for ctx in ctxs]
+
+    def allowance(self, request_id: str) -> int | None:
+        """Verification passes this request may use at most, if the policy limits it (after ``begin``)."""
+        return None
 
     def observe(self, record: StepRecord) -> None:  # noqa: B027 - optional hook
         """Called after every step with its record."""

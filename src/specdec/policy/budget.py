@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from specdec.errors import InvalidRequestError
@@ -66,38 +67,31 @@ class FleetBudget:
         if entry is not None:
             entry.used = min(used, entry.allowance)
 
-    @property
-    def bank(self) -> float:
-        """Passes the last W-1 requests left unused (negative: they borrowed)."""
-        return sum(self.budget - e.committed for e in self._recent)
-
 
 class FleetBudgetPolicy(Policy):
-    """Runs any policy under a fleet-average budget: the inner policy sees its allowance as
-    ``max_verify_passes`` (so budget-aware policies raise τ), and the request stops at it."""
+    """Runs any policy under a fleet-average budget: each request's allowance goes to the engine, which
+    stops the request there (the engine alone enforces caps), and the inner policy sees it as the
+    request's ``max_verify_passes`` (so budget-aware policies raise τ)."""
 
     def __init__(self, inner: Policy, budget: float = 2.0, window: int = 64, max_share: float = 4.0) -> None:
         self.inner = inner
         self.name = inner.name
+        self.batch_aware = inner.batch_aware
         self.ledger = FleetBudget(budget, window, max_share)
 
-    def _narrow(self, ctx: StepContext) -> StepContext:
-        allowance = self.ledger.allowance(ctx.request_id)
-        if allowance is None:
-            allowance = self.ledger.open(ctx.request_id)
-        cap = allowance if ctx.max_verify_passes is None else min(allowance, ctx.max_verify_passes)
-        return replace(ctx, max_verify_passes=cap)
-
     def begin(self, ctx: StepContext) -> None:
-        self.ledger.open(ctx.request_id)
-        self.inner.begin(self._narrow(ctx))
+        allowance = self.ledger.open(ctx.request_id)
+        cap = allowance if ctx.max_verify_passes is None else min(allowance, ctx.max_verify_passes)
+        self.inner.begin(replace(ctx, max_verify_passes=cap))
+
+    def allowance(self, request_id: str) -> int | None:
+        return self.ledger.allowance(request_id)
 
     def next_tau(self, ctx: StepContext) -> Decision:
-        narrowed = self._narrow(ctx)
-        assert narrowed.max_verify_passes is not None
-        if ctx.verify_passes >= narrowed.max_verify_passes:
-            return Decision(0, f"fleet budget: allowance of {narrowed.max_verify_passes} passes used", stop=True)
-        return self.inner.next_tau(narrowed)
+        return self.inner.next_tau(ctx)
+
+    def plan(self, ctxs: Sequence[StepContext], other_rows: int = 0) -> list[Decision]:
+        return self.inner.plan(ctxs, other_rows)
 
     def observe(self, record: StepRecord) -> None:
         self.inner.observe(record)

@@ -1,13 +1,13 @@
 """Draft up to a fixed τ, stopping early when the draft's top probability falls below a threshold.
 
 The baseline of transformers 5.x assisted generation (``assistant_confidence_threshold=0.4``), here
-with a fixed threshold; the drafter applies it (``Decision.min_confidence``) token by token.
+with a fixed threshold; the drafting loop applies it (a ``MinConfidence`` rule) token by token.
 """
 
 from __future__ import annotations
 
 from specdec.errors import InvalidRequestError
-from specdec.policy.base import Decision, Policy, StepContext
+from specdec.policy.base import Decision, MinConfidence, Policy, StepContext
 
 
 class ConfidencePolicy(Policy):
@@ -21,7 +21,6 @@ class ConfidencePolicy(Policy):
         self.tau, self.threshold = tau, threshold
 
     def next_tau(self, ctx: StepContext) -> Decision:
-        if not ctx.can_draft:
-            return Decision(0, "no drafter")
-        tau = min(self.tau, ctx.max_tau)
-        return Decision(tau, f"up to {tau}, stop below confidence {self.threshold:g}", min_confidence=self.threshold)
+        return Decision(
+            self.tau, f"up to {self.tau}, stop below confidence {self.threshold:g}", MinConfidence(self.threshold)
+        )

@@ -13,18 +13,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-
-def expected_emitted(rates: list[float], tau: int) -> float:
-    """E[n̂ + 1 | τ]: tokens one step emits, the correction token included."""
-    total, survive = 1.0, 1.0
-    for k in range(tau):
-        survive *= rates[k]
-        total += survive
-    return total
+from specdec.records import StepRecord
 
 
 def expected_emitted_all(rates: list[float]) -> list[float]:
-    """``[E[n̂+1 | τ] for τ = 0..len(rates)]`` in one pass."""
+    """``[E[n̂+1 | τ] for τ = 0..len(rates)]``: tokens one step emits, the correction token included."""
     out, total, survive = [1.0], 1.0, 1.0
     for a in rates:
         survive *= a
@@ -55,9 +48,6 @@ class PositionRates:
         for k in range(min(n_accepted + 1, tau, self.max_pos)):
             self.wins[k] = self.decay * self.wins[k] + (1.0 if k < n_accepted else 0.0)
             self.trials[k] = self.decay * self.trials[k] + 1.0
-
-    def observed(self, k: int) -> float:
-        return self.trials[k]
 
     def rates(self, parent: list[float] | None, first_prior: float, n: int | None = None) -> list[float]:
         """The first ``n`` shrunk rates. Each position's prior is ``parent[k]`` when given, else the
@@ -254,3 +244,71 @@ class ArmComparison:
         """The rule, unless measured slower than no rule by more than ``tolerance`` and more than noise."""
         gap = self.gap()
         return gap is None or gap >= -tolerance or not self.clear()
+
+
+@dataclass
+class CurveEWMA:
+    """A cost measured at integer sizes (rows of a pass, sequences drafting), EWMA per size; sizes never
+    seen are interpolated between seen neighbours, extrapolated along the slope of the last two beyond."""
+
+    decay: float = 0.9
+    _at: dict[int, list[float]] = field(default_factory=dict)  # size -> [weight, mean]
+
+    def observe(self, size: int, seconds: float, weight: float = 1.0) -> None:
+        w_mean = self._at.setdefault(size, [0.0, 0.0])
+        w_mean[0] = self.decay**weight * w_mean[0] + weight
+        w_mean[1] += weight * (seconds - w_mean[1]) / w_mean[0]
+
+    @property
+    def seen(self) -> bool:
+        return bool(self._at)
+
+    def __call__(self, size: int, fallback: float) -> float:
+        if not self._at:
+            return fallback
+        sizes = sorted(self._at)
+        if size in self._at:
+            return self._at[size][1]
+        lo = max((s for s in sizes if s < size), default=None)
+        hi = min((s for s in sizes if s > size), default=None)
+        if lo is not None and hi is not None:
+            a, b = self._at[lo][1], self._at[hi][1]
+            return a + (b - a) * (size - lo) / (hi - lo)
+        if len(sizes) == 1:  # one size seen: proportional beyond it, flat below
+            only = sizes[0]
+            return self._at[only][1] * (max(size, only) / only)
+        s0, s1 = (sizes[-2], sizes[-1]) if hi is None else (sizes[0], sizes[1])
+        slope = max(0.0, (self._at[s1][1] - self._at[s0][1]) / (s1 - s0))
+        base = s1 if hi is None else s0
+        return max(1e-9, self._at[base][1] + slope * (size - base))
+
+
+@dataclass
+class BatchCosts:
+    """What a step shared by many sequences costs: the target pass by its rows, a lockstep draft forward by
+    the sequences drafting in it, and the rest of the step by the sequences in it. Fed once per pass (each
+    of a step's records carries the step's times, so each counts 1/batch)."""
+
+    verify: CurveEWMA = field(default_factory=CurveEWMA)  # rows -> seconds of the target pass
+    draft_forward: CurveEWMA = field(default_factory=CurveEWMA)  # sequences drafting -> seconds per forward
+    other: CurveEWMA = field(default_factory=CurveEWMA)  # sequences -> seconds of the rest of the step
+
+    def observe(self, record: StepRecord) -> None:
+        w = 1.0 / max(1, record.batch_size)
+        rows = record.rows or record.tau + 1
+        self.verify.observe(rows, record.verify_time, w)
+        if record.draft_passes and record.draft_time > 0:
+            drafting = max(1, record.drafting or 1)
+            self.draft_forward.observe(drafting, record.draft_time / record.draft_passes, w)
+        self.other.observe(record.batch_size, record.other_time, w)
+
+    def step_time(self, rows: int, depth: int, drafting: int, sequences: int, solo: StepCosts) -> float:
+        """Predicted seconds of a step with ``rows`` target rows over ``sequences`` sequences, ``depth`` lockstep
+        draft forwards over ``drafting`` of them. Until measured, the solo costs scaled as a memory-bound
+        pass would be (flat in rows up to a block, then the solo slope)."""
+        v0, v1 = solo.line()
+        verify = self.verify(rows, v0 + v1 * (rows - 1))
+        d1 = solo.draft_per_token if solo.draft_per_token is not None else solo.prior_draft_frac * v0
+        draft = depth * self.draft_forward(max(1, drafting), d1 * (1 + 0.05 * (max(1, drafting) - 1)))
+        other = self.other(sequences, (solo.other or 0.0) * sequences)
+        return verify + draft + other

@@ -34,11 +34,8 @@ class HeuristicPolicy(Policy):
             self._per_request[ctx.request_id] = self.start
 
     def next_tau(self, ctx: StepContext) -> Decision:
-        if not ctx.can_draft:
-            return Decision(0, "no drafter")
         n = self._count(ctx.request_id)
-        tau = min(n, ctx.max_tau)
-        return Decision(tau, f"heuristic count {n}" + (f", clamped to {tau}" if tau < n else ""))
+        return Decision(n, f"heuristic count {n}")
 
     def observe(self, record: StepRecord) -> None:
         if record.tau == 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,19 +13,29 @@ from specdec.errors import InvalidRequestError, UnsupportedError
 from specdec.runtime.base import KVCache, ModelRunner
 from specdec.runtime.cpu import cpu_flags
 from specdec.runtime.hf import HFRunner, check_checkpoint_dir
+from specdec.runtime.native import SUPPORTED_MODEL_TYPES, NativeRunner, native_unsupported_reason
 
 RunnerFactory = Callable[..., ModelRunner]
-RUNTIMES: dict[str, RunnerFactory] = {"hf": HFRunner.from_pretrained}
-# model_type values (config.json) the native runtime implements; filled in when it is importable.
-NATIVE_MODEL_TYPES: frozenset[str] = frozenset()
 
-try:  # the native runtime registers itself here
-    from specdec.runtime.native import SUPPORTED_MODEL_TYPES, NativeRunner, native_unsupported_reason
 
-    RUNTIMES["native"] = NativeRunner.from_pretrained
-    NATIVE_MODEL_TYPES = frozenset(SUPPORTED_MODEL_TYPES)
-except ImportError:
-    pass
+@dataclass(frozen=True)
+class Runtime:
+    load: RunnerFactory  # (path, *, device, dtype, **options) -> a loaded runner
+    unsupported: Callable[[Path], str | None]  # why it cannot run a checkpoint, or None when it can
+
+
+def _native_unsupported(path: Path) -> str | None:
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {model_type!r} is not one the native runtime implements"
+    return native_unsupported_reason(path)  # a supported family with a feature it lacks (e.g. yarn RoPE)
+
+
+# Runtimes by name, in the order ``auto`` tries them: the first that can run a checkpoint is chosen.
+RUNTIMES: dict[str, Runtime] = {
+    "native": Runtime(NativeRunner.from_pretrained, _native_unsupported),
+    "hf": Runtime(HFRunner.from_pretrained, lambda path: None),
+}
 
 DTYPES = {
     "float32": torch.float32,
@@ -75,11 +86,8 @@ def choose_runtime(path: str | Path, runtime: str) -> str:
                 f"unknown runtime {runtime!r}; choose one of: auto, {', '.join(RUNTIMES)}", "runtime"
             )
         return runtime
-    model_type = json.loads((check_checkpoint_dir(path) / "config.json").read_text()).get("model_type")
-    # A supported architecture with a feature the native runtime lacks (e.g. yarn RoPE) falls back to transformers.
-    if model_type in NATIVE_MODEL_TYPES and native_unsupported_reason(path) is None:
-        return "native"
-    return "hf"
+    checkpoint = check_checkpoint_dir(path)
+    return next(name for name, rt in RUNTIMES.items() if rt.unsupported(checkpoint) is None)
 
 
 def load_runner(
@@ -101,7 +109,16 @@ def load_runner(
                 "(a model type or feature the native runtime lacks, or --runtime hf)"
             )
         kwargs["compile"] = True
-    return RUNTIMES[name](path, device=device, dtype=resolve_dtype(dtype, device, name), **kwargs)
+    return RUNTIMES[name].load(path, device=device, dtype=resolve_dtype(dtype, device, name), **kwargs)
 
 
-__all__ = ["RUNTIMES", "HFRunner", "KVCache", "ModelRunner", "load_runner", "resolve_device", "resolve_dtype"]
+__all__ = [
+    "RUNTIMES",
+    "HFRunner",
+    "Runtime",
+    "KVCache",
+    "ModelRunner",
+    "load_runner",
+    "resolve_device",
+    "resolve_dtype",
+]

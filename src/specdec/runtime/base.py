@@ -8,6 +8,7 @@ cache; ``cache.crop(n)`` rolls back to the first n tokens (rejected drafts).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -29,7 +30,7 @@ class KVCache(ABC):
 
 
 class ModelRunner(ABC):
-    """A causal LM loaded for inference, batch size 1 per sequence."""
+    """A causal LM loaded for inference: one cache per sequence; ``forward_batch`` runs blocks of many."""
 
     name: str  # checkpoint directory or model id, for messages
     vocab_size: int  # rows of the output distribution
@@ -37,6 +38,7 @@ class ModelRunner(ABC):
     device: torch.device
     dtype: torch.dtype
     eos_token_ids: frozenset[int] = frozenset()  # from config.json / generation_config.json
+    batches: bool = False  # True where forward_batch runs all its blocks in one pass (else one pass per block)
 
     @abstractmethod
     def new_cache(self) -> KVCache: ...
@@ -48,6 +50,18 @@ class ModelRunner(ABC):
         Returns float32 logits ``[k, vocab_size]`` (``[1, vocab_size]`` when ``last_only``),
         row i being the distribution of the token after ``ids[i]``; the cache grows by k.
         """
+
+    def forward_batch(
+        self, blocks: Sequence[tuple[torch.Tensor, KVCache]], last_only: bool = False
+    ) -> list[torch.Tensor]:
+        """Run several sequences' blocks (each ``ids [k_i]`` with its own cache, at that cache's positions);
+        returns each block's logits as ``forward`` would. A block's logits do not depend on the other
+        blocks. This default runs one pass per block; runtimes that batch (``batches``) run one pass in all.
+        """
+        return [self.forward(ids, cache, last_only) for ids, cache in blocks]
+
+    def release(self, cache: KVCache) -> None:  # noqa: B027 - optional hook
+        """A finished sequence's cache, which the runner may reuse for the next one."""
 
 
 def check_batch_one(ids: torch.Tensor) -> torch.Tensor:

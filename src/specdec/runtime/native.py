@@ -18,7 +18,7 @@ safetensors) without its model classes. What keeps a decode step cheap (see docs
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +44,7 @@ SUPPORTED_MODEL_TYPES = set(FAMILIES)
 # Blocks up to this many tokens take their mask from the precomputed band; longer ones (prefill) build one.
 BAND_ROWS = 16
 COMPILE_MODE = "max-autotune-no-cudagraphs"
+SPARE_CACHE_BYTES = 2 << 30  # released cache tensors kept for reuse, at most this many bytes in all
 
 
 class NativeCache(KVCache):
@@ -52,9 +53,8 @@ class NativeCache(KVCache):
     Per-layer views (keys transposed for the score product) are made once here, not per step.
     """
 
-    def __init__(self, cfg: NativeConfig, max_context: int, device: torch.device, dtype: torch.dtype) -> None:
-        # empty, not zeros: positions at or beyond ``length`` are never read.
-        self.kv = torch.empty(cfg.layers, 2, cfg.kv_heads, max_context, cfg.head_dim, device=device, dtype=dtype)
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv = kv  # [layers, 2, kv_heads, max_context, head_dim]; positions at or beyond ``length`` are never read
         self._length = 0
         self.layer_kv = list(self.kv.unbind(0))  # [2, KV, C, hd] each
         self.keys_t = [lkv[0].transpose(1, 2) for lkv in self.layer_kv]  # [KV, hd, C]
@@ -105,6 +105,8 @@ class NativeRunner(ModelRunner):
         # What runs the forward: the one-call CPU kernel, or PyTorch operators (which flavour of products).
         self.backend = "cpu-kernel" if fused is not None else f"torch-{ops.__name__}"
         self._compiled: dict[int, Callable[..., torch.Tensor]] = {}
+        self.batches = fused is not None  # the CPU kernel runs rows of many sequences in one pass
+        self._spare: list[torch.Tensor] = []  # released cache tensors, reused by new_cache (slots)
         if fused is not None:
             return  # the kernel holds its own weights and tables
         # Complex RoPE needs complex arithmetic in the compute dtype: fp32/fp64, eager.
@@ -182,7 +184,51 @@ class NativeRunner(ModelRunner):
         )
 
     def new_cache(self) -> NativeCache:
-        return NativeCache(self.config, self.max_context, self.device, self.compute_dtype)
+        """A cache slot: a released one when there is one (its memory already mapped), else a new tensor."""
+        if self._spare:
+            return NativeCache(self._spare.pop())
+        cfg = self.config
+        shape = (cfg.layers, 2, cfg.kv_heads, self.max_context, cfg.head_dim)
+        # empty, not zeros: positions at or beyond a cache's length are never read.
+        return NativeCache(torch.empty(shape, device=self.device, dtype=self.compute_dtype))
+
+    def release(self, cache: KVCache) -> None:
+        kept = sum(t.numel() * t.element_size() for t in self._spare)
+        if isinstance(cache, NativeCache) and kept + cache.kv.numel() * cache.kv.element_size() <= SPARE_CACHE_BYTES:
+            cache.crop(0)
+            self._spare.append(cache.kv)
+
+    @torch.inference_mode()
+    def forward_batch(
+        self, blocks: Sequence[tuple[torch.Tensor, KVCache]], last_only: bool = False
+    ) -> list[torch.Tensor]:
+        if self._fused is None or len(blocks) == 1:
+            return [self.forward(ids, cache, last_only) for ids, cache in blocks]
+        ids_l, pos_l, kv_l, out_l = [], [], [], []
+        row = 0
+        for ids, cache in blocks:
+            if not isinstance(cache, NativeCache):
+                raise TypeError(f"NativeRunner needs caches from its own new_cache(), got {type(cache).__name__}")
+            ids = check_batch_one(ids)
+            k, pos = int(ids.shape[0]), cache.length
+            if k == 0:
+                raise ValueError("forward_batch needs at least one token per block")
+            if pos + k > self.max_context:
+                raise ContextLengthError(
+                    f"{self.name}: {pos + k} tokens do not fit the context window of {self.max_context}", "max_tokens"
+                )
+            ids_l.append(ids)
+            pos_l.append(torch.arange(pos, pos + k, dtype=torch.int64))
+            kv_l.append(torch.full((k,), cache.kv.data_ptr(), dtype=torch.int64))
+            out_l.append(torch.arange(row + k - 1 if last_only else row, row + k, dtype=torch.int64))
+            row += k
+        logits = self._fused.forward_rows(torch.cat(ids_l), torch.cat(pos_l), torch.cat(kv_l), torch.cat(out_l))
+        out, first = [], 0
+        for (ids, cache), o in zip(blocks, out_l):
+            cache._length += int(ids.reshape(-1).shape[0])  # type: ignore[attr-defined]
+            out.append(logits[first : first + o.shape[0]])
+            first += int(o.shape[0])
+        return out
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:

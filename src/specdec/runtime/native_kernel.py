@@ -33,8 +33,8 @@ from specdec.runtime.native_config import NativeConfig, rope_tables
 from specdec.runtime.native_weights import ModelWeights
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 5
-# sd_forward's profile phases, in the kernel's order (PH_*).
+ABI_VERSION = 6
+# sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 CXX_FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-fopenmp"]
 # On CPUs with AVX512-BF16, bf16 weights multiply activations rounded to bf16 (VDPBF16PS); elsewhere,
@@ -149,10 +149,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, str(e)
     if lib.sd_abi_version() != ABI_VERSION:
         return None, "stale kernel build (ABI version mismatch)"
-    lib.sd_forward.restype = ctypes.c_int
-    lib.sd_forward.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-    lib.sd_forward.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-    lib.sd_forward.argtypes += [ctypes.c_void_p]
+    fn = lib.sd_forward_rows
+    fn.restype = ctypes.c_int
+    # model, ids, pos, kv pointers, k, out_idx, n_out, logits, scratch, threads, prof
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    fn.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.sd_scratch_floats.restype = ctypes.c_int64
     lib.sd_weight_pairs.restype = ctypes.c_int
     lib.sd_weight_pairs.argtypes = [ctypes.c_int64]
@@ -252,7 +253,7 @@ class PackedWeight:
 
 
 class FusedLlama:
-    """A checkpoint's weights laid out for ``sd_forward``; one instance per runner, shared by its caches."""
+    """A checkpoint's weights laid out for ``sd_forward_rows``; one instance per runner, shared by its caches."""
 
     def __init__(self, cfg: NativeConfig, weights: ModelWeights, dtype: torch.dtype, max_context: int) -> None:
         lib = _library()
@@ -340,37 +341,65 @@ class FusedLlama:
     def forward(
         self, ids: torch.Tensor, kv: torch.Tensor, pos: int, last_only: bool, profile: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Logits ``[k or 1, vocab]`` of ``ids`` at ``pos..``; writes the keys/values into ``kv``.
+        """Logits ``[k or 1, vocab]`` of one sequence's ``ids`` at ``pos..``; writes the keys/values into ``kv``.
 
         ``profile``: a float64 tensor of ``len(PHASES)`` to which each phase's seconds are added.
         """
-        if ids.dtype != torch.int64 or not ids.is_contiguous():
-            ids = ids.to(torch.int64).contiguous()
         k = int(ids.shape[0])
+        positions = torch.arange(pos, pos + k, dtype=torch.int64)
+        caches = torch.full((k,), kv.data_ptr(), dtype=torch.int64)
+        out_idx = torch.tensor([k - 1], dtype=torch.int64) if last_only else torch.arange(k, dtype=torch.int64)
+        return self.forward_rows(ids, positions, caches, out_idx, profile=profile)
+
+    def forward_rows(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: torch.Tensor,
+        out_idx: torch.Tensor,
+        profile: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One pass over rows from any number of sequences: row t is token ``ids[t]`` at ``positions[t]`` of the
+        sequence whose cache tensor starts at address ``caches[t]`` (int64 ``[k]`` each; a sequence's rows
+        consecutive and in position order). Returns the logits of rows ``out_idx`` (``[len(out_idx), vocab]``).
+
+        Every row's result is independent of the other rows in the pass, bit for bit.
+        Passes of more than ``CHUNK`` rows run in chunks (bounded scratch; a sequence's later rows see the
+        keys its earlier chunks wrote).
+        """
+        ids, positions, caches, out_idx = (
+            t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+            for t in (ids, positions, caches, out_idx)
+        )
+        k, n_out = int(ids.shape[0]), int(out_idx.shape[0])
         threads = max(1, torch.get_num_threads())
-        out = torch.empty(1 if last_only else k, self.vocab_size, dtype=torch.float32)
-        done = 0
-        while done < k:  # long prompts: chunks of CHUNK tokens, logits only where asked
+        out = torch.empty(n_out, self.vocab_size, dtype=torch.float32)
+        done, first_out = 0, 0
+        while done < k:
             n = min(CHUNK, k - done)
-            last_chunk = done + n == k
-            rows = (1 if last_only else n) if last_chunk else (0 if last_only else n)
-            dest = out[-1:] if last_only else out[done : done + n]
+            # The asked rows that fall in this chunk (out_idx is sorted), relative to it.
+            stop_out = first_out
+            while stop_out < n_out and int(out_idx[stop_out]) < done + n:
+                stop_out += 1
+            local = out_idx[first_out:stop_out] - done if stop_out > first_out else out_idx[:0]
             scratch = self._scratch_for(n, threads)
-            rc = self._lib.sd_forward(
+            rc = self._lib.sd_forward_rows(
                 self._model_ref,
                 ids.data_ptr() + 8 * done,
+                positions.data_ptr() + 8 * done,
+                caches.data_ptr() + 8 * done,
                 n,
-                pos + done,
-                kv.data_ptr(),
-                dest.data_ptr(),
-                rows,
+                local.data_ptr(),
+                stop_out - first_out,
+                out[first_out:].data_ptr(),
                 scratch.data_ptr(),
                 threads,
                 None if profile is None else profile.data_ptr(),
             )
             if rc != 0:
                 raise ValueError(
-                    f"CPU kernel refused the call (ids out of range or position {pos + done} beyond the cache)"
+                    "CPU kernel refused the call (token ids out of range, a position beyond the cache, "
+                    "or an asked row outside the pass)"
                 )
-            done += n
+            done, first_out = done + n, stop_out
         return out

@@ -38,8 +38,11 @@ _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for c
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
     """An app serving ``engine``; the scheduler's worker thread starts with the app (or the first request)."""
     settings = settings or ServerSettings()
-    scheduler = Scheduler(engine, max_active=settings.max_active, max_queue=settings.max_queue)
+    scheduler = Scheduler(
+        engine, max_active=settings.max_active, max_queue=settings.max_queue, max_batch=settings.max_batch
+    )
     metrics = ServerMetrics(engine, scheduler)
+    scheduler.on_step = metrics.observe_pass
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -103,7 +106,14 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     @app.get("/health")
     async def health() -> dict[str, Any]:
         """Liveness and load: requests running and waiting."""
-        return {"status": "ok", "model": settings.model_name, **scheduler.snapshot()}
+        return {
+            "status": "ok",
+            "model": settings.model_name,
+            # Whether one pass serves many requests (the native runtime's CPU kernel), or each runs its own.
+            "batched_passes": engine.target.batches,
+            "runtime": getattr(engine.target, "backend", type(engine.target).__name__),
+            **scheduler.snapshot(),
+        }
 
     @app.get("/metrics", response_class=Response)
     async def prometheus() -> Response:

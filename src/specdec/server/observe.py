@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from specdec.engine import Engine
 from specdec.metrics import SpecMetrics
@@ -26,6 +26,26 @@ class ServerMetrics:
         }
         for key, (name, doc) in gauges.items():
             Gauge(name, doc, registry=r).set_function(lambda key=key: scheduler.snapshot()[key])  # type: ignore[misc]
+        Gauge("specdec_server_max_batch", "Requests that may share one step's passes.", registry=r).set(
+            scheduler.max_batch
+        )
+        self._sequences = Histogram(
+            "specdec_batch_sequences_per_pass",
+            "Requests sharing each step's draft and target passes.",
+            buckets=(1, 2, 4, 8, 12, 16, 24, 32, 48, 64),
+            registry=r,
+        )
+        self._rows = Histogram(
+            "specdec_batch_rows_per_pass",
+            "Rows (token positions) of each step's target pass over all its requests.",
+            buckets=(1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512),
+            registry=r,
+        )
+
+    def observe_pass(self, sequences: int, rows: int) -> None:
+        """One batched step (called by the scheduler's worker)."""
+        self._sequences.observe(sequences)
+        self._rows.observe(rows)
 
     @property
     def content_type(self) -> str:

@@ -1,10 +1,13 @@
-"""One worker thread runs all model work; it interleaves the active requests step by step.
+"""One worker thread runs all model work: continuous batching of the active requests.
 
-Each request is a ``Job``: a function that tokenises and prefills it (``build``, run on the worker),
-then one ``Generation.step()`` per round, round-robin over the active jobs, so every stream makes
-progress together and no request starves. Results travel back to the request's event loop through
-an ``asyncio.Queue``. A bounded waiting line answers 429; deadlines and client disconnects cancel
-the ``Generation`` and drop its caches.
+Each request is a ``Job``: a function that tokenises and prefills it (``build``, run on the worker, in
+a pass of its own between steps), then it joins the batch. Each round is one ``Engine.step`` over up
+to ``max_batch`` active requests: one lockstep draft and one target pass shared by all of them. A
+request leaves the batch the moment it finishes, is cancelled or runs past its deadline, and a waiting
+one joins at the next round. With more active requests than ``max_batch`` the rounds rotate over
+them (``max_batch=1``: one request per pass, round-robin). Results travel back to the request's event
+loop through an ``asyncio.Queue``. A bounded waiting line answers 429; deadlines and client
+disconnects cancel the ``Generation`` and free its cache slot.
 """
 
 from __future__ import annotations
@@ -81,12 +84,22 @@ class Job:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_active: int = 16, max_queue: int = 64) -> None:
-        if max_active < 1 or max_queue < 0:
-            raise ValueError("max_active must be >= 1 and max_queue >= 0")
+    def __init__(
+        self,
+        engine: Engine,
+        max_active: int = 16,
+        max_queue: int = 64,
+        max_batch: int = 16,
+        on_step: Callable[[int, int], None] | None = None,
+    ) -> None:
+        if max_active < 1 or max_queue < 0 or max_batch < 1:
+            raise ValueError("max_active and max_batch must be >= 1 and max_queue >= 0")
         self.engine = engine
         self.max_active = max_active
         self.max_queue = max_queue
+        self.max_batch = max_batch
+        self.on_step = on_step  # called with (sequences, target rows) of every batched step
+        self._turn = 0  # where the next round starts among the active jobs (rotation when they exceed max_batch)
         self._waiting: deque[Job] = deque()
         self._active: list[Job] = []
         self._cond = threading.Condition()
@@ -157,6 +170,7 @@ class Scheduler:
                 "queued": len(self._waiting),
                 "max_active": self.max_active,
                 "max_queue": self.max_queue,
+                "max_batch": self.max_batch,
                 "completed": self.completed,
                 "failed": self.failed,
                 "cancelled": self.cancelled,
@@ -177,12 +191,9 @@ class Scheduler:
                     admitted.append(self._waiting.popleft())
             for job in admitted:
                 self._admit(job)
-            for job in list(self._active):
-                try:
-                    self._advance(job)
-                except Exception:  # noqa: BLE001 - never let the worker die: every later request would hang
-                    log.exception("scheduler: dropping request %s", job.request_id)
-                    self._drop(job)
+            batch = [job for job in self._next_batch() if self._still_wanted(job)]
+            if batch:
+                self._advance(batch)
         # Shutting down: release everything still running or waiting.
         for job in list(self._active):
             self._end(job, Failed(_shutdown_error()))
@@ -210,26 +221,55 @@ class Scheduler:
             self._active.append(job)
         job.post(Started(prompt_tokens=len(job.gen.prompt_ids)))
 
-    def _advance(self, job: Job) -> None:
-        gen = job.gen
-        assert gen is not None
+    def _next_batch(self) -> list[Job]:
+        """Up to ``max_batch`` active jobs, rotating so every job gets its turn when there are more."""
+        with self._cond:
+            active = list(self._active)
+        if len(active) <= self.max_batch:
+            return active
+        start = self._turn % len(active)
+        self._turn = start + self.max_batch
+        return (active[start:] + active[:start])[: self.max_batch]
+
+    def _still_wanted(self, job: Job) -> bool:
+        """End a job whose client left or whose deadline passed (its slot is free for the next round)."""
         if job.cancelled:
             self._end(job, Failed(_cancelled_error()))  # wakes a handler still waiting on the job
-            return
+            return False
         if time.monotonic() > job.deadline:
             self._end(job, Failed(_timeout_error()))
-            return
+            return False
+        return True
+
+    def _advance(self, batch: list[Job]) -> None:
+        """One engine step over the batch; if it fails, each job alone, so only the one at fault fails."""
         try:
-            event = gen.step()
-            if event is not None:
-                job.post(Step(event, self._step_detail(event) if job.want_steps else None))
-            if gen.done:
-                result = gen.result()
-                self._mean_latency = 0.8 * self._mean_latency + 0.2 * result.stats.latency
-        except Exception as e:  # noqa: BLE001 - one request's failure must not stop the worker
-            self._end(job, Failed(_as_api_error(e)))
+            events = self.engine.step([job.gen for job in batch if job.gen is not None])
+        except Exception as e:  # noqa: BLE001 - find the request at fault; the others go on
+            if len(batch) == 1:
+                self._end(batch[0], Failed(_as_api_error(e)))
+                return
+            for job in batch:
+                self._advance([job])
             return
+        if self.on_step is not None:
+            records = [ev.record for ev in events if ev is not None]
+            if records:
+                self.on_step(records[0].batch_size, records[0].rows)
+        for job, event in zip(batch, events):
+            try:
+                self._deliver(job, event)
+            except Exception as e:  # noqa: BLE001 - one request's failure must not stop the worker
+                self._end(job, Failed(_as_api_error(e)))
+
+    def _deliver(self, job: Job, event: StepEvent | None) -> None:
+        gen = job.gen
+        assert gen is not None
+        if event is not None:
+            job.post(Step(event, self._step_detail(event) if job.want_steps else None))
         if gen.done:
+            result = gen.result()
+            self._mean_latency = 0.8 * self._mean_latency + 0.2 * result.stats.latency
             self._end(job, Done(result))
 
     def _end(self, job: Job, msg: Message) -> None:

@@ -12,7 +12,8 @@ STATIC_DIR = Path(__file__).resolve().parent / "static"
 class ServerSettings:
     model_name: str = "specdec"  # the id clients pass as "model" (GET /v1/models)
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer KEY"
-    max_active: int = 16  # requests interleaved at once
+    max_active: int = 16  # requests in flight at once (each holds a cache slot)
+    max_batch: int = 16  # requests sharing one step's draft and target passes (1: one request per pass)
     max_queue: int = 64  # requests waiting beyond those; more get 429
     request_timeout: float = 600.0  # seconds from arrival; then the request is cancelled (408)
     max_body_bytes: int = 2 * 1024 * 1024
@@ -23,6 +24,7 @@ class ServerSettings:
 
         checks = {
             "max_active": self.max_active >= 1,
+            "max_batch": self.max_batch >= 1,
             "max_queue": self.max_queue >= 0,
             "request_timeout": self.request_timeout > 0,
             "max_body_bytes": self.max_body_bytes > 0,

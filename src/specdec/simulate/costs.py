@@ -15,10 +15,12 @@ import json
 import math
 import os
 import random
+import statistics
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from specdec.analysis import StepAggregate
 from specdec.errors import InvalidRequestError
 from specdec.records import StepRecord
 
@@ -128,19 +130,10 @@ def fit_costs(
     """Fit a cost model to real step records: median verify seconds per block size seen at least
     ``min_count`` times (rarer sizes are too noisy to trust; the line between the kept sizes covers
     them), and median draft seconds per drafted token."""
-    by_block: dict[int, list[float]] = {}
-    per_token: list[float] = []
-    other: list[float] = []
-    for r in records:
-        by_block.setdefault(r.tau + 1, []).append(r.verify_time)
-        other.append(r.other_time)
-        if r.tau:
-            per_token.append(r.draft_time / r.tau)
-    if not by_block:
+    agg = StepAggregate.of(records)
+    if not agg.steps:
         raise InvalidRequestError("no step records to fit a cost model to", "records")
-    table = {k: _median(v) for k, v in sorted(by_block.items()) if len(v) >= min_count}
-    if not table:
-        table = {k: _median(v) for k, v in sorted(by_block.items())}
+    table = agg.verify_table(statistics.median, min_count) or agg.verify_table(statistics.median)
     ks = sorted(table)
     base = table[ks[0]]
     slope = (table[ks[-1]] - base) / (ks[-1] - ks[0]) if len(ks) > 1 else 0.0
@@ -148,18 +141,12 @@ def fit_costs(
         base = max(base - slope * (ks[0] - 1), 1e-9)
     return CostModel(
         name,
-        _median(per_token) if per_token else 0.0,
+        statistics.median(agg.draft_per_token) if agg.draft_per_token else 0.0,
         base,
         max(slope, 0.0),
-        _median(other),
+        statistics.median(agg.other),
         prefill_per_token_s,
         jitter=0.03,
         verify_table=table,
         source="fitted to step records",
     )
-
-
-def _median(xs: list[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return (s[n // 2] + s[(n - 1) // 2]) / 2 if n else 0.0

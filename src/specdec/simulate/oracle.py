@@ -9,9 +9,8 @@ nothing to learn. Neither is an upper bound on everything (a better stop rule co
 
 from __future__ import annotations
 
-from specdec.drafters.base import ReachRule
 from specdec.policy.adaptive import REACH_DEPTH, reach_thresholds
-from specdec.policy.base import Decision, Policy, StepContext
+from specdec.policy.base import Decision, Policy, ReachRule, StepContext
 from specdec.policy.estimates import expected_emitted_all, posterior_by_tenth, reach_weighted_mean
 from specdec.simulate.costs import CostModel
 from specdec.simulate.processes import AcceptanceProcess, SimRequest, confidence_tenths
@@ -46,4 +45,4 @@ class OraclePolicy(Policy):
         cap = min(k, tau + REACH_DEPTH)
         table = posterior_by_tenth(prior, *self._tenths)
         thresholds = reach_thresholds(times, rates, times[tau] / emitted[tau], cap)
-        return Decision(cap, f"oracle tau={tau}, up to {cap}", reach_rule=ReachRule(table, thresholds))
+        return Decision(cap, f"oracle tau={tau}, up to {cap}", ReachRule(table, thresholds))

@@ -8,7 +8,6 @@ accepted tokens have confidence ~ Beta(4, 1.5) (mean 0.73), rejected ones ~ Beta
 
 from __future__ import annotations
 
-import json
 import math
 import random
 from abc import ABC, abstractmethod
@@ -16,7 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specdec.analysis import StepAggregate
 from specdec.errors import InvalidRequestError
+from specdec.trace import read_trace
 
 
 @dataclass
@@ -29,6 +30,7 @@ class SimRequest:
     data: Any = None  # per-request draw of the process (e.g. its own α)
 
 
+REPLAY_DEPTH = 64  # draft positions whose acceptance a replayed trace estimates
 CONFIDENCE_IF_ACCEPTED = (4.0, 1.5)  # Beta parameters of the draft's top probability for a token that passes
 CONFIDENCE_IF_REJECTED = (1.5, 3.0)  # ... and for one that fails
 
@@ -151,43 +153,21 @@ class Replay(AcceptanceProcess):
 
     @classmethod
     def from_trace(cls, path: str | Path) -> Replay:
-        steps: dict[str, list[dict[str, Any]]] = {}
-        order: list[str] = []
-        try:
-            with open(path) as f:
-                for n, line in enumerate(f, 1):  # noqa: B007 - n names the bad line below
-                    if not line.strip():
-                        continue
-                    obj = json.loads(line)
-                    if obj.get("type") == "step":
-                        if obj["request_id"] not in steps:
-                            order.append(obj["request_id"])
-                        steps.setdefault(obj["request_id"], []).append(obj)
-        except OSError as e:
-            raise InvalidRequestError(f"cannot read trace {path}: {e.strerror or e}", "trace") from None
-        except (json.JSONDecodeError, KeyError) as e:
-            raise InvalidRequestError(f"trace {path} line {n} is not a step record: {e}", "trace") from None
-        if not order:
+        trace = read_trace(path)
+        recorded = sorted((r for r in trace.requests if r.steps), key=lambda r: r.first_line)  # in file order
+        if not recorded:
             raise InvalidRequestError(f"trace {path} has no step records", "trace")
-        wins, trials = [0.0] * 64, [0.0] * 64
         requests = []
-        for rid in order:
+        for req in recorded:
             ok: list[bool | None] = []
-            for s in sorted(steps[rid], key=lambda s: s["step"]):
-                tau, n_acc = int(s["tau"]), int(s["n_accepted"])
-                ok.extend([True] * n_acc)
-                if n_acc < tau:
+            for s in sorted(req.steps, key=lambda s: s.step):
+                ok.extend([True] * s.n_accepted)
+                if s.n_accepted < s.tau:
                     ok.append(False)
-                elif len(s["emitted"]) > n_acc:
+                elif len(s.emitted) > s.n_accepted:
                     ok.append(None)  # the bonus / plain token's position: the draft was not tested there
-                for k in range(min(n_acc + 1, tau, 64)):
-                    wins[k] += k < n_acc
-                    trials[k] += 1
-            requests.append({"prompt_len": int(steps[rid][0]["prompt_len"]), "new_tokens": len(ok), "ok": ok})
-        rates, last = [], 0.5
-        for w, t in zip(wins, trials):
-            last = (w + last) / (t + 1)  # shrink each depth toward the one before it
-            rates.append(last)
+            requests.append({"prompt_len": req.steps[0].prompt_len, "new_tokens": len(ok), "ok": ok})
+        rates = StepAggregate.of(s for req in recorded for s in req.steps).shrunk_rates(REPLAY_DEPTH)
         return cls(requests, rates)
 
     def prepare(self, req: SimRequest, rng: random.Random) -> None:

@@ -13,13 +13,18 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.drafters.base import DraftAsk, Pick, lockstep
 from specdec.policy.base import Policy, StepContext
 from specdec.policy.budget import FleetBudgetPolicy
 from specdec.records import FinishReason, GenerationStats, StepRecord
+from specdec.sampling import SamplingParams
 from specdec.simulate.costs import CostModel
 from specdec.simulate.oracle import OraclePolicy
 from specdec.simulate.processes import AcceptanceProcess, SimRequest, draft_confidence
 from specdec.simulate.workloads import Workload
+
+_GREEDY = SamplingParams()
+_NO_GENERATOR: Any = None  # simulated drafts draw from the runner's own random stream
 
 
 @dataclass
@@ -119,10 +124,12 @@ def _run_request(
             max_verify_passes=cap,
             max_tau=max(0, req.max_new_tokens - new - 1),
             elapsed=clock,
-            can_draft=True,
         )
 
     policy.begin(context())
+    allowance = policy.allowance(rid)  # the engine's rule: a policy's allowance narrows the request's cap
+    if allowance is not None:
+        cap = allowance if cap is None else min(cap, allowance)
     finish: FinishReason | None = None
     while finish is None:
         if cap is not None and passes >= cap:
@@ -133,24 +140,19 @@ def _run_request(
         if isinstance(oracle, OraclePolicy):
             oracle.see(process, req, new, cost)
         decision = policy.next_tau(ctx)
-        if decision.stop:
-            finish = "verify_budget"
-            break
-        asked = max(0, min(decision.tau, ctx.max_tau))
-        flags, confs = [], []
-        reach, dropped = 1.0, 0
-        for k in range(1, asked + 1):
-            ok = rng.random() < process.rate(req, new, k)
+        asked = max(0, min(decision.tau, ctx.max_tau))  # the engine's clamp
+        draws: list[bool] = []
+
+        def draw(rows: list[int], *_: Any, draws: list[bool] = draws, start: int = new) -> list[Pick]:
+            ok = rng.random() < process.rate(req, start, len(draws) + 1)
+            draws.append(ok)
             conf = draft_confidence(ok, rng)
-            if decision.min_confidence is not None and conf < decision.min_confidence:
-                dropped = 1  # a confidence cut still ran the forward that made the dropped token
-                break
-            flags.append(ok)
-            confs.append(conf)
-            if decision.reach_rule is not None:
-                reach = decision.reach_rule.reach(reach, conf)
-                if not decision.reach_rule.go_on(reach, len(flags)):
-                    break
+            return [Pick(int(ok), conf, conf)]
+
+        # The engine's drafting loop, with a simulated draft forward: token 1 = accepted, 0 = rejected.
+        (draft,) = lockstep([DraftAsk(None, [], asked, _GREEDY, _NO_GENERATOR, decision.rule)], draw, draw)
+        flags, confs = [bool(t) for t in draft.tokens], draft.token_probs
+        dropped = len(draws) - len(flags)  # a confidence cut still ran the forward that made the dropped token
         tau = len(flags)
         n_acc = flags.index(False) if False in flags else tau
         forwards = tau + dropped
@@ -175,6 +177,10 @@ def _run_request(
             verify_time=verify_t,
             other_time=other_t,
             draft_token_probs=confs,
+            draft_confidence=confs,
+            tau_planned=decision.tau,
+            verify_passes=passes + 1,
+            max_verify_passes=cap,
         )
         records.append(record)
         clock += draft_t + verify_t + other_t

@@ -149,25 +149,21 @@ def measure_acceptance(
 ) -> dict[str, Any]:
     """α = accepted / drafted over all prompts (fixed τ), mean accepted length, per-prompt α."""
     import specdec
+    from specdec.analysis import StepAggregate
 
     engine = specdec.load(target, draft, tau=tau, runtime=runtime, dtype=dtype)
-    drafted = accepted = new = passes = 0
+    steps = StepAggregate()
     per_prompt = []
     for i, p in enumerate(prompts):
         r = engine.generate(p, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i, tau=tau)
-        s = r.stats
-        drafted, accepted, new, passes = (
-            drafted + s.drafted,
-            accepted + s.accepted,
-            new + s.new_tokens,
-            passes + s.target_passes,
-        )
-        per_prompt.append(round(s.acceptance_rate, 3))
+        for record in r.records:
+            steps.add(record)
+        per_prompt.append(round(r.stats.acceptance_rate, 3))
     return {
-        "alpha": accepted / drafted if drafted else 0.0,
-        "mean_accepted_length": new / passes if passes else 0.0,
-        "drafted": drafted,
-        "accepted": accepted,
+        "alpha": steps.output_alpha or 0.0,
+        "mean_accepted_length": steps.tokens_per_pass or 0.0,
+        "drafted": steps.drafted,
+        "accepted": steps.accepted_out,
         "prompts": len(prompts),
         "tau": tau,
         "temperature": temperature,

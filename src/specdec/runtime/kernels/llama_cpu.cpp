@@ -57,7 +57,7 @@ struct SdModel {
     const SdLayer* layers;
 };
 
-extern "C" int sd_abi_version(void) { return 5; }
+extern "C" int sd_abi_version(void) { return 6; }
 
 // Which products this build uses for bf16 weights: 1 = AVX512-BF16 dot products, 0 = AVX2 fp32.
 extern "C" int sd_bf16_dot(void) {
@@ -68,7 +68,7 @@ extern "C" int sd_bf16_dot(void) {
 #endif
 }
 
-// Phases of a forward, for the optional per-phase profile (sd_forward's `prof`, seconds added per phase).
+// Phases of a forward, for the optional per-phase profile (sd_forward_rows' `prof`, seconds added per phase).
 enum {
     PH_NORM, PH_QKV, PH_ROPE_CACHE, PH_ATTENTION, PH_O_PROJ, PH_GATE_UP, PH_SILU_MUL, PH_DOWN, PH_HEAD, PH_COUNT
 };
@@ -700,15 +700,21 @@ extern "C" int64_t sd_scratch_floats(const SdModel* m, int64_t k, int64_t thread
     return k * (d + d + qkv + m->heads * hd + 2 * m->ff + m->ff) + (k * widest + 1) / 2 + 16 + threads * per_thread;
 }
 
-// Runs ids[0..k) at positions pos..pos+k-1, writing keys/values into kv. Logits for the last
-// `out_rows` tokens (0, 1 or k) go to logits[out_rows][vocab]. With `prof` (PH_COUNT doubles, else
-// NULL) the seconds of each phase are added to it, timed by thread 0 after each phase's barrier.
-// Returns 0, or -1 on bad arguments.
-extern "C" int sd_forward(const SdModel* m, const int64_t* ids, int64_t k, int64_t pos, float* kv, float* logits,
-                          int64_t out_rows, float* scratch, int64_t threads, double* prof) {
-    if (k < 1 || pos < 0 || pos + k > m->max_ctx || out_rows < 0 || out_rows > k || threads < 1) return -1;
+// Runs k rows in one pass. Row t is token ids[t] at position pos[t] of the sequence whose KV cache starts
+// at kv[t] (layout above); rows of one sequence that share a pass must be consecutive and in position
+// order (a verify block), and every row's keys/values are written before any row attends, so a row sees
+// the rows of its own sequence before it and nothing of any other sequence. Logits of rows out_idx[0..n_out)
+// go to logits[n_out][vocab]. Every row's result is independent of the other rows in the pass (the products'
+// promise), so a row's logits are the same bit for bit whatever it is batched with. With `prof` (PH_COUNT doubles, else NULL) the seconds of each phase are added to it, timed by thread 0 after
+// each phase's barrier. Returns 0, or -1 on bad arguments.
+extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64_t* pos, float* const* kv, int64_t k,
+                               const int64_t* out_idx, int64_t n_out, float* logits, float* scratch, int64_t threads,
+                               double* prof) {
+    if (k < 1 || n_out < 0 || n_out > k || threads < 1) return -1;
     for (int64_t t = 0; t < k; t++)
-        if (ids[t] < 0 || ids[t] >= m->vocab) return -1;
+        if (ids[t] < 0 || ids[t] >= m->vocab || pos[t] < 0 || pos[t] >= m->max_ctx || kv[t] == NULL) return -1;
+    for (int64_t j = 0; j < n_out; j++)
+        if (out_idx[j] < 0 || out_idx[j] >= k) return -1;
     const int64_t d = m->hidden, hd = m->head_dim, H = m->heads, KV = m->kv_heads, ff = m->ff;
     const int64_t G = H / KV, nqkv = (H + 2 * KV) * hd, C = m->max_ctx, half = hd / 2;
     float* x = scratch;          // [k][d] residual stream
@@ -739,17 +745,18 @@ extern "C" int sd_forward(const SdModel* m, const int64_t* ids, int64_t k, int64
     }
         for (int64_t l = 0; l < m->n_layers; l++) {
             const SdLayer* L = m->layers + l;
-            float* keys = kv + ((l * 2 + 0) * KV) * C * hd;
-            float* vals = kv + ((l * 2 + 1) * KV) * C * hd;
+            const int64_t key_off = ((l * 2 + 0) * KV) * C * hd, val_off = ((l * 2 + 1) * KV) * C * hd;
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < k; t++) rms_norm(x + t * d, h + t * d, d, m->eps);
             PHASE_DONE(PH_NORM)
             gemm(wt, h, d, L->wqkv, L->bqkv, qkv, nqkv, k, d, nqkv, 0, xb, scores);
             PHASE_DONE(PH_QKV)
-            // RoPE on query and key heads; keys and values into the cache.
+            // RoPE on query and key heads; keys and values into each row's own cache at its position.
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < k; t++) {
-                const int64_t p = pos + t;
+                const int64_t p = pos[t];
+                float* keys = kv[t] + key_off;
+                float* vals = kv[t] + val_off;
                 float* row = qkv + t * nqkv;
                 for (int64_t i = 0; i < H + KV; i++) rope(row + i * hd, m->rope_cos + p * half, m->rope_sin + p * half, half);
                 for (int64_t g = 0; g < KV; g++) {
@@ -760,10 +767,10 @@ extern "C" int sd_forward(const SdModel* m, const int64_t* ids, int64_t k, int64
             PHASE_DONE(PH_ROPE_CACHE)
 #pragma omp for schedule(static)
             for (int64_t th = 0; th < k * H; th++) {
-                const int64_t t = th / H, head = th % H, g = head / G, p = pos + t;
+                const int64_t t = th / H, head = th % H, g = head / G, p = pos[t];
                 const int64_t lo = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
-                attend(qkv + t * nqkv + head * hd, keys + g * C * hd, vals + g * C * hd, lo, p, hd, scores,
-                       att + t * H * hd + head * hd);
+                attend(qkv + t * nqkv + head * hd, kv[t] + key_off + g * C * hd, kv[t] + val_off + g * C * hd, lo, p,
+                       hd, scores, att + t * H * hd + head * hd);
             }
             PHASE_DONE(PH_ATTENTION)
             gemm(wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1, xb, scores);
@@ -779,11 +786,10 @@ extern "C" int sd_forward(const SdModel* m, const int64_t* ids, int64_t k, int64
             gemm(wt, act, ff, L->wd, L->bd, x, d, k, ff, d, 1, xb, scores);
             PHASE_DONE(PH_DOWN)
         }
-        if (out_rows > 0) {
-            const int64_t first = k - out_rows;
+        if (n_out > 0) {  // the asked rows, normalised into h[0..n_out) (free by now), then the head
 #pragma omp for schedule(static)
-            for (int64_t t = first; t < k; t++) rms_norm(x + t * d, h + t * d, d, m->eps);
-            gemm(wt, h + first * d, d, m->lm_head, NULL, logits, m->vocab, out_rows, d, m->vocab, 0, xb, scores);
+            for (int64_t j = 0; j < n_out; j++) rms_norm(x + out_idx[j] * d, h + j * d, d, m->eps);
+            gemm(wt, h, d, m->lm_head, NULL, logits, m->vocab, n_out, d, m->vocab, 0, xb, scores);
             PHASE_DONE(PH_HEAD)
         }
 #undef PHASE_DONE

@@ -4,13 +4,14 @@ figures, goals, and the measured cost model the policy simulator reads."""
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from specdec.analysis import StepAggregate
+
 if TYPE_CHECKING:
-    from specdec.bench import Prompt, Runs
-    from specdec.bench_contenders import Contender, RunResult
+    from specdec.bench.contenders import Contender, RunResult, Runs
+    from specdec.bench.prompts import Prompt
 
 SPECULATIVE_KINDS = ("fixed", "policy")
 GOALS = (  # (name, figure, threshold)
@@ -89,20 +90,20 @@ def summarize_contender(
         row["decode_tokens_per_s"] = tokens / decode if decode > 0 else None
     else:
         row["decode_tokens_per_s"] = None
-    passes = sum(r.target_passes for r in all_runs)
-    new = sum(len(r.tokens) for r in all_runs)
     drafted, accepted = _sum([r.drafted for r in all_runs]), _sum([r.accepted for r in all_runs])
-    row["mean_accepted_length"] = new / passes if passes else None
-    row["alpha"] = accepted / drafted if drafted and accepted is not None else None
-    # Leviathan et al.'s α is the probability that one draft token is accepted given that it is reached;
-    # accepted / drafted undercounts it (tokens drafted after a rejection are never tried). Its estimate
-    # from the counts: accepted / (accepted + rejections).
     rejections = _sum([r.rejections for r in all_runs])
-    row["alpha_per_token"] = (
-        accepted / (accepted + rejections)
-        if accepted is not None and rejections is not None and accepted + rejections
-        else None
+    counts = StepAggregate(
+        steps=sum(r.target_passes for r in all_runs),
+        emitted=sum(len(r.tokens) for r in all_runs),
+        drafted=int(drafted or 0),
+        accepted_out=int(accepted or 0),
+        rejections=int(rejections or 0),
     )
+    row["mean_accepted_length"] = counts.tokens_per_pass
+    row["alpha"] = counts.output_alpha if drafted is not None and accepted is not None else None
+    # Leviathan et al.'s α is the probability that one draft token is accepted given that it is reached;
+    # accepted / drafted undercounts it (tokens drafted after a rejection are never tried).
+    row["alpha_per_token"] = counts.per_token_alpha if accepted is not None and rejections is not None else None
     row["counts_exact"] = all(r.counts_exact for r in all_runs)
     row["t_draft_per_token"], row["t_target_pass"] = _unit_costs(all_runs)
     # c: draft cost per token over the cost of a plain (one-token) target pass, as in the formula.
@@ -140,12 +141,17 @@ def summarize_contender(
     return row
 
 
+def steps_of(runs: Iterable[RunResult]) -> StepAggregate:
+    """Every engine step of these runs, aggregated."""
+    return StepAggregate.of(rec for r in runs for rec in r.records)
+
+
 def _unit_costs(runs: Sequence[RunResult]) -> tuple[float | None, float | None]:
     """Median draft seconds per drafted token and target seconds per pass (per step where steps are known)."""
-    steps = [s for r in runs for s in r.steps]
-    if steps:
-        drafts = [d / tau for tau, d, _, _ in steps if tau > 0]
-        return (statistics.median(drafts) if drafts else None), statistics.median(v for _, _, v, _ in steps)
+    steps = steps_of(runs)
+    if steps.steps:
+        drafts = steps.draft_per_token
+        return (statistics.median(drafts) if drafts else None), statistics.median(steps.verify_times)
     drafts = [r.draft_time / r.drafted for r in runs if r.draft_time is not None and r.drafted]
     passes = [r.verify_time / r.target_passes for r in runs if r.verify_time is not None and r.target_passes]
     return (statistics.median(drafts) if drafts else None), (statistics.median(passes) if passes else None)
@@ -204,26 +210,17 @@ def goals(rows: Sequence[dict[str, Any]], best: dict[str, Any]) -> list[dict[str
 
 def costs_from_runs(runs: Runs) -> dict[str, Any]:
     """Measured costs from every engine step (medians, seconds): the simulator's "measured" cost model."""
-    by_block: dict[int, list[float]] = defaultdict(list)
-    draft_by_tau: dict[int, list[float]] = defaultdict(list)
-    other: list[float] = []
-    for per_prompt in runs.values():
-        for rs in per_prompt.values():
-            for r in rs:
-                for tau, d, v, o in r.steps:
-                    by_block[tau + 1].append(v)
-                    other.append(o)
-                    if tau > 0:
-                        draft_by_tau[tau].append(d)
-    per_token = [statistics.median(v) / tau for tau, v in draft_by_tau.items()]
-    t_verify = {str(k): statistics.median(v) for k, v in sorted(by_block.items())}
+    steps = steps_of(r for per_prompt in runs.values() for rs in per_prompt.values() for r in rs)
+    t_verify = {str(k): v for k, v in steps.verify_table(statistics.median).items()}
+    by_tau = sorted(steps.draft_by_tau.items())
+    per_token = [statistics.median(v) / tau for tau, v in by_tau]
     t_draft = statistics.median(per_token) if per_token else None
     return {
         "unit": "seconds",
         "t_draft_per_token": t_draft,
-        "t_draft_by_tau": {str(k): statistics.median(v) for k, v in sorted(draft_by_tau.items())},
+        "t_draft_by_tau": {str(k): statistics.median(v) for k, v in by_tau},
         "t_verify": t_verify,  # by block size k = τ + 1 (k = 1: a plain target step)
-        "t_other_per_step": statistics.median(other) if other else None,
+        "t_other_per_step": statistics.median(steps.other) if steps.other else None,
         "c": t_draft / t_verify["1"] if t_draft is not None and "1" in t_verify else None,
-        "steps": {str(k): len(v) for k, v in sorted(by_block.items())},
+        "steps": {str(k): len(v) for k, v in sorted(steps.verify_by_block.items())},
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from specdec.bench_stats import ideal_speedup
+from specdec.bench.stats import ideal_speedup
 from specdec.errors import SpecdecError
 
 COLUMNS = ("contender", "tok/s", "×target", "×HF asst", "α", "acc.len", "c", "ideal", "eff", "identical")

@@ -3,13 +3,12 @@
 For each prompt, each repeat runs every contender once (A B C ... A B C, the order rotated per
 repeat so no contender always runs first); each contender is warmed up first. A contender's
 tokens/s is its generated tokens over the sum of its per-prompt median wall times (prefill
-included), and every ratio is a ratio of those tokens/s figures. Analysis lives in
-``bench_stats``, contenders in ``bench_contenders``, table and plot in ``bench_report``.
+included), and every ratio is a ratio of those tokens/s figures. Prompts live in ``prompts``, contenders
+in ``contenders``, analysis in ``stats``, table and plot in ``report``.
 """
 
 from __future__ import annotations
 
-import json
 import resource
 import statistics
 import sys
@@ -18,26 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specdec.bench_contenders import Contender, EngineContender, HFModels, RunResult, hf_contenders
-from specdec.bench_stats import best_speculative, costs_from_runs, goals, summarize_contender
+from specdec.bench.contenders import Contender, EngineContender, HFModels, RunResult, Runs, hf_contenders
+from specdec.bench.prompts import Prompt
+from specdec.bench.stats import best_speculative, costs_from_runs, goals, steps_of, summarize_contender
 from specdec.engine import Engine
 from specdec.errors import InvalidRequestError
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent / "data" / "heldout_prompts.jsonl"
 DEFAULT_POLICIES = ("adaptive", "heuristic")
 SCHEMA_VERSION = 1
 
 Log = Callable[[str], None]
-# runs[contender key][prompt id] -> one RunResult per repeat
-Runs = dict[str, dict[str, list[RunResult]]]
-
-
-@dataclass
-class Prompt:
-    id: str
-    text: str
-    source: str = ""
-    ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -62,54 +51,6 @@ class BenchModels:
     target_only: Engine
     hf: HFModels | None
     info: dict[str, Any]
-
-
-def load_prompts(path: str | Path) -> list[Prompt]:
-    """A JSONL file with one object per line holding a non-empty string ``"prompt"`` (``"id"``, ``"source"`` optional)."""
-    p = Path(path)
-    if not p.is_file():
-        raise InvalidRequestError(f"prompt file not found: {p}", "prompts")
-    try:
-        lines = p.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise InvalidRequestError(f"cannot read prompt file {p}: {reason}", "prompts") from None
-    prompts: list[Prompt] = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"{p}:{n}: not valid JSON ({e.msg})", "prompts") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-            raise InvalidRequestError(f'{p}:{n}: expected an object with a non-empty string "prompt"', "prompts")
-        prompts.append(Prompt(id=str(obj.get("id", f"line{n}")), text=obj["prompt"], source=str(obj.get("source", ""))))
-    if not prompts:
-        raise InvalidRequestError(f"prompt file {p} holds no prompts", "prompts")
-    ids = [q.id for q in prompts]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise InvalidRequestError(f"prompt file {p}: id {dup!r} appears more than once", "prompts")
-    return prompts
-
-
-def parse_taus(text: str) -> list[int]:
-    """``"1-8"``, ``"2,4,6"`` or a mix (``"1-3,6"``) -> sorted distinct τ values >= 1."""
-    out: set[int] = set()
-    try:
-        for part in text.split(","):
-            part = part.strip()
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                out.update(range(lo, hi + 1))
-            elif part:
-                out.add(int(part))
-    except ValueError:
-        raise InvalidRequestError(f"--taus: cannot read {text!r}; use e.g. 1-8 or 2,4,6", "taus") from None
-    if not out or min(out) < 1:
-        raise InvalidRequestError(f"--taus: τ values must be integers >= 1, got {text!r}", "taus")
-    return sorted(out)
 
 
 def engine_contenders(models: BenchModels, cfg: BenchConfig, notes: list[str]) -> list[Contender]:
@@ -256,8 +197,8 @@ def summarize(contenders: Sequence[Contender], cfg: BenchConfig, runs: Runs, not
 
 def _target_pass_time(runs_by_prompt: dict[str, list[RunResult]]) -> float | None:
     """Seconds per target pass of a plain decoding step (the c denominator)."""
-    steps = [s for rs in runs_by_prompt.values() for r in rs for s in r.steps if s[0] == 0]
-    return statistics.median(s[2] for s in steps) if steps else None
+    plain = steps_of(r for rs in runs_by_prompt.values() for r in rs).verify_by_block.get(1)
+    return statistics.median(plain) if plain else None
 
 
 def trace_overhead(models: BenchModels, cfg: BenchConfig, report: dict[str, Any], log: Log) -> dict[str, Any]:

@@ -15,9 +15,7 @@ from typing import Any
 import torch
 
 from specdec.engine import Engine
-
-# (tau, draft_time, verify_time, other_time) of one engine step, in seconds.
-StepCost = tuple[int, float, float, float]
+from specdec.records import StepRecord
 
 
 @dataclass
@@ -33,7 +31,11 @@ class RunResult:
     prefill_time: float | None = None
     counts_exact: bool = True  # False: drafted/accepted inferred from forward-call counts
     rejections: int | None = None  # drafting steps that ended in a rejection (n̂ < τ)
-    steps: list[StepCost] = field(default_factory=list)
+    records: list[StepRecord] = field(default_factory=list)  # our engine's steps (other contenders: none)
+
+
+# runs[contender key][prompt id] -> one RunResult per repeat
+Runs = dict[str, dict[str, list[RunResult]]]
 
 
 class Contender(ABC):
@@ -72,7 +74,7 @@ class EngineContender(Contender):
             verify_time=s.verify_time,
             other_time=s.other_time,
             prefill_time=s.prefill_time,
-            steps=[(r.tau, r.draft_time, r.verify_time, r.other_time) for r in res.records],
+            records=list(res.records),
             rejections=sum(1 for r in res.records if r.tau > 0 and r.n_accepted < r.tau),
         )
 

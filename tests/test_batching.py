@@ -1,0 +1,238 @@
+"""Continuous batching: many requests share each draft and target pass, losslessly.
+
+Every greedy output must equal the request's solo target-only output whatever it is batched with (ragged
+τ including 0, joins and leaves mid-flight, different prompt lengths, EOS, stop strings, budgets,
+cancellation); sampled requests must keep their distribution and a seeded one its output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import specdec
+from specdec.engine import Engine, Generation
+from specdec.sampling import SamplingParams
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "x",
+    "import os\nimport sys\n\n\ndef main(argv):\n    for i, line in enumerate(open(argv[1])):\n        print(i, line)\n",
+    "class Node:\n    def __init__(self, value, next=None):\n",
+    "if __name__ == '__main__':",
+    "return [y for y in",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models: dict[str, Path]) -> Engine:
+    e = specdec.load(tiny_models["llama"], tiny_models["draft"], dtype="float32")
+    assert e.target.batches, "the tiny checkpoints should run on the CPU kernel, which batches"
+    return e
+
+
+_SOLO: dict[tuple[int, int, str | None], list[int]] = {}
+
+
+def solo(engine: Engine, prompt: int, max_new: int, stop: str | None = None) -> list[int]:
+    """The request alone, target-only, greedy."""
+    key = (prompt, max_new, stop)
+    if key not in _SOLO:
+        _SOLO[key] = engine.generate(PROMPTS[prompt], max_new_tokens=max_new, tau=0, stop=stop).token_ids
+    return _SOLO[key]
+
+
+def run_schedule(
+    engine: Engine,
+    arrivals: list[tuple[int, dict[str, Any]]],
+    cancel: dict[int, int] | None = None,
+    on_step: Callable[[list[Generation]], None] | None = None,
+) -> list[Generation]:
+    """Start request j (``engine.start(**kwargs)``) before step ``arrivals[j][0]``; cancel request j before
+    step ``cancel[j]``; step every unfinished request together until all are done."""
+    gens: list[Generation | None] = [None] * len(arrivals)
+    step = 0
+    while step <= max(a for a, _ in arrivals) or any(g is not None and not g.done for g in gens):
+        for j, (at, kwargs) in enumerate(arrivals):
+            if at == step:
+                gens[j] = engine.start(**kwargs)
+        for j, at in (cancel or {}).items():
+            g = gens[j]
+            if at == step and g is not None:
+                g.cancel()
+        active = [g for g in gens if g is not None and not g.done]
+        if active:
+            engine.step(active)
+            if on_step is not None:
+                on_step(active)
+        step += 1
+        assert step < 10_000
+    return [g for g in gens if g is not None]
+
+
+def test_greedy_outputs_equal_solo_runs_in_a_mixed_batch(engine: Engine) -> None:
+    arrivals = [
+        (0, dict(prompt=PROMPTS[0], max_new_tokens=40, tau=4)),
+        (0, dict(prompt=PROMPTS[2], max_new_tokens=30, tau=0)),  # fallback-like: one row
+        (0, dict(prompt=PROMPTS[1], max_new_tokens=25, policy="adaptive")),
+        (2, dict(prompt=PROMPTS[3], max_new_tokens=35, tau=7)),  # joins mid-flight
+        (3, dict(prompt=PROMPTS[4], max_new_tokens=12, tau=2)),  # leaves early
+        (3, dict(prompt=PROMPTS[0], max_new_tokens=40, tau=1, stop="\n")),
+        (4, dict(prompt=PROMPTS[5], max_new_tokens=40, tau=3, max_verify_passes=4)),
+        (1, dict(prompt=PROMPTS[2], max_new_tokens=40, tau=5)),  # cancelled below
+        (5, dict(prompt=PROMPTS[3], max_new_tokens=20, policy="heuristic")),
+    ]
+    shapes: list[tuple[int, int]] = []
+
+    def record_shape(active: list[Generation]) -> None:
+        last = [g.records[-1] for g in active if g.records]
+        shapes.append((last[0].batch_size, last[0].rows))
+
+    gens = run_schedule(engine, arrivals, cancel={7: 4}, on_step=record_shape)
+    for j, ((_, kw), g) in enumerate(zip(arrivals, gens)):
+        prompt = PROMPTS.index(kw["prompt"])
+        want = solo(engine, prompt, kw["max_new_tokens"], kw.get("stop"))
+        if j == 7:
+            assert g.stats.finish_reason == "cancelled" and g.new_tokens == want[: len(g.new_tokens)]
+        elif "max_verify_passes" in kw:
+            assert g.stats.target_passes <= kw["max_verify_passes"]
+            assert g.new_tokens == want[: len(g.new_tokens)]
+            assert g.stats.finish_reason in ("verify_budget", "length", "stop")
+        else:
+            assert g.new_tokens == want, (j, kw)
+            assert g.result().text == engine.generate(**{**kw, "tau": 0, "policy": None}).text
+    assert max(b for b, _ in shapes) >= 6, shapes  # requests really shared passes
+    assert any(rows > b for b, rows in shapes)  # with drafts: ragged blocks in one pass
+    for g in gens:
+        for rec in g.records:
+            assert rec.rows >= rec.batch_size >= 1 and rec.rows >= rec.tau + 1
+
+
+def test_step_records_carry_the_batch_and_the_budget(engine: Engine) -> None:
+    gens = [
+        engine.start(PROMPTS[0], max_new_tokens=8, tau=3, max_verify_passes=5),
+        engine.start(PROMPTS[1], max_new_tokens=8, tau=0),
+        engine.start(PROMPTS[3], max_new_tokens=8, tau=2),
+    ]
+    engine.step(gens)
+    recs = [g.records[0] for g in gens]
+    assert all(r.batch_size == 3 for r in recs)
+    assert all(r.rows == sum(x.tau + 1 for x in recs) for r in recs)
+    assert recs[0].max_verify_passes == 5 and recs[0].verify_passes == 1 and recs[1].max_verify_passes is None
+    assert recs[1].tau == 0 and recs[1].tau_planned == 0 and recs[0].tau_planned == 3
+    assert all(r.drafting == sum(x.tau > 0 for x in recs) for r in recs)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 6),  # arrival step
+            st.integers(0, len(PROMPTS) - 1),  # prompt
+            st.integers(0, 6),  # tau (0: one row of plain decoding)
+            st.integers(1, 14),  # max_new_tokens
+        ),
+        min_size=1,
+        max_size=7,
+    )
+)
+def test_random_schedules_keep_every_greedy_output_identical_to_its_solo_run(
+    engine: Engine, schedule: list[tuple[int, int, int, int]]
+) -> None:
+    arrivals = [(at, dict(prompt=PROMPTS[p], max_new_tokens=n, tau=tau)) for at, p, tau, n in schedule]
+    gens = run_schedule(engine, arrivals)
+    for (_, p, _, n), g in zip(schedule, gens):
+        assert g.new_tokens == solo(engine, p, n)
+
+
+def test_a_seeded_sampled_request_gives_the_same_output_whatever_it_is_batched_with(engine: Engine) -> None:
+    """With a fixed τ, each request draws from its own generator in the same order alone or batched."""
+    kw = dict(prompt=PROMPTS[0], max_new_tokens=24, tau=3, temperature=1.0, top_k=20, seed=11)
+    alone = engine.generate(**kw).token_ids
+    others = [
+        (0, dict(prompt=PROMPTS[2], max_new_tokens=30, tau=5, temperature=0.7, seed=3)),
+        (0, dict(prompt=PROMPTS[1], max_new_tokens=10, tau=0)),
+        (1, dict(prompt=PROMPTS[3], max_new_tokens=40, tau=2, temperature=1.0, top_p=0.9)),
+    ]
+    gens = run_schedule(engine, [*others[:2], (0, kw), others[2]])
+    assert gens[2].new_tokens == alone
+
+
+@pytest.mark.slow
+def test_sampled_requests_in_batches_follow_the_target_distribution(tiny_models: dict[str, Path]) -> None:
+    """600 seeded requests run 20 at a time through shared steps, with ragged τ: the joint distribution of
+    the first three tokens is the target's (chi-square against the exact enumeration, p > 1e-3; fixed
+    seeds, so deterministic; the false-failure rate on a correct implementation is 1e-3)."""
+    from specdec.testing import tiny_checkpoint
+    from test_distribution import P_THRESHOLD, chi2_pvalue, exact_joint
+
+    soft = tiny_checkpoint(
+        Path(tiny_models["llama"]).parent / "soft-batch", "llama", seed=0, tokenizer_from=tiny_models["llama"]
+    )
+    e = specdec.load(tiny_models["llama"], soft, dtype="float32")
+    assert e.target.batches
+    e.eos_ids = frozenset()  # exactly three tokens every time
+    prompt = e.encode("def fibonacci(n):")
+    settings = dict(temperature=1.0, top_k=8)
+    joint = exact_joint(tiny_models["llama"], prompt, SamplingParams(**settings))
+    n, counts, drafted, accepted = 600, {}, 0, 0
+    for first in range(0, n, 20):
+        gens = [e.start(prompt, max_new_tokens=3, tau=1 + s % 3, seed=s, **settings) for s in range(first, first + 20)]
+        while any(not g.done for g in gens):
+            e.step(gens)
+        for g in gens:
+            key = tuple(g.new_tokens)
+            counts[key] = counts.get(key, 0) + 1
+            drafted += g.stats.drafted
+            accepted += g.stats.accepted
+            assert all(r.batch_size > 1 for r in g.records[:1])
+    assert 0.05 < accepted / drafted < 0.95, "the draft should be partly accepted for this test to mean anything"
+    assert chi2_pvalue(counts, joint, n) > P_THRESHOLD
+
+
+def test_a_failing_step_leaves_the_other_requests_intact(engine: Engine) -> None:
+    """A step that raises (here: the target pass) puts every sequence back; stepped again they go on exactly."""
+    gens = [engine.start(PROMPTS[p], max_new_tokens=20, tau=3) for p in (0, 3)]
+    engine.step(gens)
+    forward_batch = engine.target.forward_batch
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("injected failure")
+
+    engine.target.forward_batch = broken  # type: ignore[method-assign]
+    try:
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.step(gens)
+    finally:
+        engine.target.forward_batch = forward_batch  # type: ignore[method-assign]
+    while any(not g.done for g in gens):
+        engine.step(gens)
+    assert [g.new_tokens for g in gens] == [solo(engine, 0, 20), solo(engine, 3, 20)]
+
+
+def test_a_batched_pass_gives_each_row_the_logits_it_gets_alone(engine: Engine) -> None:
+    """The runtime contract the step relies on: ragged blocks of several sequences in one pass, each row
+    bit for bit what the sequence's block gives alone."""
+    target = engine.target
+    torch.manual_seed(0)
+    prompts = [torch.randint(1, target.vocab_size, (n,)) for n in (1, 9, 30, 4)]
+    blocks = [torch.randint(1, target.vocab_size, (k,)) for k in (1, 4, 7, 2)]
+    alone = []
+    for p, b in zip(prompts, blocks):
+        c = target.new_cache()
+        target.forward(p, c)
+        alone.append(target.forward(b, c))
+    caches = []
+    for p in prompts:
+        c = target.new_cache()
+        target.forward(p, c)
+        caches.append(c)
+    together = target.forward_batch(list(zip(blocks, caches)))
+    for a, t, c, p, b in zip(alone, together, caches, prompts, blocks):
+        assert torch.equal(a, t) and c.length == len(p) + len(b)
