@@ -25,6 +25,7 @@ Checkpoints go to ``$SPECDEC_CACHE_DIR/real_shapes`` (else ``~/.cache/specdec/re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -58,10 +59,8 @@ def cpu_info() -> dict[str, Any]:
         p = Path(f"/sys/devices/system/cpu/cpu0/cache/{level}/size")
         if p.exists():
             info[key] = p.read_text().strip()
-    try:
+    with contextlib.suppress(OSError):
         info["load_average"] = list(os.getloadavg())
-    except OSError:
-        pass
     return info
 
 
