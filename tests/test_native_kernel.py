@@ -302,3 +302,26 @@ def test_long_blocks_equal_one_token_passes(isa: str, dtype: torch.dtype, tmp_pa
     for k in (1, 4, 6, 11, 25, 60):
         assert torch.equal(runner.forward(ids[10 : 10 + k], cache), singles[10 : 10 + k]), k
         cache.crop(10)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_a_row_in_a_batch_equals_the_row_alone(isa: str, dtype: torch.dtype, tmp_path: Path) -> None:
+    """Blocks of 1..7 rows of 12 sequences at different positions, 46 rows in one pass (several row groups): each
+    sequence's logits equal its block run alone, bit for bit (odd-size model: every tail)."""
+    runner = NativeRunner.from_pretrained(odd_checkpoint(tmp_path), dtype=dtype, kernel=True)
+    gen = torch.Generator().manual_seed(14)
+    seqs = [torch.randint(0, 97, (40,), generator=gen) for _ in range(12)]
+    starts = [3 + 2 * i for i in range(12)]
+    sizes = [1 + i % 7 for i in range(12)]
+    caches = []
+    for s, n in zip(seqs, starts):
+        caches.append(runner.new_cache())
+        runner.forward(s[:n], caches[-1])
+    alone = []
+    for s, n, k, c in zip(seqs, starts, sizes, caches):
+        alone.append(runner.forward(s[n : n + k], c))
+        c.crop(n)
+    together = runner.forward_batch([(s[n : n + k], c) for s, n, k, c in zip(seqs, starts, sizes, caches)])
+    for i, (a, b) in enumerate(zip(alone, together)):
+        assert torch.equal(a, b), i
+    assert [c.length for c in caches] == [n + k for n, k in zip(starts, sizes)]

@@ -167,7 +167,11 @@ static inline float exp1(float x) {
 #define L2_BLOCK (256 * 1024)  // bytes of weight panels re-read from L2 by each row group (half a Zen 3 L2)
 #endif
 #ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD 0  // columns ahead a tile prefetches its panels (0: the hardware prefetchers alone)
+// Columns ahead a tile prefetches its panels. Without it, blocks of 4..16 rows at real shapes took 10-30% longer
+// (a tile computing longer per byte leaves the hardware prefetchers behind), and one-row tiles of the fp32
+// arithmetic (AVX2 bf16 weights) ~10-20% longer; one-row tiles of bf16 dot products measured no faster with it
+// and keep the hardware prefetchers alone. (One thread, A/B interleaved, default and Qwen2.5-0.5B shapes.)
+#define PREFETCH_AHEAD 128
 #endif
 
 template <int V>
@@ -182,6 +186,7 @@ static inline VF vbcast(const float* p) { return _mm512_set1_ps(*p); }
 static inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 static inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
 static inline void vstore(float* p, VF v) { _mm512_storeu_ps(p, v); }
+static inline VF vloadu(const float* p) { return _mm512_loadu_ps(p); }
 // Panels per tile for R rows: up to 24 accumulators (+ weights and broadcasts) of the 32 registers.
 static constexpr int panels_max(int r, bool /*convert*/) { return r <= 6 ? 4 : 3; }
 #else
@@ -193,6 +198,7 @@ static inline VF vbcast(const float* p) { return _mm256_broadcast_ss(p); }
 static inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 static inline VF vadd(VF a, VF b) { return _mm256_add_ps(a, b); }
 static inline void vstore(float* p, VF v) { _mm256_storeu_ps(p, v); }
+static inline VF vloadu(const float* p) { return _mm256_loadu_ps(p); }
 // Panels per tile for R rows: up to 12 accumulators (+ one panel's weights and the broadcasts) of the 16
 // registers. `convert`: 16-bit weights, widened in registers; for 3 rows x 2 panels the compiler then keeps the
 // three broadcasts and the widened weights live and spills an accumulator (measured ~35% slower than 3 x 1).
@@ -234,11 +240,56 @@ struct F16W {
     }
 };
 
-// out[t][p*16 + j] = sum_c X[t][c] * panel p's output j, for t < R, p < P, one chain per element (see above).
+// Where a product's results go: Y[t][r] = acc + b[r], or Y[t][r] + (acc + b[r]) when accumulating; r < m.
+struct OutSpec {
+    const float* b;
+    float* Y;
+    int64_t ldy, m;
+    int accumulate;
+};
+
+// One vector of a tile's sums into Y at (row, col): + bias, + Y when accumulating. (By value: passing the tile's
+// accumulator array by reference made GCC keep it in memory on the AVX2 build, ~2x slower.)
+static inline __attribute__((always_inline)) void emit_vec(VF x, const OutSpec& o, int64_t row, int64_t col) {
+    if (o.b) x = vadd(x, vloadu(o.b + col));
+    float* y = o.Y + row * o.ldy + col;
+    vstore(y, o.accumulate ? vadd(vloadu(y), x) : x);
+}
+
+// The last panel of a matrix whose m is not a multiple of 16: the tile's sums `buf` [R][w] into the outputs that
+// exist, one by one.
+static inline void emit_tail(const float* buf, int64_t R, int64_t w, const OutSpec& o, int64_t t0, int64_t r0) {
+    const int64_t cols = o.m - r0;
+    for (int64_t t = 0; t < R; t++) {
+        float* y = o.Y + (t0 + t) * o.ldy + r0;
+        for (int64_t j = 0; j < cols; j++) {
+            const float x = o.b ? buf[t * w + j] + o.b[r0 + j] : buf[t * w + j];
+            y[j] = o.accumulate ? y[j] + x : x;
+        }
+    }
+}
+
+// Stores acc[R][NV] (a local array of the calling tile) at rows t0.., outputs r0..
+#define SD_EMIT(acc, R, NV, o, t0, r0)                                                          \
+    do {                                                                                       \
+        if ((r0) + (NV) * VLANES <= (o).m) {                                                   \
+            _Pragma("GCC unroll 32") for (int i_ = 0; i_ < (R) * (NV); i_++)                   \
+                emit_vec(acc[i_ / (NV)][i_ % (NV)], o, (t0) + i_ / (NV), (r0) + (i_ % (NV)) * VLANES); \
+        } else {                                                                               \
+            float buf_[(R) * (NV) * VLANES];                                                   \
+            _Pragma("GCC unroll 32") for (int i_ = 0; i_ < (R) * (NV); i_++)                   \
+                vstore(buf_ + i_ * VLANES, acc[i_ / (NV)][i_ % (NV)]);                         \
+            emit_tail(buf_, R, (NV) * VLANES, o, t0, r0);                                      \
+        }                                                                                      \
+    } while (0)
+
+// Y[t0 + t][r0 + 16p + j] (+)= sum_c X[t][c] * panel p's output j (+ b), for t < R, p < P: one chain per element
+// (see above).
 // `Wp`: the first panel; `ps`: elements per panel (n * 16).
 template <class WT, int R, int P>
 static inline __attribute__((always_inline)) void tile_f32(const float* X, int64_t ldx, const typename WT::T* Wp,
-                                                           int64_t ps, int64_t n, float* out) {
+                                                           int64_t ps, int64_t n, const OutSpec& o, int64_t t0,
+                                                           int64_t r0) {
     VF acc[R][P * VPP];
 #pragma GCC unroll 32
     for (int i = 0; i < R * P * VPP; i++) acc[i / (P * VPP)][i % (P * VPP)] = vzero();
@@ -247,7 +298,8 @@ static inline __attribute__((always_inline)) void tile_f32(const float* X, int64
 #pragma GCC unroll 8
         for (int p = 0; p < P; p++) {
             const typename WT::T* src = Wp + p * ps + c * PANEL;
-            if (PREFETCH_AHEAD > 0) _mm_prefetch((const char*)(src + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
+            if (PREFETCH_AHEAD > 0 && (sizeof(typename WT::T) == 4 || (c & 1) == 0))  // once per 64-byte line
+                _mm_prefetch((const char*)(src + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
             VF w[VPP];
 #pragma GCC unroll 2
             for (int v = 0; v < VPP; v++) w[v] = WT::loadv(src + v * VLANES);
@@ -259,9 +311,7 @@ static inline __attribute__((always_inline)) void tile_f32(const float* X, int64
             }
         }
     }
-#pragma GCC unroll 32
-    for (int i = 0; i < R * P * VPP; i++)
-        vstore(out + (i / (P * VPP)) * (PANELS_MAX * PANEL) + (i % (P * VPP)) * VLANES, acc[i / (P * VPP)][i % (P * VPP)]);
+    SD_EMIT(acc, R, P * VPP, o, t0, r0);
 }
 
 // Calls f(IC<R>, IC<p>) for 1 <= p <= panels_max(R, CV): the tile's shape as compile-time constants, so its
@@ -279,11 +329,10 @@ static inline __attribute__((always_inline)) void with_panels(int64_t p, F& f) {
 }
 // The loop around the tiles, shared by both arithmetics. Called inside the forward's parallel region by every
 // thread of the team; ends with the team's barrier (Y complete). `panel_bytes`: bytes of one weight panel.
-// tile(IC<R>, IC<P>, t0, p, out) computes rows t0..t0+R x panels p..p+P into out[R][PANELS_MAX * 16]; CV: the
-// weights are widened in registers (see panels_max).
+// tile(IC<R>, IC<P>, t0, p) computes rows t0..t0+R x panels p..p+P into Y; CV: the weights are widened in
+// registers (see panels_max).
 template <bool CV, class Tile>
-static inline void products(const float* b, float* Y, int64_t ldy, int64_t k, int64_t m, int accumulate,
-                            int64_t panel_bytes, Tile& tile) {
+static inline void products(int64_t k, int64_t m, int64_t panel_bytes, Tile& tile) {
     const int64_t np = (m + PANEL - 1) / PANEL;
     const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
     const int64_t p0 = np * me / nth, p1 = np * (me + 1) / nth;  // this thread's panels
@@ -293,7 +342,6 @@ static inline void products(const float* b, float* Y, int64_t ldy, int64_t k, in
         block = L2_BLOCK / (panel_bytes > 0 ? panel_bytes : 1);
         block = block < 12 ? 12 : block - block % 12;  // whole tiles of 1..4 panels; at least the widest tile
     }
-    float out[ROWS_MAX * PANELS_MAX * PANEL];
     for (int64_t q0 = p0; q0 < p1; q0 += block) {
         const int64_t q1 = q0 + block < p1 ? q0 + block : p1;
         for (int64_t g = 0, t0 = 0; g < groups; g++) {
@@ -302,20 +350,10 @@ static inline void products(const float* b, float* Y, int64_t ldy, int64_t k, in
                 for (int64_t p = q0; p < q1; p += P) {
                     const int64_t pn = q1 - p < P ? q1 - p : P;
                     if (pn < P) {  // the block's last panels: a narrower tile, same arithmetic
-                        auto narrow = [&](auto R2, auto P2) { tile(R2, P2, t0, p, out); };
+                        auto narrow = [&](auto R2, auto P2) { tile(R2, P2, t0, p); };
                         with_panels<decltype(R)::value, CV>(pn, narrow);
                     } else {
-                        tile(R, P, t0, p, out);
-                    }
-                    // out -> Y (+ bias; + Y when accumulating), only the outputs that exist.
-                    const int64_t r0 = p * PANEL, cols = m - r0 < pn * PANEL ? m - r0 : pn * PANEL;
-                    for (int64_t t = 0; t < R; t++) {
-                        const float* s = out + t * (PANELS_MAX * PANEL);
-                        float* y = Y + (t0 + t) * ldy + r0;
-                        for (int64_t j = 0; j < cols; j++) {
-                            const float v = b ? s[j] + b[r0 + j] : s[j];
-                            y[j] = accumulate ? y[j] + v : v;
-                        }
+                        tile(R, P, t0, p);
                     }
                 }
             };
@@ -345,7 +383,8 @@ static inline void products(const float* b, float* Y, int64_t ldy, int64_t k, in
 // per cycle of fp32 FMAs. One lane of a panel vector holds the pair of columns (c, c+1) of one output.
 template <int R, int P>
 static inline __attribute__((always_inline)) void tile_bf16dp(const uint16_t* Xb, int64_t ldxb, const uint16_t* Wp,
-                                                              int64_t ps, int64_t n, float* out) {
+                                                              int64_t ps, int64_t n, const OutSpec& o, int64_t t0,
+                                                              int64_t r0) {
     __m512 acc[R][P];
 #pragma GCC unroll 32
     for (int i = 0; i < R * P; i++) acc[i / P][i % P] = _mm512_setzero_ps();
@@ -355,7 +394,7 @@ static inline __attribute__((always_inline)) void tile_bf16dp(const uint16_t* Xb
 #pragma GCC unroll 8
         for (int p = 0; p < P; p++) {
             const uint16_t* src = Wp + p * ps + c2 * (2 * PANEL);
-            if (PREFETCH_AHEAD > 0) _mm_prefetch((const char*)(src + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
+            if (PREFETCH_AHEAD > 0 && R > 1) _mm_prefetch((const char*)(src + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
             w[p] = (__m512bh)_mm512_loadu_si512(src);
         }
 #pragma GCC unroll 8
@@ -376,8 +415,7 @@ static inline __attribute__((always_inline)) void tile_bf16dp(const uint16_t* Xb
                 acc[t][p] = _mm512_dpbf16_ps(acc[t][p], x, (__m512bh)_mm512_loadu_si512(Wp + p * ps + pairs * (2 * PANEL)));
         }
     }
-#pragma GCC unroll 32
-    for (int i = 0; i < R * P; i++) _mm512_storeu_ps(out + (i / P) * (PANELS_MAX * PANEL) + (i % P) * PANEL, acc[i / P][i % P]);
+    SD_EMIT(acc, R, P, o, t0, r0);
 }
 
 // X rows (fp32, stride ldx) -> bf16 rows of n (round to nearest even), rows split over the team; ends with the
@@ -422,10 +460,11 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
         to_bf16_rows(X, ldx, xb, k, n);  // ends with the team's barrier: every row is ready
         const uint16_t* Wp = (const uint16_t*)W;
         const int64_t ps = ((n + 1) & ~(int64_t)1) * PANEL;
-        auto tile = [&](auto R, auto P, int64_t t0, int64_t p, float* out) {
-            tile_bf16dp<decltype(R)::value, decltype(P)::value>(xb + t0 * n, n, Wp + p * ps, ps, n, out);
+        const OutSpec o = {b, Y, ldy, m, accumulate};
+        auto tile = [&](auto R, auto P, int64_t t0, int64_t p) {
+            tile_bf16dp<decltype(R)::value, decltype(P)::value>(xb + t0 * n, n, Wp + p * ps, ps, n, o, t0, p * PANEL);
         };
-        products<false>(b, Y, ldy, k, m, accumulate, ps * 2, tile);
+        products<false>(k, m, ps * 2, tile);
         return;
     }
 #else
@@ -436,10 +475,11 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
         using WT = decltype(wt);
         const typename WT::T* Wp = (const typename WT::T*)W;
         const int64_t ps = n * PANEL;
-        auto tile = [&](auto R, auto P, int64_t t0, int64_t p, float* out) {
-            tile_f32<WT, decltype(R)::value, decltype(P)::value>(X + t0 * ldx, ldx, Wp + p * ps, ps, n, out);
+        const OutSpec o = {b, Y, ldy, m, accumulate};
+        auto tile = [&](auto R, auto P, int64_t t0, int64_t p) {
+            tile_f32<WT, decltype(R)::value, decltype(P)::value>(X + t0 * ldx, ldx, Wp + p * ps, ps, n, o, t0, p * PANEL);
         };
-        products<sizeof(typename WT::T) == 2>(b, Y, ldy, k, m, accumulate, ps * (int64_t)sizeof(typename WT::T), tile);
+        products<sizeof(typename WT::T) == 2>(k, m, ps * (int64_t)sizeof(typename WT::T), tile);
     };
     if (wtype == WT_BF16)
         run(BF16W{});
