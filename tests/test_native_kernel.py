@@ -268,8 +268,8 @@ def test_product_refuses_bad_input() -> None:
         pw.matmul(torch.randn(2, 4), out=torch.zeros(3, 8))
     with pytest.raises(ValueError, match="bias must have 8"):
         pw.matmul(torch.randn(2, 4), bias=torch.zeros(7))
-    with pytest.raises(ValueError, match="not torch.int8"):
-        nk.PackedWeight(torch.randn(8, 4), torch.int8)
+    with pytest.raises(ValueError, match="not torch.float64"):
+        nk.PackedWeight(torch.randn(8, 4), torch.float64)
 
 
 def test_pack_weight_layout() -> None:
@@ -325,3 +325,52 @@ def test_a_row_in_a_batch_equals_the_row_alone(isa: str, dtype: torch.dtype, tmp
     for i, (a, b) in enumerate(zip(alone, together)):
         assert torch.equal(a, b), i
     assert [c.length for c in caches] == [n + k for n, k in zip(starts, sizes)]
+
+
+# ---------------------------------------------------------------------------------------------
+# int8 draft weights (per-output-channel scales)
+
+
+def test_int8_product_is_the_dequantized_product_and_row_independent(isa: str) -> None:
+    gen = torch.Generator().manual_seed(15)
+    w, b = torch.randn(97, 72, generator=gen), torch.randn(97, generator=gen)
+    x = torch.randn(40, 72, generator=gen)
+    q, s = nk.quantize_int8(w)
+    assert q.dtype == torch.int8 and float((q.float() * s[:, None] - w).abs().max()) <= float(s.max()) / 2 + 1e-6
+    pw = nk.PackedWeight(w, torch.int8)
+    whole = pw.matmul(x, bias=b)
+    ref = x.double() @ (q.double() * s.double()[:, None]).T + b.double()
+    assert float((whole - ref).abs().max() / ref.abs().max()) < 1e-5
+    for k in (1, 2, 3, 7, 9, 17, 40):
+        assert torch.equal(pw.matmul(x[:k], bias=b, threads=1 + k % 2), whole[:k]), k
+
+
+def test_int8_draft_never_changes_the_output(tiny_models: dict[str, Path]) -> None:
+    """The draft only proposes: with int8 draft weights greedy output is token-identical to target-only decoding
+    (and the int8 draft proposes from its own, slightly different, distribution)."""
+    import specdec
+
+    engine = specdec.load(tiny_models["llama"], tiny_models["draft"], dtype="bf16", draft_dtype="int8")
+    engine.eos_ids = frozenset()
+    assert engine.drafter.runner.dtype == torch.int8 and engine.drafter.runner.backend == "cpu-kernel"
+    for prompt in ("def fibonacci(n):", "class Stack:\n    def push(self, item):"):
+        expected = engine.generate(prompt, max_new_tokens=24, tau=0).token_ids
+        for tau in (1, 3, 6):
+            assert engine.generate(prompt, max_new_tokens=24, tau=tau).token_ids == expected, tau
+    bf = NativeRunner.from_pretrained(tiny_models["draft"], dtype=torch.bfloat16)
+    i8 = engine.drafter.runner
+    ids = torch.randint(0, bf.vocab_size, (12,), generator=torch.Generator().manual_seed(16))
+    a, b = bf.forward(ids, bf.new_cache()), i8.forward(ids, i8.new_cache())
+    assert 0 < float((a - b).abs().max() / a.abs().max()) < 0.1  # close, not equal: a different draft
+
+
+def test_int8_is_refused_where_it_cannot_run(tiny_models: dict[str, Path]) -> None:
+    import specdec
+    from specdec.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="int8 weights are for the draft model only"):
+        specdec.load(tiny_models["llama"], tiny_models["draft"], dtype="int8")
+    with pytest.raises(UnsupportedError, match="int8 weights need the native runtime"):
+        specdec.load(tiny_models["llama"], tiny_models["draft"], draft_dtype="int8", runtime="hf")
+    with pytest.raises(UnsupportedError, match="int8 weights run only on the CPU kernel"):
+        NativeRunner.from_pretrained(tiny_models["draft"], dtype=torch.int8, kernel=False)

@@ -99,6 +99,12 @@ def load(
     if draft is not None and prompt_lookup:
         raise InvalidRequestError("choose either a draft model or prompt lookup, not both", "draft")
 
+    if dt == torch.int8:
+        raise InvalidRequestError(
+            "int8 weights are for the draft model only (draft_dtype='int8', --draft-dtype int8): "
+            "the target decides the output and must keep its own weights",
+            "dtype",
+        )
     target_runner, target_tok = _load_model(
         target, tokenizer, runtime, dev, dt, trust_remote_code, "target", compile=compile
     )

@@ -44,6 +44,9 @@ DTYPES = {
     "bf16": torch.bfloat16,
     "float16": torch.float16,
     "fp16": torch.float16,
+    # Per-output-channel int8 weights, on the CPU kernel only; for draft models (the draft only proposes tokens,
+    # so the output cannot change; acceptance may).
+    "int8": torch.int8,
 }
 
 
@@ -109,6 +112,13 @@ def load_runner(
                 "(a model type or feature the native runtime lacks, or --runtime hf)"
             )
         kwargs["compile"] = True
+    if dtype == "int8" or dtype == torch.int8:
+        if name != "native":
+            raise UnsupportedError(
+                f"int8 weights need the native runtime's CPU kernel, but {path} runs on transformers "
+                "(a model type or feature the native runtime lacks, or --runtime hf)"
+            )
+        kwargs["kernel"] = True
     return RUNTIMES[name].load(path, device=device, dtype=resolve_dtype(dtype, device, name), **kwargs)
 
 

@@ -148,6 +148,12 @@ class NativeRunner(ModelRunner):
         if limit < 1:
             raise ModelLoadError(f"max_context must be positive, got {max_context}")
         kernel_fits = dev.type == "cpu" and not compile and dtype in WEIGHT_TYPES
+        if dtype == torch.int8 and (kernel is False or not (kernel_fits and kernel_available())):
+            why = kernel_status() if dev.type == "cpu" and not compile else "it runs on CPU, without --compile"
+            raise UnsupportedError(
+                f"int8 weights run only on the CPU kernel, which cannot run {path} here ({why}); "
+                "use bf16/fp16/fp32 (int8 is meant for draft models: --draft-dtype int8)"
+            )
         if kernel and not (kernel_fits and kernel_available()):
             why = kernel_status() if dev.type == "cpu" and not compile else "it runs on CPU, without --compile"
             raise UnsupportedError(f"the CPU kernel cannot run {path}: {why}")
@@ -156,7 +162,8 @@ class NativeRunner(ModelRunner):
         fused = None
         ops: Ops = DenseOps
         if kernel:
-            weights = load_weights(path, cfg, dev, dtype)
+            # int8: loaded in fp32, quantized per output channel by FusedLlama.
+            weights = load_weights(path, cfg, dev, torch.float32 if dtype == torch.int8 else dtype)
             fused = FusedLlama(cfg, weights, dtype, limit)
         else:
             ops = choose_ops(dev, dtype, compile)

@@ -36,12 +36,16 @@ SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
 ABI_VERSION = 6
 # sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
-CXX_FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-fopenmp"]
+# -ffp-contract=off: a multiply followed by an add stays two roundings wherever it is inlined (GCC fuses them into
+# one FMA by default, differently in different inlining contexts, which made int8 outputs depend on the tile
+# shape); the products' FMAs are explicit intrinsics and stay fused.
+CXX_FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-fopenmp", "-ffp-contract=off"]
 # On CPUs with AVX512-BF16, bf16 weights multiply activations rounded to bf16 (VDPBF16PS); elsewhere,
 # or with SPECDEC_CPU_KERNEL_ISA=avx2, everything runs in fp32 arithmetic on AVX2.
 ISA_FLAGS = {"avx2": [], "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-DSD_AVX512BF16=1"]}
 ISA_SWITCH = "SPECDEC_CPU_KERNEL_ISA"
-WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# int8: per-output-channel symmetric int8 with fp32 scales (for draft models: see quantize_int8).
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 # Prompts longer than this are prefilled in chunks of this many tokens (bounds the scratch memory).
 CHUNK = 128
 ENV_SWITCH = "SPECDEC_CPU_KERNEL"
@@ -197,6 +201,26 @@ def pack_weight(w: torch.Tensor, dtype: torch.dtype, panel: int, pairs: int) -> 
     return w.view(rows // panel, panel, cols // pairs, pairs).transpose(1, 2).contiguous()
 
 
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: ``q = round(w / s)`` with ``s = max|w[r]| / 127`` per row ``r`` (rows of
+    zeros get ``s = 1``); returns ``(q int8 [m, n], s float32 [m])``, ``w ≈ q * s[:, None]``."""
+    w = w.float()
+    s = w.abs().amax(dim=1) / 127.0
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.round(w / s[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, s
+
+
+def pack_weight_int8(w: torch.Tensor, panel: int) -> torch.Tensor:
+    """``w`` quantized (``quantize_int8``) in the panel layout, followed by the fp32 scales of the padded outputs
+    (zeros for padding), as one byte buffer: the kernel finds the scales right after the panels."""
+    q, s = quantize_int8(w)
+    panels = pack_weight(q, torch.int8, panel, 1).reshape(-1)
+    scales = torch.zeros(-(-int(w.shape[0]) // panel) * panel, dtype=torch.float32)
+    scales[: s.numel()] = s
+    return torch.cat([panels.view(torch.uint8), scales.view(torch.uint8)])
+
+
 class PackedWeight:
     """One weight matrix ``[m, n]`` laid out for the kernel's products, to run products outside a forward pass
     (tests, micro-benchmarks): ``PackedWeight(w, torch.bfloat16).matmul(x)`` is ``x @ w.T`` as the kernel
@@ -207,10 +231,13 @@ class PackedWeight:
         if lib is None:
             raise RuntimeError(f"CPU kernel unavailable: {kernel_status()}")
         if dtype not in WEIGHT_TYPES:
-            raise ValueError(f"the kernel's weights are fp32, bf16 or fp16, not {dtype}")
+            raise ValueError(f"the kernel's weights are fp32, bf16, fp16 or int8, not {dtype}")
         self._lib, self.wtype = lib, WEIGHT_TYPES[dtype]
         self.rows, self.cols = (int(s) for s in w.shape)
-        self.data = pack_weight(w, dtype, int(lib.sd_panel_width()), int(lib.sd_weight_pairs(self.wtype)))
+        if dtype == torch.int8:
+            self.data = pack_weight_int8(w, int(lib.sd_panel_width()))
+        else:
+            self.data = pack_weight(w, dtype, int(lib.sd_panel_width()), int(lib.sd_weight_pairs(self.wtype)))
 
     def matmul(
         self,
@@ -274,7 +301,7 @@ class FusedLlama:
         panel, pairs = int(lib.sd_panel_width()), int(lib.sd_weight_pairs(WEIGHT_TYPES[dtype]))
 
         def packed(w: torch.Tensor) -> int:
-            t = pack_weight(w, dtype, panel, pairs)
+            t = pack_weight_int8(w, panel) if dtype == torch.int8 else pack_weight(w, dtype, panel, pairs)
             keep.append(t)
             return t.data_ptr()
 
@@ -306,7 +333,7 @@ class FusedLlama:
             max_context,
             int(weights.embed.shape[1]),
             float(cfg.eps),
-            ptr(weights.embed, dtype),
+            ptr(weights.embed, torch.float32 if dtype == torch.int8 else dtype),  # int8 models: fp32 table
             packed(weights.lm_head),
             ptr(rope_cos, torch.float32),
             ptr(rope_sin, torch.float32),

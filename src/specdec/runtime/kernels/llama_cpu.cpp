@@ -13,7 +13,8 @@
 // equals greedy target-only output exactly, not just up to near-ties.
 //
 // Layouts (row-major):
-//   weights   W[out][in] in fp32, bf16 or fp16 (wtype); biases fp32 or null;
+//   weights   in fp32, bf16, fp16 or int8 + per-output scales (wtype), packed in panels (see Projections);
+//             biases fp32 or null;
 //   embedding E[vocab][embed_stride] (first `hidden` entries of a row are the embedding);
 //   KV cache  kv[layer][2][kv_heads][max_ctx][head_dim] fp32 (0 = keys, 1 = values);
 //   RoPE      cos/sin[max_ctx][head_dim/2] fp32, rotate-half ("x1 | x2") head layout.
@@ -33,7 +34,8 @@
 
 #include <type_traits>
 
-enum { WT_F32 = 0, WT_BF16 = 1, WT_F16 = 2 };
+// WT_I8: int8 weights with one fp32 scale per output (draft models); the embedding table is fp32 then.
+enum { WT_F32 = 0, WT_BF16 = 1, WT_F16 = 2, WT_I8 = 3 };
 
 struct SdLayer {
     const void* wqkv;  // [(H + 2KV) * hd][d]
@@ -185,6 +187,7 @@ static inline VF vzero() { return _mm512_setzero_ps(); }
 static inline VF vbcast(const float* p) { return _mm512_set1_ps(*p); }
 static inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 static inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
+static inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
 static inline void vstore(float* p, VF v) { _mm512_storeu_ps(p, v); }
 static inline VF vloadu(const float* p) { return _mm512_loadu_ps(p); }
 // Panels per tile for R rows: up to 24 accumulators (+ weights and broadcasts) of the 32 registers.
@@ -197,6 +200,7 @@ static inline VF vzero() { return _mm256_setzero_ps(); }
 static inline VF vbcast(const float* p) { return _mm256_broadcast_ss(p); }
 static inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 static inline VF vadd(VF a, VF b) { return _mm256_add_ps(a, b); }
+static inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
 static inline void vstore(float* p, VF v) { _mm256_storeu_ps(p, v); }
 static inline VF vloadu(const float* p) { return _mm256_loadu_ps(p); }
 // Panels per tile for R rows: up to 12 accumulators (+ one panel's weights and the broadcasts) of the 16
@@ -229,6 +233,16 @@ struct BF16W {
 #endif
     }
 };
+struct I8W {  // int8, exact in fp32; the output's scale is applied to the finished sum
+    typedef int8_t T;
+    static inline VF loadv(const T* p) {
+#ifdef SD_AVX512BF16
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+#else
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+#endif
+    }
+};
 struct F16W {
     typedef uint16_t T;
     static inline VF loadv(const T* p) {
@@ -240,8 +254,10 @@ struct F16W {
     }
 };
 
-// Where a product's results go: Y[t][r] = acc + b[r], or Y[t][r] + (acc + b[r]) when accumulating; r < m.
+// Where a product's results go: Y[t][r] = acc + b[r], or Y[t][r] + (acc + b[r]) when accumulating; r < m. With
+// `scale` (int8 weights), acc is first multiplied by scale[r].
 struct OutSpec {
+    const float* scale;
     const float* b;
     float* Y;
     int64_t ldy, m;
@@ -251,6 +267,7 @@ struct OutSpec {
 // One vector of a tile's sums into Y at (row, col): + bias, + Y when accumulating. (By value: passing the tile's
 // accumulator array by reference made GCC keep it in memory on the AVX2 build, ~2x slower.)
 static inline __attribute__((always_inline)) void emit_vec(VF x, const OutSpec& o, int64_t row, int64_t col) {
+    if (o.scale) x = vmul(x, vloadu(o.scale + col));
     if (o.b) x = vadd(x, vloadu(o.b + col));
     float* y = o.Y + row * o.ldy + col;
     vstore(y, o.accumulate ? vadd(vloadu(y), x) : x);
@@ -263,7 +280,8 @@ static inline void emit_tail(const float* buf, int64_t R, int64_t w, const OutSp
     for (int64_t t = 0; t < R; t++) {
         float* y = o.Y + (t0 + t) * o.ldy + r0;
         for (int64_t j = 0; j < cols; j++) {
-            const float x = o.b ? buf[t * w + j] + o.b[r0 + j] : buf[t * w + j];
+            const float a = o.scale ? buf[t * w + j] * o.scale[r0 + j] : buf[t * w + j];
+            const float x = o.b ? a + o.b[r0 + j] : a;
             y[j] = o.accumulate ? y[j] + x : x;
         }
     }
@@ -460,7 +478,7 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
         to_bf16_rows(X, ldx, xb, k, n);  // ends with the team's barrier: every row is ready
         const uint16_t* Wp = (const uint16_t*)W;
         const int64_t ps = ((n + 1) & ~(int64_t)1) * PANEL;
-        const OutSpec o = {b, Y, ldy, m, accumulate};
+        const OutSpec o = {NULL, b, Y, ldy, m, accumulate};
         auto tile = [&](auto R, auto P, int64_t t0, int64_t p) {
             tile_bf16dp<decltype(R)::value, decltype(P)::value>(xb + t0 * n, n, Wp + p * ps, ps, n, o, t0, p * PANEL);
         };
@@ -470,21 +488,25 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
 #else
     (void)xb;
 #endif
-    // The weight type as a template parameter: W's elements are fp32, bf16 or fp16.
+    // The weight type as a template parameter: W's elements are fp32, bf16, fp16 or int8 (then the m_padded fp32
+    // scales follow the panels).
     auto run = [&](auto wt) {
         using WT = decltype(wt);
         const typename WT::T* Wp = (const typename WT::T*)W;
         const int64_t ps = n * PANEL;
-        const OutSpec o = {b, Y, ldy, m, accumulate};
+        const float* scale = std::is_same<WT, I8W>::value ? (const float*)(Wp + ((m + PANEL - 1) / PANEL) * ps) : NULL;
+        const OutSpec o = {scale, b, Y, ldy, m, accumulate};
         auto tile = [&](auto R, auto P, int64_t t0, int64_t p) {
             tile_f32<WT, decltype(R)::value, decltype(P)::value>(X + t0 * ldx, ldx, Wp + p * ps, ps, n, o, t0, p * PANEL);
         };
-        products<sizeof(typename WT::T) == 2>(k, m, ps * (int64_t)sizeof(typename WT::T), tile);
+        products<sizeof(typename WT::T) != 4>(k, m, ps * (int64_t)sizeof(typename WT::T), tile);
     };
     if (wtype == WT_BF16)
         run(BF16W{});
     else if (wtype == WT_F16)
         run(F16W{});
+    else if (wtype == WT_I8)
+        run(I8W{});
     else
         run(F32W{});
 }
@@ -495,7 +517,7 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
 // Returns 0, or -1 on bad arguments.
 extern "C" int sd_matmul(int64_t wtype, const float* X, const void* W, const float* b, float* Y, int64_t k, int64_t n,
                          int64_t m, int64_t accumulate, uint16_t* xb, int64_t threads) {
-    if (k < 1 || n < 1 || m < 1 || threads < 1 || wtype < WT_F32 || wtype > WT_F16) return -1;
+    if (k < 1 || n < 1 || m < 1 || threads < 1 || wtype < WT_F32 || wtype > WT_I8) return -1;
 #pragma omp parallel num_threads((int)threads)
     gemm(wtype, X, n, W, b, Y, m, k, n, m, (int)accumulate, xb, NULL);
     return 0;
@@ -605,7 +627,7 @@ static void rms_norm(const float* x, float* y, int64_t n, double eps) {
 }
 
 static void load_row(int64_t wtype, const void* base, int64_t row, int64_t stride, float* out, int64_t n) {
-    if (wtype == WT_F32) {
+    if (wtype == WT_F32 || wtype == WT_I8) {  // int8 models keep an fp32 embedding table
         memcpy(out, (const float*)base + row * stride, n * sizeof(float));
     } else {
         const uint16_t* p = (const uint16_t*)base + row * stride;
