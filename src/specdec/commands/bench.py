@@ -128,7 +128,13 @@ def load_models(settings: ModelSettings, with_hf: bool) -> Any:
     # transformers runs in the dtype a user of it would pick here: the forced one, else its own "auto"
     # (fp32 on CPUs without native bf16, where its bf16 products are several times slower).
     hf_dtype = resolve_dtype(settings.dtype, spec.target.device, "hf")
-    hf_draft_dtype = resolve_dtype(settings.draft_dtype, spec.target.device, "hf") if settings.draft_dtype else hf_dtype
+    # (An int8 draft runs only on the CPU kernel: the transformers contender keeps its own dtype for the draft.)
+    int8_draft = settings.draft_dtype == "int8"
+    hf_draft_dtype = (
+        resolve_dtype(settings.draft_dtype, spec.target.device, "hf")
+        if settings.draft_dtype and not int8_draft
+        else hf_dtype
+    )
     if with_hf:
         hf = HFModels.load(
             str(target_dir),
