@@ -44,12 +44,14 @@ def broken(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_mod, "verify_sampling", _accept_all_sampling)
 
 
+@pytest.mark.identity
 def test_greedy_audit_passes_on_the_real_engine(engine: Engine) -> None:
     result = audit_greedy(engine, PROMPTS, max_new_tokens=24)
     assert result.ok, result.text()
     assert result.tokens_compared > 0 and result.text().startswith("PASS")
 
 
+@pytest.mark.identity
 def test_greedy_audit_names_the_first_divergence_of_a_broken_engine(engine: Engine, broken: None) -> None:
     result = audit_greedy(engine, PROMPTS, max_new_tokens=24)
     assert not result.ok
@@ -61,18 +63,25 @@ def test_greedy_audit_names_the_first_divergence_of_a_broken_engine(engine: Engi
     assert f"first divergence at generated position {first}" in result.text()
 
 
+@pytest.mark.distribution
 def test_sampling_audit_passes_on_the_real_engine(engine: Engine) -> None:
+    """150 runs with seeds 0..149; the audit's tests together fail a correct engine with probability ≤ 1e-3
+    (Bonferroni), so over seeds this test fails falsely at most once in 1,000."""
     result = audit_sampling(engine, PROMPTS[:1], temperature=1.0, runs=150, positions=2, seed=0)
     assert result.tests and all(t.samples > 0 for t in result.tests)
     assert result.ok, result.text()
 
 
+@pytest.mark.distribution
 def test_sampling_audit_fails_when_everything_is_accepted(engine: Engine, broken: None) -> None:
+    """Power, same seeds 0..149: a rule that accepts every draft token outputs the draft's law, which the audit
+    must reject (deterministic with these seeds)."""
     result = audit_sampling(engine, PROMPTS[:1], temperature=1.0, runs=150, positions=2, seed=0)
     assert not result.ok
     assert "position 1 is not distributed as the target's" in (result.first_failure or "")
 
 
+@pytest.mark.identity
 def test_cli_audits_a_trace_and_catches_a_tampered_output(
     tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -121,8 +130,12 @@ def test_cli_prompts_file_and_bad_input(
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.distribution
 def test_fit_test_false_failure_rate_and_power() -> None:
-    """Calibration without an engine: 300 samples from p pass at the stated rate; samples from q fail."""
+    """Calibration without an engine: 300 samples from p pass at the stated rate; samples from q fail.
+
+    ``torch.Generator().manual_seed(1234)``; 200 tests at level 0.01 may fail at most 8 times, which a correct
+    test exceeds with probability < 1e-3 (binomial)."""
     from specdec.audit import fit_test
 
     gen = torch.Generator().manual_seed(1234)

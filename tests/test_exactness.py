@@ -7,6 +7,8 @@ import torch
 
 import specdec
 
+pytestmark = pytest.mark.identity
+
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):"]
 TAUS = [1, 2, 4, 8]
 

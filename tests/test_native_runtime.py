@@ -227,6 +227,7 @@ def test_auto_picks_native_for_llama_family_and_hf_for_gpt2(tiny_models: dict[st
     assert choose_runtime(tiny_models["gpt2"], "auto") == "hf"
 
 
+@pytest.mark.identity
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_greedy_text_identical_to_transformers_runtime(tiny_models: dict[str, Path], arch: str) -> None:
     """Through ``specdec.load``: plain decoding (τ=0) and speculative with τ = 1 and 3, native vs transformers."""

@@ -35,9 +35,12 @@ PROMPT = "Once upon a time"
 MAX_TOKENS = 24
 TAU = 3
 
-pytestmark = pytest.mark.skipif(
-    not Path(CHROMIUM).is_file(), reason=f"chromium is not installed ({CHROMIUM} missing: apt-get install chromium)"
-)
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.skipif(
+        not Path(CHROMIUM).is_file(), reason=f"chromium is not installed ({CHROMIUM} missing: apt-get install chromium)"
+    ),
+]
 
 
 def _free_port() -> int:

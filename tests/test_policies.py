@@ -23,6 +23,8 @@ from specdec.policy import (
 )
 from specdec.records import GenerationStats, StepRecord
 
+pytestmark = pytest.mark.rules
+
 DRAFT_S, VERIFY_S, VERIFY_EXTRA_S = 0.5e-3, 4.0e-3, 0.05e-3
 
 

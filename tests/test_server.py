@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+pytestmark = pytest.mark.server
+
 openai = pytest.importorskip("openai")
 
 LONG_CONTEXT = 4096

@@ -16,6 +16,8 @@ pytest.importorskip("fastapi")
 
 from specdec.server import ServerSettings, create_app  # noqa: E402
 
+pytestmark = pytest.mark.server
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_models: dict[str, Path]) -> Any:

@@ -18,6 +18,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 from specdec.server import ServerSettings, create_app  # noqa: E402
 
+pytestmark = pytest.mark.server
+
 CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
 
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from specdec.verify import accept_mask, first_rejection, residual, verify_greedy, verify_with_uniforms
+
+pytestmark = pytest.mark.rules
 
 V = 6
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,18 @@ def check_same_vocab(target_tok: Any, draft_tok: Any, target_name: str, draft_na
             )
 
 
+def _model_drafter(target: ModelRunner, draft: ModelRunner | None) -> Drafter:
+    assert draft is not None, "a model drafter needs the draft model"
+    return ModelDrafter(draft, target.vocab_size)
+
+
+# Drafters by kind: each builds one from the loaded target runner and, for "model", the loaded draft runner.
+DRAFTERS: dict[str, Callable[[ModelRunner, ModelRunner | None], Drafter]] = {
+    "model": _model_drafter,
+    "prompt_lookup": lambda target, _draft: PromptLookupDrafter(target.vocab_size, target.device),
+}
+
+
 def load(
     target: str | Path | Any | None = None,
     draft: str | Path | Any | None = None,
@@ -108,7 +121,7 @@ def load(
     target_runner, target_tok = _load_model(
         target, tokenizer, runtime, dev, dt, trust_remote_code, "target", compile=compile
     )
-    drafter: Drafter | None = None
+    draft_runner: ModelRunner | None = None
     max_context = target_runner.max_context
     if draft is not None:
         draft_runner, draft_tok = _load_model(
@@ -122,10 +135,9 @@ def load(
                 f"{draft_runner.vocab_size} vs {target_runner.vocab_size} output rows for a {len(target_tok)}-token "
                 "tokenizer (the draft has no tokenizer of its own)"
             )
-        drafter = ModelDrafter(draft_runner, target_runner.vocab_size)
         max_context = min(max_context, draft_runner.max_context)
-    elif prompt_lookup:
-        drafter = PromptLookupDrafter(target_runner.vocab_size, target_runner.device)
+    kind = "model" if draft_runner is not None else ("prompt_lookup" if prompt_lookup else None)
+    drafter = DRAFTERS[kind](target_runner, draft_runner) if kind is not None else None
 
     if isinstance(policy, Policy):
         if tau is not None:
