@@ -24,9 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.drafters.loop import DraftAsk, Pick, lockstep
-from specdec.policy.base import Policy, StepContext
+from specdec.policy.base import Decision, Policy, StepContext
 from specdec.policy.budget import FleetBudgetPolicy
-from specdec.records import FinishReason, GenerationStats, StepRecord
+from specdec.records import FinishReason, GenerationStats, StepRecord, correction_kind
 from specdec.simulate.arrivals import Arrivals
 from specdec.simulate.costs import CostModel
 from specdec.simulate.oracle import OraclePolicy
@@ -179,25 +179,17 @@ def _run_request(
         verify_t = cost.noisy(cost.verify(tau + 1), jit)
         other_t = cost.noisy(cost.other_s, jit)
         emitted = min(n_acc + 1, end - new)
-        record = StepRecord(
-            request_id=rid,
-            step=len(records),
-            prompt_len=req.prompt_len,
-            context_len=req.prompt_len + new,
-            policy=policy.name,
-            reason=decision.reason,
-            tau=tau,
-            draft_tokens=[0] * tau,
-            accept_flags=flags,
-            n_accepted=n_acc,
-            correction="plain" if tau == 0 else ("bonus" if n_acc == tau else "recovered"),
-            emitted=[0] * emitted,
-            draft_time=draft_t,
-            verify_time=verify_t,
-            other_time=other_t,
-            draft_token_probs=confs,
-            draft_confidence=confs,
-            tau_planned=decision.tau,
+        record = _sim_record(
+            rid,
+            len(records),
+            req.prompt_len,
+            new,
+            policy.name,
+            decision,
+            flags,
+            confs,
+            emitted,
+            (draft_t, verify_t, other_t),
             verify_passes=passes + 1,
             max_verify_passes=cap,
         )
@@ -459,31 +451,27 @@ def simulate_batched(
             tau = len(flags)
             n_acc = flags.index(False) if False in flags else tau
             emitted = min(n_acc + 1, seq.end - seq.new)
-            record = StepRecord(
-                request_id=seq.rid,
-                step=len(seq.records),
-                prompt_len=seq.req.prompt_len,
-                context_len=seq.req.prompt_len + seq.new,
-                policy=policy.name,
-                reason=decision.reason,
-                tau=tau,
-                draft_tokens=[0] * tau,
-                accept_flags=flags,
-                n_accepted=n_acc,
-                correction="plain" if tau == 0 else ("bonus" if n_acc == tau else "recovered"),
-                emitted=[0] * emitted,
-                draft_time=draft_t,  # the step's times, shared (what the request waited), as the engine records
-                verify_time=verify_t,
-                other_time=other_t,
-                draft_token_probs=confs,
-                draft_confidence=confs,
-                tau_planned=decision.tau,
+            record = _sim_record(
+                seq.rid,
+                len(seq.records),
+                seq.req.prompt_len,
+                seq.new,
+                policy.name,
+                decision,
+                flags,
+                confs,
+                emitted,
+                (
+                    draft_t,
+                    verify_t,
+                    other_t,
+                ),  # the step's times, shared (what the request waited), as the engine records
+                verify_passes=seq.passes + 1,
+                max_verify_passes=seq.cap,
                 batch_size=len(live),
                 rows=rows,
                 drafting=drafting,
                 draft_passes=depth,
-                verify_passes=seq.passes + 1,
-                max_verify_passes=seq.cap,
             )
             seq.records.append(record)
             seq.passes += 1
@@ -497,3 +485,42 @@ def simulate_batched(
             finish(seq, reason)
     result.requests = [outcomes[i] for i in range(len(reqs))]
     return result
+
+
+def _sim_record(
+    rid: str,
+    step: int,
+    prompt_len: int,
+    new: int,
+    policy: str,
+    decision: Decision,
+    flags: list[bool],
+    confs: list[float],
+    emitted: int,
+    times: tuple[float, float, float],
+    **batch: Any,
+) -> StepRecord:
+    """A synthetic step's record, built as the engine builds its records (token ids are placeholders)."""
+    tau = len(flags)
+    n_acc = flags.index(False) if False in flags else tau
+    return StepRecord(
+        request_id=rid,
+        step=step,
+        prompt_len=prompt_len,
+        context_len=prompt_len + new,
+        policy=policy,
+        reason=decision.reason,
+        tau=tau,
+        draft_tokens=[0] * tau,
+        accept_flags=flags,
+        n_accepted=n_acc,
+        correction=correction_kind(tau, n_acc),
+        emitted=[0] * emitted,
+        draft_time=times[0],
+        verify_time=times[1],
+        other_time=times[2],
+        draft_token_probs=confs,
+        draft_confidence=confs,
+        tau_planned=decision.tau,
+        **batch,
+    )
