@@ -202,21 +202,7 @@ def _run_request(
         policy.observe(record)
         if new >= end:
             finish = "length" if new >= req.max_new_tokens else "stop"
-    stats = GenerationStats(
-        prompt_tokens=req.prompt_len,
-        new_tokens=new,
-        steps=passes,
-        target_passes=passes,
-        drafted=drafted,
-        accepted=accepted,
-        prefill_time=prefill,
-        latency=clock,
-        finish_reason=finish,
-        draft_time=sum(r.draft_time for r in records),
-        verify_time=sum(r.verify_time for r in records),
-        other_time=sum(r.other_time for r in records),
-    )
-    policy.end(rid, stats)
+    policy.end(rid, _stats(req.prompt_len, records, prefill, clock, finish))
     return RequestOutcome(req.prompt_len, new, passes, clock, prefill, finish, drafted, accepted)
 
 
@@ -342,21 +328,7 @@ def simulate_batched(
     outcomes: dict[int, RequestOutcome] = {}
 
     def finish(seq: _Seq, reason: FinishReason) -> None:
-        stats = GenerationStats(
-            prompt_tokens=seq.req.prompt_len,
-            new_tokens=seq.new,
-            steps=seq.passes,
-            target_passes=seq.passes,
-            drafted=seq.drafted,
-            accepted=seq.accepted,
-            prefill_time=seq.prefill,
-            latency=clock - seq.started,
-            finish_reason=reason,
-            draft_time=sum(r.draft_time for r in seq.records),
-            verify_time=sum(r.verify_time for r in seq.records),
-            other_time=sum(r.other_time for r in seq.records),
-        )
-        policy.end(seq.rid, stats)
+        policy.end(seq.rid, _stats(seq.req.prompt_len, seq.records, seq.prefill, clock - seq.started, reason))
         outcomes[seq.req.index] = RequestOutcome(
             seq.req.prompt_len,
             seq.new,
@@ -524,3 +496,13 @@ def _sim_record(
         tau_planned=decision.tau,
         **batch,
     )
+
+
+def _stats(
+    prompt_len: int, records: list[StepRecord], prefill: float, latency: float, finish: FinishReason
+) -> GenerationStats:
+    """A simulated request's stats, counted from its records as the engine counts them (``GenerationStats.add``)."""
+    stats = GenerationStats(prompt_tokens=prompt_len, prefill_time=prefill, latency=latency, finish_reason=finish)
+    for record in records:
+        stats.add(record)
+    return stats
