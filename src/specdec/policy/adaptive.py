@@ -49,7 +49,10 @@ REACH_MARGIN = 1.2
 REACH_DEPTH = 8  # the stop rule may draft this many tokens beyond the plan's τ
 ARM_SETTLED_GAP = 0.04  # the stop rule this much ahead in goodput: settled
 ARM_CHECK_EVERY_SETTLED = 32  # steps: then one in 32 goes without the rule
-GAIN_PER_TOKEN = 0.02  # budget-limited: an extra draft token must add this many expected tokens
+GAIN_PER_TOKEN = 0.02
+REPLAN_EVERY = 4  # batch steps a batch plan serves (see ``plan``)
+REPLAN_MIN = 4  # sequences: smaller batches plan every step
+DEPTH_PATIENCE = 3  # the batch planner prices depths up to this many beyond the best found  # budget-limited: an extra draft token must add this many expected tokens
 
 
 def reach_thresholds(times: list[float], rates: list[float], per_token: float, cap: int) -> tuple[float, ...]:
@@ -148,6 +151,11 @@ class AdaptivePolicy(Policy):
         self.latencies: deque[float] = deque(maxlen=200)
         self._latency_ratios: deque[float] = deque(maxlen=100)
         self._requests: dict[str, _Request] = {}
+        self._shared_rates: dict[tuple[int, int], tuple[tuple[int, int], list[float]]] = {}
+        self._batch_depth = max_tau  # the depth the last batch step chose (bounds the next one's search)
+        self._reuse: dict[str, Decision] = {}  # the last batch plan, by request
+        self._reuse_until = 0  # ... replayed through this batch step
+        self._explored = 0  # the batch step that last explored one deeper
         self._batch_steps = 0  # steps planned for a batch (``plan``): one in EXPLORE_EVERY runs one deeper
 
     # -- estimates --------------------------------------------------------------------------
@@ -165,8 +173,16 @@ class AdaptivePolicy(Policy):
         return req
 
     def rates(self, req: _Request, n: int) -> list[float]:
-        top = self.global_rates.rates(None, self.prior, n)
-        mid = self.bucket_rates[req.bucket].rates(top, self.prior, n)
+        # The shared levels change only when some request's drafted step is observed: many requests of a
+        # step (a batch) read the same ones, so they are derived once per change.
+        bucket = self.bucket_rates[req.bucket]
+        key = (req.bucket, n)
+        versions = (self.global_rates.version, bucket.version)
+        cached = self._shared_rates.get(key)
+        if cached is None or cached[0] != versions:
+            top = self.global_rates.rates(None, self.prior, n)
+            cached = self._shared_rates[key] = (versions, bucket.rates(top, self.prior, n))
+        mid = cached[1]
         # A request that accepts more (or less) than its bucket at position 1, where evidence comes
         # fastest, is shifted by as much in log-odds at every position before its own data there.
         own = req.rates
@@ -304,21 +320,52 @@ class AdaptivePolicy(Policy):
         """τ for every sequence of a step, for the goodput of the whole batch (tokens per second over all).
 
         The pass's cost depends on its rows, not on one request's τ: with many sequences the target pass
-        is compute-bound and every drafted token costs a row for all. Each request's own decision (its
-        budget, its fallback and probes, its stop rule) is the most it drafts; a shared depth D caps every
-        τ at D, the D with the best predicted batch goodput is kept, then each request gives back the
-        tokens whose expected gain per second of row falls below that goodput. Requests bound by a
-        verification budget keep their τ (passes are what is scarce for them)."""
-        solo = [self.next_tau(ctx) for ctx in ctxs]
+        is compute-bound and every drafted token costs a row for all. Each request may draft up to its room;
+        a shared depth D caps every τ at D, the D with the best predicted batch goodput is kept (by
+        ``margin`` over plain steps), then each request gives back the tokens whose expected gain per
+        second of row falls below that goodput. Requests bound by a verification budget make their own
+        decision and keep it (passes are what is scarce for them). A batch step costs a few microseconds
+        per request: the batch's depth search replaces each request's own fallback, probes and
+        exploration, the shared acceptance levels are derived once per change, and the stop rule is built
+        only for the requests that draft."""
         if len(ctxs) == 1 and other_rows == 0:
-            return solo
-        reqs = [self._requests[ctx.request_id] for ctx in ctxs]
-        caps = [min(d.tau, ctx.max_tau) for d, ctx in zip(solo, ctxs)]
-        floors = [cap if req.budget_bound else 0 for cap, req in zip(caps, reqs)]
-        gains = [req.plan.emitted if req.plan is not None else [1.0] for req in reqs]
-        # Expected tokens of τ beyond the plan's horizon (a stop rule's cap): the plan's last increment, flat.
-        gains = [g + [g[-1]] * (cap + 1 - len(g)) for g, cap in zip(gains, caps)]
+            return [self.next_tau(ctxs[0])]
         n = len(ctxs) + other_rows  # sequences in the step, at most (other rows: one per other sequence at least)
+        self._batch_steps += 1
+        if self._batch_steps <= self._reuse_until and abs(len(ctxs) - len(self._reuse)) * 4 <= len(self._reuse):
+            return self._replay(ctxs, n)
+        reqs: list[_Request] = []
+        own: list[Decision | None] = []
+        caps: list[int] = []
+        floors: list[int] = []
+        gains: list[list[float]] = []
+        # The depth moves by a few per step at most: pricing deeper than the last best + DEPTH_PATIENCE + 1
+        # positions would only be cut off by the search below.
+        horizon = min(self.max_tau, self._batch_depth + DEPTH_PATIENCE + 1)
+        for ctx in ctxs:
+            req = self._request(ctx)
+            k = min(horizon, ctx.max_tau)
+            left = None if ctx.max_verify_passes is None else ctx.max_verify_passes - ctx.verify_passes
+            if k and left is not None and left < max(1, ctx.max_new_tokens - ctx.new_tokens):
+                d = self.next_tau(ctx)  # budget-bound: its own decision, kept
+                cap = floor = min(d.tau, k)
+                own.append(d)
+            else:
+                req.steps += 1
+                req.plan = self._plan(req, k) if k else None
+                req.budget_bound = False
+                cap, floor = k, 0
+                own.append(None)
+                if req.predicted_latency is None and req.plan is not None:
+                    best = req.plan.best(list(range(k + 1)))
+                    want = max(1, ctx.max_new_tokens - ctx.new_tokens)
+                    req.predicted_latency = ctx.elapsed + want / req.plan.emitted[best] * req.plan.times[best]
+            g = req.plan.emitted if req.plan is not None else [1.0]
+            # Expected tokens of τ beyond the plan's horizon (a stop rule's cap): the plan's last increment, flat.
+            gains.append(g + [g[-1]] * (cap + 1 - len(g)))
+            reqs.append(req)
+            caps.append(cap)
+            floors.append(floor)
 
         def goodput(taus: list[int]) -> tuple[float, float]:
             rows = other_rows + sum(t + 1 for t in taus)
@@ -326,21 +373,31 @@ class AdaptivePolicy(Policy):
             seconds = self.batch_costs.step_time(rows, depth, sum(t > 0 for t in taus), n, self.costs)
             return sum(g[t] for g, t in zip(gains, taus)) / seconds, seconds
 
-        by_depth = [[max(f, min(c, depth)) for f, c in zip(floors, caps)] for depth in range(max(caps, default=0) + 1)]
-        rates = [goodput(taus)[0] for taus in by_depth]
-        depth = max(range(len(by_depth)), key=lambda d: rates[d])
-        self._batch_steps += 1
+        # Depths in turn, until DEPTH_PATIENCE past the best so far (goodput rises to one peak and falls, up to
+        # noise in the measured curves): under load the best is 0 or 1 and the deep ones are never priced.
+        by_depth: list[list[int]] = []
+        rates: list[float] = []
+        depth = 0
+        for d in range(max(caps, default=0) + 1):
+            if d > depth + DEPTH_PATIENCE:
+                break
+            by_depth.append([max(f, min(c, d)) for f, c in zip(floors, caps)])
+            rates.append(goodput(by_depth[-1])[0])
+            if rates[d] > rates[depth] * (1.0 + self.margin if depth == 0 else 1.0):
+                depth = d
         # Depths never run leave the cost curves unmeasured where they would be read (rows beyond any pass seen,
         # draft forwards never run) and acceptance unlearnt: now and then run one deeper when predicted nearly
         # as good, or whatever predicted while no draft forward has been measured (its cost is then a prior).
         explore = (
-            self._batch_steps % EXPLORE_EVERY == 0
+            self._batch_steps - self._explored >= EXPLORE_EVERY
             and depth + 1 < len(by_depth)
             and (rates[depth + 1] >= 0.9 * rates[depth] or not self.batch_costs.draft_forward.seen)
         )
         if explore:
             depth += 1
-        best = by_depth[depth]
+            self._explored = self._batch_steps
+        self._batch_depth = depth
+        best = list(by_depth[depth])
         rate, seconds = goodput(best)
         rows = other_rows + sum(t + 1 for t in best)
         drafting = sum(t > 0 for t in best)
@@ -350,12 +407,41 @@ class AdaptivePolicy(Policy):
             while not explore and best[i] > floors[i] and (gains[i][best[i]] - gains[i][best[i] - 1]) < rate * row_cost:
                 best[i] -= 1
         out = []
-        for d, tau, cap in zip(solo, best, caps):
-            if tau == cap:
+        for req, d, tau in zip(reqs, own, best):
+            if d is not None and tau == d.tau:
                 out.append(d)
+            elif tau == 0:
+                out.append(Decision(0, f"batch of {n}: plain (depth {depth} for the batch's goodput)"))
             else:
-                rule = d.rule if tau > 0 else None
-                out.append(Decision(tau, f"{d.reason}; batch of {n}: tau={tau} for the batch's goodput", rule))
+                reason = f"batch of {n}: tau={tau} for the batch's goodput" + (" (explore)" if explore else "")
+                rule = self._decide(req, tau, reason, req.plan).rule if req.plan is not None else None
+                out.append(Decision(tau, reason, rule))
+        # A batch of REPLAN_MIN or more keeps this plan for the next REPLAN_EVERY - 1 steps (an exploring one
+        # does not): its inputs move slowly, and re-deriving them costs tens of microseconds per request.
+        self._reuse = {ctx.request_id: d for ctx, d in zip(ctxs, out)}
+        reuse = len(ctxs) >= REPLAN_MIN and not explore
+        self._reuse_until = self._batch_steps + (REPLAN_EVERY - 1 if reuse else 0)
+        return out
+
+    def _replay(self, ctxs: Sequence[StepContext], n: int) -> list[Decision]:
+        """The last batch plan again: each request its decision (clamped to its room), a request that joined
+        since the batch's depth without a stop rule, a budget-bound one its own decision afresh."""
+        out = []
+        for ctx in ctxs:
+            req = self._request(ctx)
+            d = self._reuse.get(ctx.request_id)
+            left = None if ctx.max_verify_passes is None else ctx.max_verify_passes - ctx.verify_passes
+            if left is not None and left < max(1, ctx.max_new_tokens - ctx.new_tokens) and min(self.max_tau, ctx.max_tau):
+                d = self.next_tau(ctx)
+            elif d is None:
+                req.steps += 1
+                req.plan = None
+                d = Decision(min(self._batch_depth, self.max_tau, ctx.max_tau), f"batch of {n}: joined, at its depth")
+            else:
+                req.steps += 1
+                if d.tau > ctx.max_tau:
+                    d = Decision(max(0, ctx.max_tau), d.reason, d.rule if ctx.max_tau > 0 else None)
+            out.append(d)
         return out
 
     # -- learning ---------------------------------------------------------------------------
@@ -372,7 +458,13 @@ class AdaptivePolicy(Policy):
         if record.tau == 0:
             return
         tested = min(record.n_accepted + 1, record.tau)
-        predicted = self.rates(req, tested) if req is not None else []
+        # The rates the step was planned with (the plan's; else derived now, before this outcome is counted).
+        if req is None:
+            predicted = []
+        elif req.plan is not None and len(req.plan.rates) >= tested:
+            predicted = req.plan.rates[:tested]
+        else:
+            predicted = self.rates(req, tested)
         self.global_rates.update(record.tau, record.n_accepted)
         if req is not None:
             self.bucket_rates[req.bucket].update(record.tau, record.n_accepted)
@@ -414,7 +506,7 @@ class AdaptivePolicy(Policy):
         req.changes += 1
         own = req.rates
         own.prior_weight = REQUEST_PRIOR_SHIFTED
-        own.wins, own.trials = [0.0] * own.max_pos, [0.0] * own.max_pos
+        own.reset()
         for tau, n_acc in side:
             own.update(tau, n_acc)
         req.cusum_up = req.cusum_down = 0.0

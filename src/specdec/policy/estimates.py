@@ -39,12 +39,18 @@ class PositionRates:
     prior_weight: float = 2.0
     wins: list[float] = field(default_factory=list)
     trials: list[float] = field(default_factory=list)
+    version: int = 0  # bumped by every change: readers cache what they derive from the counts by it
 
     def __post_init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
         self.wins = [0.0] * self.max_pos
         self.trials = [0.0] * self.max_pos
+        self.version += 1
 
     def update(self, tau: int, n_accepted: int) -> None:
+        self.version += 1
         for k in range(min(n_accepted + 1, tau, self.max_pos)):
             self.wins[k] = self.decay * self.wins[k] + (1.0 if k < n_accepted else 0.0)
             self.trials[k] = self.decay * self.trials[k] + 1.0
@@ -75,8 +81,10 @@ class StepCosts:
     other: float | None = None
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # S1, Sx, Sy, Sxx, Sxy
     _by_block: dict[int, list[float]] = field(default_factory=dict)  # k -> [weight, mean]
+    _times: dict[int, list[float]] = field(default_factory=dict, repr=False, compare=False)  # step_times, until observe
 
     def observe(self, tau: int, forwards: int, draft_time: float, verify_time: float, other_time: float) -> None:
+        self._times.clear()
         if forwards > 0 and draft_time > 0:
             self.draft_per_token = self._ewma(self.draft_per_token, draft_time / forwards)
         self.other = self._ewma(self.other, other_time)
@@ -116,12 +124,16 @@ class StepCosts:
         return v0 + v1 * (k - 1)
 
     def step_times(self, max_tau: int) -> list[float]:
-        """Predicted seconds of a step drafting τ = 0..max_tau tokens."""
+        """Predicted seconds of a step drafting τ = 0..max_tau tokens (computed once between observations)."""
+        cached = self._times.get(max_tau)
+        if cached is not None:
+            return cached
         line = self.line()  # once per call: it is refitted from the sums every time
         verify = [self.verify(tau + 1, line) for tau in range(max_tau + 1)]
         d = self.draft_per_token if self.draft_per_token is not None else self.prior_draft_frac * verify[0]
         o = self.other or 0.0
-        return [tau * d + v + o for tau, v in enumerate(verify)]
+        times = self._times[max_tau] = [tau * d + v + o for tau, v in enumerate(verify)]
+        return times
 
 
 @dataclass
@@ -311,14 +323,21 @@ class BatchCosts:
     draft_forward: CurveEWMA = field(default_factory=lambda: CurveEWMA(growth=DRAFT_ROW_GROWTH))  # drafting -> s
     other: CurveEWMA = field(default_factory=CurveEWMA)  # sequences -> seconds of the rest of the step
 
+    _last_pass: tuple[float, float, int, int] | None = field(default=None, repr=False, compare=False)
+
     def observe(self, record: StepRecord) -> None:
         w = 1.0 / max(1, record.batch_size)
         rows = record.rows or record.tau + 1
-        self.verify.observe(rows, record.verify_time, w)
-        passes = record.draft_passes or record.tau
-        if passes and record.draft_time > 0:
-            drafting = max(1, record.drafting or 1)
-            self.draft_forward.observe(drafting, record.draft_time / passes, w)
+        # The records of one step carry the same pass times: the passes are learnt once per step (the same
+        # as each record at weight 1/batch, without 15 of 16 updates); the rest of the step is each one's own.
+        this_pass = (record.verify_time, record.draft_time, rows, record.batch_size)
+        if record.batch_size <= 1 or this_pass != self._last_pass:
+            self._last_pass = this_pass
+            self.verify.observe(rows, record.verify_time)
+            passes = record.draft_passes or record.tau
+            if passes and record.draft_time > 0:
+                drafting = max(1, record.drafting or 1)
+                self.draft_forward.observe(drafting, record.draft_time / passes)
         self.other.observe(max(1, record.batch_size), record.other_time, w)
 
     def step_time(self, rows: int, depth: int, drafting: int, sequences: int, solo: StepCosts) -> float:
