@@ -98,7 +98,12 @@ def test_tune_recommends_and_measures_on_tiny_checkpoints(
     assert all(d["predicted"]["0"] == pytest.approx(1.0) for d in report["drafts"])
     if report["recommendation"]["draft"] is not None:
         assert report["measured"]["speedup"] > 0
-    assert json.loads(costs.read_text())["verify_base_s"] > 0
+    saved = json.loads(costs.read_text())
+    assert saved["verify_base_s"] > 0
+    # The batched figures (issue 15): passes over 1..64 sequences on the native runtime, and what they belong to.
+    assert {"1", "16", "64"} <= set(saved["rows_table"]) and all(v > 0 for v in saved["rows_table"].values())
+    assert saved["model"]["target"] == str(tiny_models["llama"]) and saved["model"]["target_dtype"] == "float32"
+    assert CostModel.from_json(saved).verify_rows(16) == saved["rows_table"]["16"]
 
 
 def test_tune_rejects_a_missing_prompts_file(tiny_models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
@@ -115,3 +120,28 @@ def test_tune_rejects_a_missing_prompts_file(tiny_models: dict[str, Path], capsy
     )
     assert code == 2
     assert "prompt file not found: /nonexistent/p.jsonl" in capsys.readouterr().err
+
+
+def test_measured_batch_costs_prime_the_adaptive_policy_only_for_their_models(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    from specdec.api import load
+    from specdec.tune import matching_costs, model_identity
+
+    engine = load(tiny_models["llama"], tiny_models["draft"], dtype="float32", policy="adaptive")
+    path = tmp_path / "costs.json"
+    assert matching_costs(engine, path)[0] == {}  # no file: nothing primed
+    doc = {"verify_base_s": 1e-3, "draft_per_token_s": 1e-4, "rows_table": {"1": 0.001, "64": 0.004}}
+    path.write_text(json.dumps({**doc, "model": {**model_identity(engine), "target": "/elsewhere"}}))
+    rows, drafts, note = matching_costs(engine, path)
+    assert rows == {} and "other models" in note
+    path.write_text(
+        json.dumps({**doc, "draft_forward_s": 2e-4, "draft_row_frac": 0.1, "model": model_identity(engine)})
+    )
+    rows, drafts, note = matching_costs(engine, path)
+    assert rows == {1: 0.001, 64: 0.004} and drafts[16] == pytest.approx(2e-4 * 2.5)
+    engine.prime(rows, drafts)
+    curve = engine.policy.batch_costs.verify  # type: ignore[attr-defined]
+    assert curve(64, 1.0) == pytest.approx(0.004) and curve(32, 1.0) == pytest.approx(0.001 + 0.003 * 31 / 63)
+    later = engine.get_policy("adaptive:max_tau=3")  # made after priming: primed too
+    assert later.batch_costs.verify(64, 1.0) == pytest.approx(0.004)  # type: ignore[attr-defined]

@@ -86,6 +86,14 @@ class Engine:
         self.clock = clock
         self._named_policies: dict[str, Policy] = {self.policy.name: self.policy}
         self.eos_ids = _eos_ids(tokenizer, target)
+        self._measured: tuple[dict[int, float], dict[int, float]] = ({}, {})
+        self.costs_note = "batch costs learnt from steps"  # where the policies' batch cost curves start from
+
+    def prime(self, pass_seconds: dict[int, float], draft_forward_seconds: dict[int, float]) -> None:
+        """Measured batch costs for every policy the engine has or will make (``Policy.prime``)."""
+        self._measured = (dict(pass_seconds), dict(draft_forward_seconds))
+        for policy in self._named_policies.values():
+            policy.prime(*self._measured)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -187,7 +195,9 @@ class Engine:
     def get_policy(self, spec: str) -> Policy:
         """The engine's long-lived instance of a policy spec (stateful policies learn across requests)."""
         if spec not in self._named_policies:
-            self._named_policies[spec] = make_policy(spec)
+            self._named_policies[spec] = policy = make_policy(spec)
+            if self._measured[0]:
+                policy.prime(*self._measured)
         return self._named_policies[spec]
 
     # -- the step ---------------------------------------------------------------------------

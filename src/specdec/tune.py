@@ -12,6 +12,7 @@ against target-only on the same prompts, interleaved, to print predicted vs meas
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -184,3 +185,73 @@ def measure_recommended(engine: Any, rec: Recommendation, prompts: list[str], ma
 
 def to_json(reports: list[DraftReport], rec: Recommendation, measured: dict[str, float] | None) -> dict[str, Any]:
     return {"drafts": [asdict(r) for r in reports], "recommendation": asdict(rec), "measured": measured}
+
+
+BATCH_ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def measure_batched_costs(engine: Any, rows: tuple[int, ...] = BATCH_ROWS, rounds: int = 3) -> dict[str, Any]:
+    """The batched cost fields of a cost file, measured on ``engine``: a target pass over r sequences of one
+    row each (``rows_table``, the shape of a busy server's plain step; a speculative step's ragged blocks cost
+    about the same per row), a lockstep draft forward over 1 and 16 sequences (``draft_forward_s``,
+    ``draft_row_frac``), and the models they were measured on (``model``), so a reader can tell whether they
+    apply. Empty where the target cannot batch (the transformers runtime runs one sequence per pass)."""
+    from specdec.real_shapes import pass_times  # torch-heavy; only when measuring
+
+    target = engine.target
+    usable = tuple(r for r in rows if 64 + r <= target.max_context)
+    times = pass_times(target, usable, batches=True, rounds=rounds, min_seconds=0.02)
+    if not times.batch:
+        return {"batch_source": f"not measured: {times.batch_missing}"}
+    out: dict[str, Any] = {
+        "rows_table": {int(k): v for k, v in sorted(times.batch.items())},
+        "batch_source": "measured by specdec tune (one pass over r sequences of one row each, 64 tokens of context)",
+    }
+    draft_runner = getattr(engine.drafter, "runner", None)
+    if draft_runner is not None:
+        d = pass_times(draft_runner, (1, 16), batches=True, rounds=rounds, min_seconds=0.02)
+        if d.batch:
+            one, many = d.batch[1], d.batch[16]
+            out["draft_forward_s"] = one
+            out["draft_row_frac"] = max(0.0, (many / one - 1.0) / 15.0)
+    return out
+
+
+def model_identity(engine: Any) -> dict[str, Any]:
+    """What measured costs belong to: the target and draft checkpoints, their dtypes and the backend."""
+    target, drafter = engine.target, engine.drafter
+    draft_runner = getattr(drafter, "runner", None)
+    return {
+        "target": str(target.name),
+        "target_dtype": str(target.dtype).replace("torch.", ""),
+        "draft": str(draft_runner.name) if draft_runner is not None else (drafter.name if drafter else None),
+        "draft_dtype": str(draft_runner.dtype).replace("torch.", "") if draft_runner is not None else None,
+        "backend": str(getattr(target, "backend", type(target).__name__)),
+        "device": str(target.device),
+    }
+
+
+def matching_costs(engine: Any, path: Path | None = None) -> tuple[dict[int, float], dict[int, float], str]:
+    """The batched pass costs of a cost file (``specdec tune --save-costs``; default ``$SPECDEC_COSTS`` or
+    ``~/.cache/specdec/costs.json``) when they were measured on the engine's models: (seconds of a target pass
+    by rows, seconds of a lockstep draft forward by sequences, a line saying what was used and why). A file
+    measured on other models, or none, gives empty tables: the policy then learns its curves from steps alone."""
+    from specdec.simulate.costs import measured_costs_path
+
+    path = path or measured_costs_path()
+    if not path.is_file():
+        return {}, {}, f"no measured costs ({path}): batch costs learnt from steps"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return {}, {}, f"measured costs {path} unreadable ({e}): not used"
+    if doc.get("model") != model_identity(engine):
+        return {}, {}, f"measured costs {path} are for other models or settings: not used (re-run specdec tune)"
+    rows = {int(k): float(v) for k, v in (doc.get("rows_table") or {}).items()}
+    drafts: dict[int, float] = {}
+    if doc.get("draft_forward_s"):
+        one, frac = float(doc["draft_forward_s"]), float(doc.get("draft_row_frac", 0.05))
+        drafts = {n: one * (1.0 + frac * (n - 1)) for n in (1, 16)}
+    if not rows:
+        return {}, {}, f"measured costs {path} have no batched passes: batch costs learnt from steps"
+    return rows, drafts, f"batch costs from {path} ({len(rows)} pass sizes measured)"

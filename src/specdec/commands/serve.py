@@ -65,6 +65,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="largest request body accepted, else 413 (default: 2 MiB)",
     )
     g.add_argument("--trace", default=None, metavar="FILE", help="append a JSONL trace of every step and request")
+    g.add_argument(
+        "--costs",
+        default=None,
+        metavar="FILE",
+        help="measured pass costs (specdec tune --save-costs) the adaptive policy starts its batch cost curves "
+        "from, used only when measured on the served models (default: $SPECDEC_COSTS or "
+        "~/.cache/specdec/costs.json); 'none': learn from steps alone",
+    )
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     r = p.add_argument_group("ray (scale out over replicas; needs pip install 'specdec[ray]'; see docs/scaling.md)")
     r.add_argument(
@@ -138,6 +146,15 @@ def run(args: argparse.Namespace) -> int:
     if given:
         raise InvalidRequestError(f"{', '.join(given)}: only with --ray (or --ray-address)", given[0])
     engine = ModelSettings.from_args(args).load()
+    if args.costs != "none":
+        from specdec.tune import matching_costs
+
+        rows, drafts, note = matching_costs(engine, Path(args.costs) if args.costs else None)
+        if args.costs and not rows:
+            raise InvalidRequestError(f"--costs: {note}", "costs")
+        engine.prime(rows, drafts)
+        engine.costs_note = note
+        print(f"specdec: {note}", file=sys.stderr)
     observers: list[Observer] = []
     if args.trace:
         from specdec.trace import JsonlTrace

@@ -61,7 +61,15 @@ def run(args: argparse.Namespace) -> int:
     from specdec.api import default_draft, default_target, load
     from specdec.errors import InvalidRequestError
     from specdec.simulate.costs import measured_costs_path
-    from specdec.tune import load_prompts, measure_draft, measure_recommended, recommend, to_json
+    from specdec.tune import (
+        load_prompts,
+        measure_batched_costs,
+        measure_draft,
+        measure_recommended,
+        model_identity,
+        recommend,
+        to_json,
+    )
 
     if args.max_tau < 1:
         raise InvalidRequestError(f"--max-tau must be >= 1, got {args.max_tau}", "max_tau")
@@ -104,9 +112,18 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.save_costs is not None:
         best = max(reports, key=lambda r: r.best_speedup)
+        engine = engines[best.draft]
+        print("measuring batched passes (1-64 sequences) for the cost file ...", file=sys.stderr)
+        batched = measure_batched_costs(engine)
         path = Path(args.save_costs) if args.save_costs else measured_costs_path()
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({**best.costs, "name": "cpu"}, indent=1) + "\n")
+        doc = {**best.costs, **batched, "name": "cpu", "model": model_identity(engine)}
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        rows = batched.get("rows_table") or {}
+        if rows:
+            one = rows[min(rows)]
+            shown = ", ".join(f"{k}: {v / one:.2f}x" for k, v in rows.items())
+            print(f"batched passes by sequences (vs one): {shown}", file=sys.stderr)
         print(f"wrote measured costs to {path}", file=sys.stderr)
     if args.json is not None:
         args.json.write_text(json.dumps(to_json(reports, rec, measured), indent=1) + "\n")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -347,9 +347,9 @@ class AdaptivePolicy(Policy):
             k = min(horizon, ctx.max_tau)
             left = None if ctx.max_verify_passes is None else ctx.max_verify_passes - ctx.verify_passes
             if k and left is not None and left < max(1, ctx.max_new_tokens - ctx.new_tokens):
-                d = self.next_tau(ctx)  # budget-bound: its own decision, kept
-                cap = floor = min(d.tau, k)
-                own.append(d)
+                mine = self.next_tau(ctx)  # budget-bound: its own decision, kept
+                cap = floor = min(mine.tau, k)
+                own.append(mine)
             else:
                 req.steps += 1
                 req.plan = self._plan(req, k) if k else None
@@ -357,9 +357,9 @@ class AdaptivePolicy(Policy):
                 cap, floor = k, 0
                 own.append(None)
                 if req.predicted_latency is None and req.plan is not None:
-                    best = req.plan.best(list(range(k + 1)))
+                    fastest = req.plan.best(list(range(k + 1)))
                     want = max(1, ctx.max_new_tokens - ctx.new_tokens)
-                    req.predicted_latency = ctx.elapsed + want / req.plan.emitted[best] * req.plan.times[best]
+                    req.predicted_latency = ctx.elapsed + want / req.plan.emitted[fastest] * req.plan.times[fastest]
             g = req.plan.emitted if req.plan is not None else [1.0]
             # Expected tokens of τ beyond the plan's horizon (a stop rule's cap): the plan's last increment, flat.
             gains.append(g + [g[-1]] * (cap + 1 - len(g)))
@@ -378,13 +378,13 @@ class AdaptivePolicy(Policy):
         by_depth: list[list[int]] = []
         rates: list[float] = []
         depth = 0
-        for d in range(max(caps, default=0) + 1):
-            if d > depth + DEPTH_PATIENCE:
+        for cut in range(max(caps, default=0) + 1):
+            if cut > depth + DEPTH_PATIENCE:
                 break
-            by_depth.append([max(f, min(c, d)) for f, c in zip(floors, caps)])
+            by_depth.append([max(f, min(c, cut)) for f, c in zip(floors, caps)])
             rates.append(goodput(by_depth[-1])[0])
-            if rates[d] > rates[depth] * (1.0 + self.margin if depth == 0 else 1.0):
-                depth = d
+            if rates[cut] > rates[depth] * (1.0 + self.margin if depth == 0 else 1.0):
+                depth = cut
         # Depths never run leave the cost curves unmeasured where they would be read (rows beyond any pass seen,
         # draft forwards never run) and acceptance unlearnt: now and then run one deeper when predicted nearly
         # as good, or whatever predicted while no draft forward has been measured (its cost is then a prior).
@@ -406,10 +406,10 @@ class AdaptivePolicy(Policy):
         for i in range(len(best)):
             while not explore and best[i] > floors[i] and (gains[i][best[i]] - gains[i][best[i] - 1]) < rate * row_cost:
                 best[i] -= 1
-        out = []
-        for req, d, tau in zip(reqs, own, best):
-            if d is not None and tau == d.tau:
-                out.append(d)
+        out: list[Decision] = []
+        for req, kept, tau in zip(reqs, own, best):
+            if kept is not None and tau == kept.tau:
+                out.append(kept)
             elif tau == 0:
                 out.append(Decision(0, f"batch of {n}: plain (depth {depth} for the batch's goodput)"))
             else:
@@ -431,7 +431,11 @@ class AdaptivePolicy(Policy):
             req = self._request(ctx)
             d = self._reuse.get(ctx.request_id)
             left = None if ctx.max_verify_passes is None else ctx.max_verify_passes - ctx.verify_passes
-            if left is not None and left < max(1, ctx.max_new_tokens - ctx.new_tokens) and min(self.max_tau, ctx.max_tau):
+            if (
+                left is not None
+                and left < max(1, ctx.max_new_tokens - ctx.new_tokens)
+                and min(self.max_tau, ctx.max_tau)
+            ):
                 d = self.next_tau(ctx)
             elif d is None:
                 req.steps += 1
@@ -445,6 +449,15 @@ class AdaptivePolicy(Policy):
         return out
 
     # -- learning ---------------------------------------------------------------------------
+
+    def prime(self, pass_seconds: Mapping[int, float], draft_forward_seconds: Mapping[int, float]) -> None:
+        """Start the batch cost curves from measured figures (each as one observation: steps soon outweigh
+        them where they run; sizes never run keep them, which is their point: the cost of 64 rows is known
+        before a pass of 64 rows is risked)."""
+        for rows, seconds in pass_seconds.items():
+            self.batch_costs.verify.observe(int(rows), float(seconds))
+        for sequences, seconds in draft_forward_seconds.items():
+            self.batch_costs.draft_forward.observe(int(sequences), float(seconds))
 
     def observe(self, record: StepRecord) -> None:
         req = self._requests.get(record.request_id)

@@ -10,7 +10,7 @@ allowance (``allowance``, e.g. a fleet-wide budget).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from specdec.records import GenerationStats, StepRecord
@@ -117,6 +117,10 @@ class Policy(ABC):
 
     def observe(self, record: StepRecord) -> None:  # noqa: B027 - optional hook
         """Called after every step with its record."""
+
+    def prime(self, pass_seconds: Mapping[int, float], draft_forward_seconds: Mapping[int, float]) -> None:  # noqa: B027
+        """Measured costs to start from (``specdec tune --save-costs``): seconds of a target pass by its rows
+        and of a lockstep draft forward by the sequences in it. Learning from steps goes on from there."""
 
     def begin(self, ctx: StepContext) -> None:  # noqa: B027 - optional hook
         """Called once when a request starts (before its first step)."""

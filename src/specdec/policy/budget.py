@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from specdec.errors import InvalidRequestError
@@ -92,6 +92,9 @@ class FleetBudgetPolicy(Policy):
 
     def plan(self, ctxs: Sequence[StepContext], other_rows: int = 0) -> list[Decision]:
         return self.inner.plan(ctxs, other_rows)
+
+    def prime(self, pass_seconds: Mapping[int, float], draft_forward_seconds: Mapping[int, float]) -> None:
+        self.inner.prime(pass_seconds, draft_forward_seconds)
 
     def observe(self, record: StepRecord) -> None:
         self.inner.observe(record)
