@@ -21,7 +21,7 @@ from specdec.drafters.base import Draft, DraftAsk, Drafter
 from specdec.errors import ContextLengthError, InvalidRequestError
 from specdec.policy import Decision, Policy, StepContext, make_policy, request_policy
 from specdec.records import FinishReason, GenerationStats, RequestSummary, StepRecord
-from specdec.runtime.base import ModelRunner
+from specdec.runtime.base import ModelRunner, eos_ids_of
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.text import StopMatcher, TextDecoder
 from specdec.verify import Verdict, verify_greedy, verify_sampling
@@ -85,7 +85,7 @@ class Engine:
         self.max_context = max_context or target.max_context
         self.clock = clock
         self._named_policies: dict[str, Policy] = {self.policy.name: self.policy}
-        self.eos_ids = _eos_ids(tokenizer, target)
+        self.eos_ids = target.eos_token_ids | eos_ids_of(tokenizer)  # the model's, and its tokenizer's
         self._measured: tuple[dict[int, float], dict[int, float]] = ({}, {})
         self.costs_note = "batch costs learnt from steps"  # where the policies' batch cost curves start from
 
@@ -542,11 +542,3 @@ class Generation:
             stats=self.stats,
             records=self.records,
         )
-
-
-def _eos_ids(tokenizer: Any, target: ModelRunner) -> frozenset[int]:
-    ids = set(target.eos_token_ids)
-    tok_eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(tok_eos, int):
-        ids.add(tok_eos)
-    return frozenset(ids)

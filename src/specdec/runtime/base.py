@@ -8,7 +8,8 @@ cache; ``cache.crop(n)`` rolls back to the first n tokens (rejected drafts).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -75,3 +76,16 @@ def check_batch_one(ids: torch.Tensor) -> torch.Tensor:
     if ids.dim() != 1:
         raise UnsupportedError(f"expected token ids of shape [k] or [1, k], got {tuple(ids.shape)}")
     return ids
+
+
+def eos_ids_of(*sources: Any) -> frozenset[int]:
+    """EOS ids named by configs (``config.json``/``generation_config.json`` as dicts, or transformers config
+    objects) and tokenizers: each source's ``eos_token_id``, an int or a list; None sources are skipped. The
+    one place a model's end-of-sequence ids are read."""
+    ids: set[int] = set()
+    for src in sources:
+        value = src.get("eos_token_id") if isinstance(src, Mapping) else getattr(src, "eos_token_id", None)
+        for e in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(e, int) and not isinstance(e, bool):
+                ids.add(e)
+    return frozenset(ids)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from specdec.errors import ModelLoadError
-from specdec.runtime.base import KVCache, ModelRunner, check_batch_one
+from specdec.runtime.base import KVCache, ModelRunner, check_batch_one, eos_ids_of
 
 
 class HFCache(KVCache):
@@ -97,17 +97,6 @@ class HFRunner(ModelRunner):
         )
         cache.advance(k)
         return out.logits[0].float()
-
-
-def eos_ids_of(*configs: Any) -> frozenset[int]:
-    """EOS ids named by a model config and/or generation config (an int or a list)."""
-    ids: set[int] = set()
-    for cfg in configs:
-        value = getattr(cfg, "eos_token_id", None)
-        for e in value if isinstance(value, (list, tuple)) else [value]:
-            if isinstance(e, int):
-                ids.add(e)
-    return frozenset(ids)
 
 
 def check_checkpoint_dir(path: str | Path) -> Path:

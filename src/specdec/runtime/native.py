@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.errors import ContextLengthError, ModelLoadError, UnsupportedError
-from specdec.runtime.base import KVCache, ModelRunner, check_batch_one
+from specdec.runtime.base import KVCache, ModelRunner, check_batch_one, eos_ids_of
 from specdec.runtime.hf import check_checkpoint_dir
 from specdec.runtime.native_config import (
     DEFAULT_CACHE_LIMIT,
@@ -397,18 +397,12 @@ def native_unsupported_reason(path: str | Path) -> str | None:
 
 
 def _eos_ids(path: Path, raw: dict[str, Any]) -> frozenset[int]:
-    """EOS ids from config.json and generation_config.json (an int or a list in either)."""
+    """EOS ids from config.json and generation_config.json."""
     import json
 
-    ids: set[int] = set()
-    sources = [raw]
     gen = path / "generation_config.json"
-    if gen.exists():
-        try:
-            sources.append(json.loads(gen.read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise ModelLoadError(f"cannot read {gen}: {e}") from e
-    for src in sources:
-        value = src.get("eos_token_id")
-        ids.update(e for e in (value if isinstance(value, list) else [value]) if isinstance(e, int))
-    return frozenset(ids)
+    try:
+        generation = json.loads(gen.read_text()) if gen.exists() else None
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {gen}: {e}") from e
+    return eos_ids_of(raw, generation)
