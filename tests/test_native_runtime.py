@@ -31,7 +31,8 @@ BASE = dict(
 
 # name -> (architecture, config overrides, extra save_pretrained kwargs). Between them: GQA and MQA,
 # tied and untied embeddings, Llama attention/MLP biases, Qwen2 qkv bias, RoPE theta and linear/llama3
-# scaling, Mistral sliding window shorter than the context, Qwen2 per-layer windows, sharded weights.
+# scaling, Mistral sliding window shorter than the context, Qwen2 per-layer windows, sharded weights, more
+# query heads per key/value head than the CPU kernel's attention tile.
 CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "llama-gqa-llama3": (
         "llama",
@@ -70,6 +71,12 @@ CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {},
     ),
     "mistral-window": ("mistral", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=7), {}),
+    # 20 query heads on one key/value head: more than the kernel's attention tile (16 queries), head_dim 8
+    "llama-mqa-20-heads": (
+        "llama",
+        dict(hidden_size=80, num_attention_heads=20, num_key_value_heads=1, head_dim=8),
+        {},
+    ),
 }
 
 
