@@ -35,6 +35,8 @@ TAIL_TOKENS = 6
 WINDOW = 64
 # Tokens of left context decoded with a token sequence so its first token's text is what it is in context.
 OVERLAP = 4
+# At most this many draft tokens per target token asked for.
+MAX_DRAFT_PER_TOKEN = 4
 GREEDY = SamplingParams()
 
 
@@ -119,15 +121,19 @@ class _DraftIds:
         self.tokenizer = tokenizer
         self.frozen = list(prefix)
         self.offset = 0  # characters of the text covered by ``frozen``
+        self._look_at = WINDOW  # window length at which to look for a seam next
 
     def ids(self, text: str) -> list[int]:
         window = encode(self.tokenizer, text[self.offset :])
-        if len(window) > WINDOW:
-            self._seam(text[self.offset :], window)
-            window = encode(self.tokenizer, text[self.offset :])
+        if len(window) > self._look_at:
+            if self._seam(text[self.offset :], window):
+                window = encode(self.tokenizer, text[self.offset :])
+                self._look_at = WINDOW
+            else:  # no seam here (a tokenizer may never split cleanly): look again further on
+                self._look_at = len(window) + WINDOW // 2
         return self.frozen + window
 
-    def _seam(self, text: str, window: list[int]) -> None:
+    def _seam(self, text: str, window: list[int]) -> bool:
         for j in range(len(window) // 2, len(window) - 8):
             head = decode(self.tokenizer, window[:j])
             if (
@@ -138,7 +144,8 @@ class _DraftIds:
             ):
                 self.frozen += window[:j]
                 self.offset += len(head)
-                return
+                return True
+        return False
 
 
 @dataclass
@@ -206,7 +213,7 @@ class BridgedDrafter(Drafter):
             if not ids:
                 continue
             # Draft tokens for τ target tokens, from the context's ratio, plus one for the dropped last token.
-            n = math.ceil(ask.tau * len(ids) / len(ask.context)) + 1
+            n = min(math.ceil(ask.tau * len(ids) / len(ask.context)) + 1, MAX_DRAFT_PER_TOKEN * ask.tau + 1)
             if len(ids) + n > self.runner.max_context:
                 continue
             cache = state.inner.cache
