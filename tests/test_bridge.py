@@ -85,6 +85,8 @@ def _trained(out: Path, vocab_size: int, layers: int, hidden: int, steps: int, s
 
     out.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer(out, vocab_size)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: one thread is faster, and kinder to a shared machine
     ids = torch.tensor(tok(CORPUS * 8)["input_ids"])
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", len(tok), layers=layers, hidden=hidden))
@@ -98,6 +100,7 @@ def _trained(out: Path, vocab_size: int, layers: int, hidden: int, steps: int, s
         opt.zero_grad()
         loss.backward()
         opt.step()
+    torch.set_num_threads(threads)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
 
@@ -260,6 +263,7 @@ def _exact_joint(target_dir: Path, prompt_ids: list[int], params: SamplingParams
     return joint
 
 
+@pytest.mark.slow
 @pytest.mark.distribution
 def test_sampled_first_two_tokens_follow_the_target(pair: tuple[Path, Path]) -> None:
     """The joint law of the first two tokens of bridged speculative sampling against the exact target-only law
@@ -285,6 +289,38 @@ def test_sampled_first_two_tokens_follow_the_target(pair: tuple[Path, Path]) -> 
         accepted += r.stats.accepted
     assert drafted > 0 and 0.05 < accepted / drafted < 0.95, (drafted, accepted)
     assert chi2_pvalue(counts, joint, n) > P_THRESHOLD
+
+
+@pytest.mark.server
+def test_server_model_card_names_the_bridge_and_serves_greedy_and_sampled(pair: tuple[Path, Path]) -> None:
+    import asyncio
+
+    import httpx
+
+    pytest.importorskip("fastapi")
+    from specdec.server import ServerSettings, create_app
+
+    target, draft = pair
+    engine = specdec.load(target, draft, dtype="float32")
+    plain = specdec.load(target, dtype="float32")
+    app = create_app(engine, ServerSettings(model_name="pair"))
+
+    async def main() -> tuple[Any, Any, Any]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            card = (await client.get("/v1/models/pair")).json()
+            body = {"model": "pair", "prompt": "def fibonacci(n):", "max_tokens": 16}
+            greedy = (await client.post("/v1/completions", json={**body, "temperature": 0})).json()
+            sampled = await client.post("/v1/completions", json={**body, "temperature": 1.0, "seed": 1})
+            return card, greedy, sampled
+
+    try:
+        card, greedy, sampled = asyncio.run(main())
+    finally:
+        app.state.scheduler.stop()
+    assert card["drafter"] == f"bridge({draft})"
+    assert greedy["choices"][0]["text"] == plain.generate("def fibonacci(n):", max_new_tokens=16).text
+    assert sampled.status_code == 200 and sampled.json()["choices"][0]["text"]
 
 
 # -- boundary handling -----------------------------------------------------------------------------
