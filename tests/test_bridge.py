@@ -173,7 +173,8 @@ def test_greedy_output_equals_target_only(pair: tuple[Path, Path], runtime: str)
     engine = specdec.load(target, draft, dtype="float32", runtime=runtime)
     plain = specdec.load(target, dtype="float32", runtime=runtime)
     accepted = rejected = 0
-    for prompt in PROMPTS:
+    prompts = PROMPTS if runtime == "native" else PROMPTS[:3]  # transformers' runtime is the slower one
+    for prompt in prompts:
         reference = plain.generate(prompt, max_new_tokens=40).token_ids
         for tau in (1, 2, 3, 4):
             res = engine.generate(prompt, max_new_tokens=40, tau=tau)
@@ -181,7 +182,7 @@ def test_greedy_output_equals_target_only(pair: tuple[Path, Path], runtime: str)
             assert all(r.tau <= tau for r in res.records)
             accepted += sum(r.n_accepted for r in res.records)
             rejected += sum(1 for r in res.records if r.n_accepted < r.tau)
-    assert accepted > 100  # the bridge proposes, and the target takes most of it
+    assert accepted > 50 * len(prompts)  # the bridge proposes, and the target takes most of it
     assert rejected > 0  # and the rejection path ran too
 
 
