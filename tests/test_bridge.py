@@ -389,6 +389,23 @@ def test_draft_ids_freeze_seams_without_changing_the_encoding(toks: tuple[Any, A
     assert ids.offset > len(text) // 2
 
 
+def test_bench_skips_transformers_assisted_when_it_cannot_bridge(tiny_models: dict[str, Path]) -> None:
+    """transformers bridges two tokenizers only for vocabularies of different sizes: for a pair with its own
+    tokenizers but equal sizes, the assisted contender is skipped with the reason in the report's notes."""
+    from specdec.bench.contenders import HFModels
+    from specdec.bench.run import BenchConfig, BenchModels, all_contenders
+
+    toks = (load_tokenizer(tiny_models["llama"]), load_tokenizer(tiny_models["draft"]))
+    dev = torch.device("cpu")
+    hf = HFModels.load(str(tiny_models["llama"]), str(tiny_models["draft"]), torch.float32, torch.float32, dev, toks)
+    assert hf.draft is None and hf.assisted_skipped is not None
+    plain = specdec.load(tiny_models["llama"], dtype="float32")
+    notes: list[str] = []
+    keys = [c.key for c in all_contenders(BenchModels(None, plain, hf, {}), BenchConfig(prompts=[]), notes)]
+    assert "hf_assisted" not in keys and "hf_target" in keys
+    assert any("as many vocabulary rows" in n for n in notes)
+
+
 # -- commands --------------------------------------------------------------------------------------
 
 

@@ -118,6 +118,7 @@ class HFModels:
     # (target tokenizer, draft tokenizer) when the draft has a tokenizer of its own: generate() then bridges
     # through text (transformers' universal assisted decoding)
     tokenizers: tuple[Any, Any] | None = None
+    assisted_skipped: str | None = None  # why the assisted contender cannot run, when it cannot
 
     @classmethod
     def load(
@@ -137,9 +138,30 @@ class HFModels:
 
         target = one(target_dir, dtype)
         draft = one(draft_dir, draft_dtype) if draft_dir else None
+        skipped = None
+        if draft is not None and tokenizers is not None and _vocab_rows(target) == _vocab_rows(draft):
+            # generate() takes both tokenizers only for models whose vocabulary sizes differ; with equal sizes it
+            # would feed the target's ids to the draft as they are.
+            skipped = (
+                "the draft has its own tokenizer but as many vocabulary rows as the target: transformers' "
+                "assisted generation would mix up their ids (it bridges only vocabularies of different sizes)"
+            )
+            draft = None
         return cls(
-            target, draft, CallMeter(target), CallMeter(draft) if draft is not None else None, tokenizers=tokenizers
+            target,
+            draft,
+            CallMeter(target),
+            CallMeter(draft) if draft is not None else None,
+            tokenizers=tokenizers,
+            assisted_skipped=skipped,
         )
+
+
+def _vocab_rows(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    rows = getattr(text, "vocab_size", None)
+    return int(rows) if rows is not None else None
 
 
 class HFContender(Contender):
