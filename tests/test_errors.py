@@ -70,8 +70,8 @@ def test_mismatched_vocabularies_name_both_checkpoints(tiny_models, tmp_path):
     from specdec.testing import tiny_checkpoint
 
     other = tiny_checkpoint(tmp_path / "other", "llama", seed=9, vocab_size=300)
-    with pytest.raises(VocabMismatchError) as info:
-        specdec.load(tiny_models["llama"], other, dtype="float32")
+    with pytest.raises(VocabMismatchError) as info:  # "shared": refuse rather than draft through text
+        specdec.load(tiny_models["llama"], other, dtype="float32", draft_tokenizer="shared")
     assert str(other) in str(info.value) and str(tiny_models["llama"]) in str(info.value)
 
 

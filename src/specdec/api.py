@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from specdec.drafters.base import Drafter
+from specdec.drafters.bridge import BridgedDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.engine import Engine, Observer
@@ -46,31 +49,56 @@ def has_tokenizer(path: Path) -> bool:
     )
 
 
-def check_same_vocab(target_tok: Any, draft_tok: Any, target_name: str, draft_name: str) -> None:
-    """Refuse a draft whose tokenizer maps any string to a different id than the target's."""
+DRAFT_TOKENIZER_MODES = ("auto", "shared", "bridge")
+
+
+def vocab_difference(target_tok: Any, draft_tok: Any) -> str | None:
+    """How the draft's tokenizer maps some string to a different id than the target's; None if it never does."""
     tv, dv = target_tok.get_vocab(), draft_tok.get_vocab()
     if len(tv) != len(dv):
-        raise VocabMismatchError(
-            f"draft {draft_name} and target {target_name} do not share a vocabulary: "
-            f"{len(dv)} tokens vs {len(tv)} tokens"
-        )
+        return f"{len(dv)} tokens vs {len(tv)} tokens"
     for token, tid in tv.items():
         if dv.get(token) != tid:
-            raise VocabMismatchError(
-                f"draft {draft_name} and target {target_name} do not share a vocabulary: "
-                f"token {token!r} is id {tid} in the target but {dv.get(token)} in the draft"
-            )
+            return f"token {token!r} is id {tid} in the target but {dv.get(token)} in the draft"
+    return None
 
 
-def _model_drafter(target: ModelRunner, draft: ModelRunner | None) -> Drafter:
-    assert draft is not None, "a model drafter needs the draft model"
-    return ModelDrafter(draft, target.vocab_size)
+def check_same_vocab(target_tok: Any, draft_tok: Any, target_name: str, draft_name: str) -> None:
+    """Refuse a draft whose tokenizer maps any string to a different id than the target's."""
+    diff = vocab_difference(target_tok, draft_tok)
+    if diff is not None:
+        raise VocabMismatchError(
+            f"draft {draft_name} and target {target_name} do not share a vocabulary: {diff} "
+            "(draft_tokenizer='auto' or --draft-tokenizer auto drafts through text instead)"
+        )
 
 
-# Drafters by kind: each builds one from the loaded target runner and, for "model", the loaded draft runner.
-DRAFTERS: dict[str, Callable[[ModelRunner, ModelRunner | None], Drafter]] = {
+@dataclass
+class DraftSide:
+    """What a drafter is built from: the loaded target, and the draft model with both tokenizers."""
+
+    target: ModelRunner
+    draft: ModelRunner | None = None
+    target_tokenizer: Any = None
+    draft_tokenizer: Any = None
+
+
+def _model_drafter(side: DraftSide) -> Drafter:
+    assert side.draft is not None, "a model drafter needs the draft model"
+    return ModelDrafter(side.draft, side.target.vocab_size)
+
+
+def _bridged_drafter(side: DraftSide) -> Drafter:
+    assert side.draft is not None, "a bridged drafter needs the draft model"
+    return BridgedDrafter(side.draft, side.target_tokenizer, side.draft_tokenizer, side.target.vocab_size)
+
+
+# Drafters by kind, each built from the loaded models ("model", "bridge": a draft model with the target's
+# tokenizer, or with its own, drafting through text).
+DRAFTERS: dict[str, Callable[[DraftSide], Drafter]] = {
     "model": _model_drafter,
-    "prompt_lookup": lambda target, _draft: PromptLookupDrafter(target.vocab_size, target.device),
+    "bridge": _bridged_drafter,
+    "prompt_lookup": lambda side: PromptLookupDrafter(side.target.vocab_size, side.target.device),
 }
 
 
@@ -90,6 +118,7 @@ def load(
     trace: str | Path | None = None,
     trust_remote_code: bool = False,
     compile: bool = False,
+    draft_tokenizer: str = "auto",
 ) -> Engine:
     """Build an engine.
 
@@ -100,6 +129,9 @@ def load(
     ``trace``: append a JSONL trace of every step and request to this file (see docs/trace.md).
     ``compile``: ``torch.compile`` each native-runtime model's step, one graph per block size (slow to
     start; see docs/runtime.md for when it pays). Checkpoints on the ``transformers`` runtime refuse it.
+    ``draft_tokenizer``: a draft checkpoint with a tokenizer of its own that differs from the target's is
+    bridged through text ("auto", said once on stderr; see docs/models.md), refused with
+    ``VocabMismatchError`` ("shared"), or bridged even when the tokenizers agree ("bridge").
     """
     dev = resolve_device(device)
     # "auto" stays unresolved until the runtime of each checkpoint is known (see resolve_dtype).
@@ -111,6 +143,11 @@ def load(
             draft = default_draft()
     if draft is not None and prompt_lookup:
         raise InvalidRequestError("choose either a draft model or prompt lookup, not both", "draft")
+    if draft_tokenizer not in DRAFT_TOKENIZER_MODES:
+        raise InvalidRequestError(
+            f"draft_tokenizer must be one of {', '.join(DRAFT_TOKENIZER_MODES)}, got {draft_tokenizer!r}",
+            "draft_tokenizer",
+        )
 
     if dt == torch.int8:
         raise InvalidRequestError(
@@ -122,22 +159,18 @@ def load(
         target, tokenizer, runtime, dev, dt, trust_remote_code, "target", compile=compile
     )
     draft_runner: ModelRunner | None = None
+    draft_tok: Any = None
     max_context = target_runner.max_context
+    kind = "prompt_lookup" if prompt_lookup else None
     if draft is not None:
         draft_runner, draft_tok = _load_model(
             draft, None, runtime, dev, ddt, trust_remote_code, "draft", tokenizer_fallback=target_tok, compile=compile
         )
-        if draft_tok is not target_tok:
-            check_same_vocab(target_tok, draft_tok, target_runner.name, draft_runner.name)
-        elif min(draft_runner.vocab_size, target_runner.vocab_size) < len(target_tok):
-            raise VocabMismatchError(
-                f"draft {draft_runner.name} and target {target_runner.name} do not share a vocabulary: "
-                f"{draft_runner.vocab_size} vs {target_runner.vocab_size} output rows for a {len(target_tok)}-token "
-                "tokenizer (the draft has no tokenizer of its own)"
-            )
-        max_context = min(max_context, draft_runner.max_context)
-    kind = "model" if draft_runner is not None else ("prompt_lookup" if prompt_lookup else None)
-    drafter = DRAFTERS[kind](target_runner, draft_runner) if kind is not None else None
+        kind = _draft_kind(draft_tokenizer, target_tok, draft_tok, target_runner, draft_runner)
+        if kind == "model":  # positions are shared only when the ids are
+            max_context = min(max_context, draft_runner.max_context)
+    side = DraftSide(target_runner, draft_runner, target_tok, draft_tok)
+    drafter = DRAFTERS[kind](side) if kind is not None else None
 
     if isinstance(policy, Policy):
         if tau is not None:
@@ -151,6 +184,32 @@ def load(
 
         observers.append(JsonlTrace(trace))
     return Engine(target_runner, target_tok, drafter, chosen, observers, max_context=max_context)
+
+
+def _draft_kind(mode: str, target_tok: Any, draft_tok: Any, target: ModelRunner, draft: ModelRunner) -> str:
+    """ "model" (the draft reads and writes the target's ids) or "bridge" (it drafts through text)."""
+    if mode == "bridge":
+        return "bridge"
+    if draft_tok is not target_tok:
+        diff = vocab_difference(target_tok, draft_tok)
+        if diff is None:
+            return "model"
+        if mode == "shared":
+            check_same_vocab(target_tok, draft_tok, target.name, draft.name)
+        print(
+            f"specdec: draft {draft.name} has its own tokenizer ({diff}): drafting through text "
+            "(drafter bridge; greedy and sampled output stay exact, see docs/models.md)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return "bridge"
+    if min(draft.vocab_size, target.vocab_size) < len(target_tok):
+        raise VocabMismatchError(
+            f"draft {draft.name} and target {target.name} do not share a vocabulary: "
+            f"{draft.vocab_size} vs {target.vocab_size} output rows for a {len(target_tok)}-token "
+            "tokenizer (the draft has no tokenizer of its own)"
+        )
+    return "model"
 
 
 def _load_model(

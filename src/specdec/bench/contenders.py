@@ -115,10 +115,20 @@ class HFModels:
     draft: torch.nn.Module | None
     target_meter: CallMeter
     draft_meter: CallMeter | None
+    # (target tokenizer, draft tokenizer) when the draft has a tokenizer of its own: generate() then bridges
+    # through text (transformers' universal assisted decoding)
+    tokenizers: tuple[Any, Any] | None = None
+    assisted_skipped: str | None = None  # why the assisted contender cannot run, when it cannot
 
     @classmethod
     def load(
-        cls, target_dir: str, draft_dir: str | None, dtype: torch.dtype, draft_dtype: torch.dtype, device: torch.device
+        cls,
+        target_dir: str,
+        draft_dir: str | None,
+        dtype: torch.dtype,
+        draft_dtype: torch.dtype,
+        device: torch.device,
+        tokenizers: tuple[Any, Any] | None = None,
     ) -> HFModels:
         from transformers import AutoModelForCausalLM
 
@@ -128,7 +138,30 @@ class HFModels:
 
         target = one(target_dir, dtype)
         draft = one(draft_dir, draft_dtype) if draft_dir else None
-        return cls(target, draft, CallMeter(target), CallMeter(draft) if draft is not None else None)
+        skipped = None
+        if draft is not None and tokenizers is not None and _vocab_rows(target) == _vocab_rows(draft):
+            # generate() takes both tokenizers only for models whose vocabulary sizes differ; with equal sizes it
+            # would feed the target's ids to the draft as they are.
+            skipped = (
+                "the draft has its own tokenizer but as many vocabulary rows as the target: transformers' "
+                "assisted generation would mix up their ids (it bridges only vocabularies of different sizes)"
+            )
+            draft = None
+        return cls(
+            target,
+            draft,
+            CallMeter(target),
+            CallMeter(draft) if draft is not None else None,
+            tokenizers=tokenizers,
+            assisted_skipped=skipped,
+        )
+
+
+def _vocab_rows(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    rows = getattr(text, "vocab_size", None)
+    return int(rows) if rows is not None else None
 
 
 class HFContender(Contender):
@@ -183,7 +216,13 @@ class HFContender(Contender):
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         d["runtime"] = "transformers generate()"
-        d["generate_kwargs"] = {k: v for k, v in self.generate_kwargs.items() if k != "assistant_model"}
+        d["generate_kwargs"] = {
+            k: v
+            for k, v in self.generate_kwargs.items()
+            if k not in ("assistant_model", "tokenizer", "assistant_tokenizer")
+        }
+        if "assistant_tokenizer" in self.generate_kwargs:
+            d["assistant_tokenizer"] = "the draft's own (universal assisted decoding)"
         if "assistant_model" in self.generate_kwargs:
             gc = self.generate_kwargs["assistant_model"].generation_config
             defaults = _hf_generation_defaults()
@@ -211,16 +250,12 @@ def cut_at_eos(tokens: list[int], eos_ids: frozenset[int]) -> list[int]:
 def hf_contenders(models: HFModels, eos_ids: frozenset[int], lookup_tokens: int) -> list[Contender]:
     out: list[Contender] = [HFContender("hf_target", "transformers generate()", "hf_target", models, eos_ids, {})]
     if models.draft is not None:
-        out.append(
-            HFContender(
-                "hf_assisted",
-                "transformers assisted (draft)",
-                "hf_assisted",
-                models,
-                eos_ids,
-                {"assistant_model": models.draft},
-            )
-        )
+        kwargs: dict[str, Any] = {"assistant_model": models.draft}
+        label = "transformers assisted (draft)"
+        if models.tokenizers is not None:
+            kwargs["tokenizer"], kwargs["assistant_tokenizer"] = models.tokenizers
+            label = "transformers assisted (draft, own tokenizer)"
+        out.append(HFContender("hf_assisted", label, "hf_assisted", models, eos_ids, kwargs))
     out.append(
         HFContender(
             "hf_lookup",

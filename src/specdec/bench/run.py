@@ -76,7 +76,9 @@ def all_contenders(models: BenchModels, cfg: BenchConfig, notes: list[str]) -> l
     out = engine_contenders(models, cfg, notes)
     if cfg.hf and models.hf is not None:
         out += hf_contenders(models.hf, models.target_only.eos_ids, cfg.lookup_tokens)
-        if models.hf.draft is None:
+        if models.hf.assisted_skipped is not None:
+            notes.append(f"transformers assisted generation skipped: {models.hf.assisted_skipped}")
+        elif models.hf.draft is None:
             notes.append("no draft model: transformers assisted generation skipped")
     else:
         notes.append("transformers contenders skipped (--no-hf)")

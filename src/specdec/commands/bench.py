@@ -105,9 +105,10 @@ def _config(args: argparse.Namespace) -> Any:
 
 def load_models(settings: ModelSettings, with_hf: bool) -> Any:
     """Our engine (plus a target-only engine sharing its target) and transformers copies of the same checkpoints."""
-    from specdec.api import default_draft, default_target
+    from specdec.api import default_draft, default_target, vocab_difference
     from specdec.bench.contenders import HFModels
     from specdec.bench.run import BenchModels
+    from specdec.drafters.bridge import BridgedDrafter
     from specdec.drafters.model import ModelDrafter
     from specdec.engine import Engine
     from specdec.policy import FixedPolicy
@@ -123,7 +124,14 @@ def load_models(settings: ModelSettings, with_hf: bool) -> Any:
     if settings.no_draft:
         draft_dir = None
     drafter = spec.drafter
-    draft_runner = drafter.runner if isinstance(drafter, ModelDrafter) else None
+    draft_runner = drafter.runner if isinstance(drafter, (ModelDrafter, BridgedDrafter)) else None
+    # A bridged pair: transformers' assisted generation takes both tokenizers (universal assisted decoding).
+    # (Not for a pair bridged on request that shares one tokenizer: that is plain assisted generation.)
+    tokenizers = (
+        (spec.tokenizer, drafter.draft_tokenizer)
+        if isinstance(drafter, BridgedDrafter) and vocab_difference(spec.tokenizer, drafter.draft_tokenizer)
+        else None
+    )
     hf = None
     # transformers runs in the dtype a user of it would pick here: the forced one, else its own "auto"
     # (fp32 on CPUs without native bf16, where its bf16 products are several times slower).
@@ -142,6 +150,7 @@ def load_models(settings: ModelSettings, with_hf: bool) -> Any:
             hf_dtype,
             hf_draft_dtype,
             spec.target.device,
+            tokenizers=tokenizers,
         )
     info = {
         "target": str(target_dir),

@@ -23,6 +23,7 @@ class ModelSettings:
     tau: int | None  # shorthand for fixed:tau=N (an error beside another policy)
     trust_remote_code: bool
     compile: bool = False
+    draft_tokenizer: str = "auto"  # auto | shared | bridge (a draft with a tokenizer of its own)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSettings:
@@ -39,6 +40,7 @@ class ModelSettings:
             tau=args.tau,
             trust_remote_code=args.trust_remote_code,
             compile=getattr(args, "compile", False),
+            draft_tokenizer=getattr(args, "draft_tokenizer", "auto"),
         )
 
     def load(self, observers: list | None = None) -> Engine:
@@ -62,13 +64,15 @@ class ModelSettings:
             observers=observers,
             trust_remote_code=self.trust_remote_code,
             compile=self.compile,
+            draft_tokenizer=self.draft_tokenizer,
         )
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("models")
     g.add_argument("--target", type=Path, default=None, help="target checkpoint directory (default: the shipped pair)")
-    g.add_argument("--draft", type=Path, default=None, help="draft checkpoint directory sharing the target's tokenizer")
+    g.add_argument("--draft", type=Path, default=None, help="draft checkpoint directory")
+    add_draft_tokenizer_arg(g)
     g.add_argument(
         "--prompt-lookup", action="store_true", help="draft by n-gram lookup in the context (no draft model)"
     )
@@ -100,3 +104,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "bound instead, e.g. adaptive:max_tau=N; default: 4)",
     )
     g.add_argument("--trust-remote-code", action="store_true", help="allow checkpoints with custom Python code")
+
+
+def add_draft_tokenizer_arg(g: argparse._ActionsContainer) -> None:
+    g.add_argument(
+        "--draft-tokenizer",
+        choices=("auto", "shared", "bridge"),
+        default="auto",
+        help="a draft with a tokenizer of its own: auto drafts through text when it differs from the target's "
+        "(said on stderr; see docs/models.md), shared refuses such a draft, bridge drafts through text always",
+    )
