@@ -22,7 +22,7 @@ from specdec.drafters.base import Draft, DraftAsk, Drafter
 from specdec.errors import ContextLengthError, InvalidRequestError
 from specdec.policy import Decision, Policy, StepContext, make_policy, request_policy
 from specdec.records import FinishReason, GenerationStats, RequestSummary, StepRecord
-from specdec.runtime.base import ModelRunner
+from specdec.runtime.base import KVCache, ModelRunner
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.text import StopMatcher, TextDecoder
 from specdec.verify import Verdict, verify_greedy, verify_sampling
@@ -378,6 +378,8 @@ class Generation:
         self._stops = StopMatcher(stops)
         self.generator = params.generator(engine.target.device)
         drafter = engine.drafter
+        self.cache: KVCache
+        self.draft_state: Any
         if fork_of is not None:
             if fork_of.done or fork_of.records or fork_of.prompt_ids != prompt_ids:
                 raise ValueError("fork_of must be an unstepped Generation of the same prompt")
