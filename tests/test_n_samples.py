@@ -12,19 +12,20 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import torch
-from test_distribution import P_THRESHOLD, chi2_pvalue, exact_joint, runtime, soft_draft  # noqa: F401 - fixtures
 
 import specdec
 from specdec.engine import Engine, Generation, sample_seed
 from specdec.errors import InvalidRequestError
 from specdec.runtime.base import ModelRunner
 from specdec.sampling import SamplingParams
+from test_distribution import P_THRESHOLD, chi2_pvalue, exact_joint
 
 PROMPT = "def fibonacci(n):"
 
@@ -36,18 +37,36 @@ def run_all(engine: Engine, gens: list[Generation]) -> list[list[int]]:
     return [g.result().token_ids for g in gens]
 
 
-def load(tiny_models: dict[str, Path], runtime: str, draft: Path | None = None) -> Engine:
-    return specdec.load(tiny_models["llama"], draft or tiny_models["draft"], dtype="float32", runtime=runtime)
+@pytest.fixture(params=["hf", "native-kernel", "native-torch"])
+def runtime_name(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """transformers, the native runtime on its CPU kernel, and on PyTorch operators (the kernel switched off)."""
+    import specdec.runtime.native_kernel as nk
+
+    name = request.param
+    if name == "native-kernel" and not nk.kernel_available():
+        pytest.skip(f"CPU kernel unavailable: {nk.kernel_status()}")
+    if name == "native-torch":
+        monkeypatch.setenv(nk.ENV_SWITCH, "0")
+        nk._load.cache_clear()
+    yield name
+    if name == "native-torch":
+        monkeypatch.undo()
+        nk._load.cache_clear()
 
 
 # -- forks -------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.identity
-def test_forked_caches_equal_a_fresh_prefill(tiny_models: dict[str, Path], runtime: str) -> None:
+def test_forked_caches_equal_a_fresh_prefill(tiny_models: dict[str, Path], runtime_name: str) -> None:
     """A forked cache gives the logits a fresh prefill gives, and is independent of its source; greedy samples
     continued from forks are the solo greedy output, on every runtime."""
-    engine = load(tiny_models, runtime.split("-")[0])
+    runtime = runtime_name.split("-")[0]
+    engine = specdec.load(tiny_models["llama"], tiny_models["draft"], dtype="float32", runtime=runtime)
+    backend = getattr(engine.target, "backend", "transformers")
+    assert backend.startswith(
+        {"hf": "transformers", "native-kernel": "cpu-kernel", "native-torch": "torch-"}[runtime_name]
+    )
     target = engine.target
     ids = engine.encode(PROMPT)
     head, nxt, other = torch.tensor(ids[:-1]), torch.tensor(ids[-1:]), torch.tensor([5, 6, 7])
@@ -323,6 +342,34 @@ def test_server_refuses_best_of_and_too_many_samples(n_client: Any) -> None:
         assert e.value.body["param"] == param, e.value.body
     ok = n_client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2, best_of=2, temperature=0)
     assert len(ok.choices) == 2
+
+
+@pytest.mark.server
+def test_server_concurrent_n_requests_match_sequential(n_server: str) -> None:
+    """Requests of n = 1, 2 and 3 (greedy, and seeded sampling) streamed by 8 clients at once, so their samples
+    share batched steps (and rotate: --max-batch 4): every choice's streamed text is what the same request gets
+    alone, not streamed."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def body(i: int) -> dict[str, Any]:
+        b: dict[str, Any] = {"model": MODEL, "prompt": f"{PROMPT} {i}", "max_tokens": 12 + i, "n": 1 + i % 3}
+        b.update(temperature=0) if i % 2 == 0 else b.update(temperature=1.0, seed=100 + i)
+        return b
+
+    def streamed(i: int) -> list[str]:
+        oai = openai.OpenAI(base_url=f"{n_server}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        b = body(i)
+        out = [""] * b["n"]
+        for ch in oai.completions.create(stream=True, **b):
+            out[ch.choices[0].index] += ch.choices[0].text
+        return out
+
+    with httpx.Client(base_url=n_server, headers=headers, timeout=120) as http:
+        alone = [[c["text"] for c in http.post("/v1/completions", json=body(i)).json()["choices"]] for i in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(streamed, range(8)))
+    assert [len(t) for t in alone] == [1 + i % 3 for i in range(8)]
+    assert together == alone
 
 
 @pytest.mark.server

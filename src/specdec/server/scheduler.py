@@ -281,11 +281,12 @@ class Scheduler:
                 self.on_step(records[0].batch_size, records[0].rows)
         first = 0
         for job in batch:
+            size = len(job.gens)  # before delivering: a job that ends drops its Generations
             try:
-                self._deliver(job, events[first : first + len(job.gens)])
+                self._deliver(job, events[first : first + size])
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the worker
                 self._end(job, Failed(_as_api_error(e)))
-            first += len(job.gens)
+            first += size
 
     def _deliver(self, job: Job, events: list[StepEvent | None]) -> None:
         for j, (gen, event) in enumerate(zip(job.gens, events)):
