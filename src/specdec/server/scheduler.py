@@ -289,17 +289,20 @@ class Scheduler:
             first += size
 
     def _deliver(self, job: Job, events: list[StepEvent | None]) -> None:
+        finished: list[Done] = []
         for j, (gen, event) in enumerate(zip(job.gens, events)):
             if event is not None:
                 detail = self._step_detail(event, j if job.n > 1 else None) if job.want_steps else None
                 job.post(Step(event, detail, j))
             if gen.done and j not in job.reported:
                 job.reported.add(j)
-                job.post(Done(gen.result(), j))
+                finished.append(Done(gen.result(), j))
         if len(job.reported) == len(job.gens):
             latency = max(gen.stats.latency for gen in job.gens)
             self._mean_latency = 0.8 * self._mean_latency + 0.2 * latency
-            self._end(job, None)
+            self._end(job, None)  # out of the running set before the client hears of its last sample
+        for msg in finished:
+            job.post(msg)
 
     def _end(self, job: Job, failure: Failed | None) -> None:
         """Remove a running job, free its caches and, if it failed, tell the client (its ``Done``s were sent)."""
