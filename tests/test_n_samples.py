@@ -150,6 +150,25 @@ def test_seeded_samples_are_reproducible_and_distinct(tiny_models: dict[str, Pat
     assert len({tuple(x) for x in unseeded}) == 4
 
 
+def test_cli_generate_n(tiny_models: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
+    """``specdec generate --n 3 --json``: one line per sample, sample j what ``start_many`` gives; bad combinations
+    are one line on stderr, exit 2."""
+    from specdec.cli import main
+
+    models = ["--target", str(tiny_models["llama"]), "--draft", str(tiny_models["draft"]), "--dtype", "float32"]
+    sampling = ["--temperature", "1", "--seed", "4", "--max-new-tokens", "8"]
+    assert main(["generate", PROMPT, *models, *sampling, "--n", "3", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    engine = specdec.load(tiny_models["llama"], tiny_models["draft"], dtype="float32")
+    want = run_all(engine, engine.start_many(PROMPT, 3, temperature=1.0, seed=4, max_new_tokens=8))
+    assert [x["index"] for x in lines] == [0, 1, 2]
+    assert [x["token_ids"] for x in lines] == want
+    for bad, message in [(["--n", "0"], "n must be a positive integer"), (["--n", "2", "--stream"], "--stream")]:
+        assert main(["generate", PROMPT, *models, *bad]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("specdec: error:") and message in err and "Traceback" not in err
+
+
 # -- distribution ----------------------------------------------------------------------------------------------
 
 DIST = SamplingParams(temperature=0.8, top_p=0.8)
