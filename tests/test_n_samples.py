@@ -413,31 +413,42 @@ def test_server_disconnect_cancels_all_samples(n_server: str) -> None:
 
 
 @pytest.mark.server
-def test_samples_count_towards_capacity(tiny_models: dict[str, Path]) -> None:
-    """In-process: with --max-active 2 and no queue, a running n=2 request fills the server, so a concurrent
-    n=1 request is refused with 429 (whichever arrives second)."""
+def test_samples_count_towards_capacity(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process: with --max-active 2 and no queue, an n=2 request fills the server, so a concurrent n=1 request
+    is refused with 429 (whichever arrives second). The worker's steps wait until the refusal is in, so the
+    first request cannot finish before the second is counted."""
+    import threading
+
     from specdec.server import ServerSettings, create_app
 
     engine = specdec.load(tiny_models["llama"], tiny_models["draft"])
+    gate = threading.Event()
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda gens: (gate.wait(30), step(gens))[1])
     app = create_app(engine, ServerSettings(model_name="tiny", max_active=2, max_batch=2, max_queue=0))
-
     bodies: list[dict[str, Any]] = [
-        {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "n": 2},
-        {"prompt": PROMPT, "max_tokens": 200, "temperature": 0},
+        {"prompt": PROMPT, "max_tokens": 20, "temperature": 0, "n": 2},
+        {"prompt": PROMPT, "max_tokens": 20, "temperature": 0},
     ]
 
     async def main() -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
-            return list(await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies)))
+            tasks = [asyncio.create_task(client.post("/v1/completions", json=b)) for b in bodies]
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            assert [t.result().status_code for t in done] == [429]
+            gate.set()
+            return list(await asyncio.gather(*tasks))
 
     try:
         responses = asyncio.run(main())
     finally:
+        gate.set()
         app.state.scheduler.stop()
     assert sorted(r.status_code for r in responses) == [200, 429]
     body, served = next((b, r.json()) for b, r in zip(bodies, responses) if r.status_code == 200)
     assert len(served["choices"]) == body.get("n", 1)
+    monkeypatch.undo()
     too_many = create_app(engine, ServerSettings(model_name="tiny", max_active=2, max_batch=4))
 
     async def ask() -> httpx.Response:
