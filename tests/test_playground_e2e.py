@@ -184,3 +184,29 @@ def test_playground_narrow_and_errors(page: tuple[Any, list[str]]) -> None:
     ARTIFACTS.mkdir(exist_ok=True)
     pg.screenshot(path=str(ARTIFACTS / "playground-narrow.png"), full_page=True)
     assert errors == []
+
+
+def test_playground_n_samples(server: str, page: tuple[Any, list[str]]) -> None:
+    """n = 2 greedy: sample 0 streams into the main output (with its steps), sample 1 below it; both are the
+    API's greedy text."""
+    pg, errors = page
+    pg.wait_for_selector("#model option", state="attached", timeout=30_000)
+    pg.fill("#prompt", PROMPT)
+    pg.select_option("#policy", "fixed")
+    for field, value in (("#tau", TAU), ("#temperature", 0), ("#max-tokens", MAX_TOKENS), ("#n", 2)):
+        pg.fill(field, str(value))
+    pg.focus("#prompt")
+    pg.keyboard.press("Control+Enter")
+    pg.wait_for_selector("body[data-state=done]", timeout=90_000)
+    api = _greedy_api(server)
+    text = api["choices"][0]["text"]
+    assert pg.text_content("#output-text") == text
+    assert pg.locator("#samples pre").count() == 1
+    assert pg.text_content("#samples pre") == f"sample 1: {text}"
+    assert pg.locator("#steps > li").count() == api["speculative"]["target_passes"]
+    pg.fill("#n", "0")
+    pg.focus("#prompt")
+    pg.keyboard.press("Control+Enter")
+    assert "n must be" in pg.text_content("#error")
+    pg.fill("#n", "1")
+    assert errors == []

@@ -259,8 +259,8 @@ def test_models_health_metrics_and_auth(server: str, client: Any) -> None:
         wrong.completions.create(model=MODEL, prompt="x", max_tokens=2)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="best_of=3"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, best_of=3)
 
 
 def _request(i: int) -> dict[str, Any]:

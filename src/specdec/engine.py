@@ -9,6 +9,7 @@ same step with one sequence (``Generation.step``); ``generate`` and ``stream`` a
 
 from __future__ import annotations
 
+import hashlib
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -21,7 +22,7 @@ from specdec.drafters.base import Draft, DraftAsk, Drafter
 from specdec.errors import ContextLengthError, InvalidRequestError
 from specdec.policy import Decision, Policy, StepContext, make_policy, request_policy
 from specdec.records import FinishReason, GenerationStats, RequestSummary, StepRecord
-from specdec.runtime.base import ModelRunner, eos_ids_of
+from specdec.runtime.base import KVCache, ModelRunner, eos_ids_of
 from specdec.sampling import SamplingParams, logits_to_probs
 from specdec.text import StopMatcher, TextDecoder
 from specdec.verify import Verdict, verify_greedy, verify_sampling
@@ -111,10 +112,13 @@ class Engine:
         stop: str | Sequence[str] | None = None,
         max_verify_passes: int | None = None,
         request_id: str | None = None,
+        fork_of: Generation | None = None,
     ) -> Generation:
         """Validate a request and prefill it; advance it with ``Generation.step()`` or ``Engine.step``.
 
-        ``tau=N`` is the fixed policy ``fixed:tau=N`` (an error with any other ``policy``).
+        ``tau=N`` is the fixed policy ``fixed:tau=N`` (an error with any other ``policy``). ``fork_of`` (used by
+        ``start_many``): a Generation of the same prompt that has not stepped yet, whose caches are copied
+        instead of prefilling the prompt again.
         """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -153,7 +157,44 @@ class Engine:
             max_new_tokens,
             max_verify_passes,
             request_id or uuid.uuid4().hex[:16],
+            fork_of=fork_of,
         )
+
+    def start_many(
+        self,
+        prompt: str | Sequence[int] | torch.Tensor,
+        n: int,
+        *,
+        seed: int | None = None,
+        request_id: str | None = None,
+        **kwargs: Any,
+    ) -> list[Generation]:
+        """``n`` independent samples of one prompt, prefilled **once**: the others start from copies of the first
+        one's caches (``ModelRunner.fork_cache``, ``Drafter.fork``). Advance them together with ``Engine.step``.
+
+        Sample j has request id ``<request_id>-<j>`` (just ``request_id`` when n is 1) and its own generator:
+        with ``seed`` s, sample 0 is seeded with s (what ``start`` gives) and sample j with ``sample_seed(s, j)``,
+        so the whole set is reproducible; without one, each draws fresh entropy. Greedy samples are all the
+        same sequence. Other keyword arguments as for ``start``.
+        """
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InvalidRequestError(f"n must be a positive integer, got {n!r}", "n")
+        rid = request_id or uuid.uuid4().hex[:16]
+        if n == 1:
+            return [self.start(prompt, seed=seed, request_id=rid, **kwargs)]
+        first = self.start(prompt, seed=seed, request_id=f"{rid}-0", **kwargs)
+        gens = [first]
+        try:
+            for j in range(1, n):
+                sample = self.start(
+                    first.prompt_ids, seed=sample_seed(seed, j), request_id=f"{rid}-{j}", fork_of=first, **kwargs
+                )
+                gens.append(sample)
+        except BaseException:
+            for g in gens:
+                g.cancel()
+            raise
+        return gens
 
     def generate(self, prompt: str | Sequence[int] | torch.Tensor, **kwargs: Any) -> GenerationResult:
         """Run a request to completion. Keyword arguments as for ``start``."""
@@ -328,6 +369,8 @@ class Generation:
         max_new_tokens: int,
         max_verify_passes: int | None,
         request_id: str,
+        *,
+        fork_of: Generation | None = None,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
@@ -344,17 +387,27 @@ class Generation:
         self._decoder = TextDecoder(engine.tokenizer)
         self._stops = StopMatcher(stops)
         self.generator = params.generator(engine.target.device)
-        self.cache = engine.target.new_cache()
         drafter = engine.drafter
-        self.draft_state = drafter.new_state() if drafter else None
-        # Prefill, in a pass of its own: the target's cache holds context[:-1]; each step feeds
-        # [context[-1], ŷ_1..ŷ_τ]. The drafter takes the prompt in the same way.
-        with torch.inference_mode():
-            if len(prompt_ids) > 1:
-                ids = torch.tensor(prompt_ids[:-1], dtype=torch.long, device=engine.target.device)
-                engine.target.forward(ids, self.cache, last_only=True)
-            if drafter is not None:
-                drafter.prefill(self.draft_state, prompt_ids)
+        self.cache: KVCache
+        self.draft_state: Any
+        if fork_of is not None:
+            if fork_of.done or fork_of.records or fork_of.prompt_ids != prompt_ids:
+                raise ValueError("fork_of must be an unstepped Generation of the same prompt")
+            # Copies of a fresh sibling's caches: the prompt is prefilled once for all samples of it.
+            with torch.inference_mode():
+                self.cache = engine.target.fork_cache(fork_of.cache, prompt_ids[:-1])
+                self.draft_state = drafter.fork(fork_of.draft_state, prompt_ids) if drafter else None
+        else:
+            self.cache = engine.target.new_cache()
+            self.draft_state = drafter.new_state() if drafter else None
+            # Prefill, in a pass of its own: the target's cache holds context[:-1]; each step feeds
+            # [context[-1], ŷ_1..ŷ_τ]. The drafter takes the prompt in the same way.
+            with torch.inference_mode():
+                if len(prompt_ids) > 1:
+                    ids = torch.tensor(prompt_ids[:-1], dtype=torch.long, device=engine.target.device)
+                    engine.target.forward(ids, self.cache, last_only=True)
+                if drafter is not None:
+                    drafter.prefill(self.draft_state, prompt_ids)
         self.stats.prefill_time = engine.clock() - self._t_start
         self._t_mark = engine.clock()
         self.policy.begin(self.context_for_policy(1))
@@ -542,3 +595,13 @@ class Generation:
             stats=self.stats,
             records=self.records,
         )
+
+
+def sample_seed(seed: int | None, j: int) -> int | None:
+    """The seed of sample ``j`` of a request seeded with ``seed`` (``Engine.start_many``): ``seed`` itself for
+    sample 0 (so choice 0 is what n=1 gives), else 64 bits of a hash of (seed, j): distinct streams that no
+    other request's plain seed lines up with (``seed + j`` would be request ``seed + j``'s sample 0)."""
+    if seed is None or j == 0:
+        return seed
+    digest = hashlib.blake2b(f"specdec-sample:{seed}:{j}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")

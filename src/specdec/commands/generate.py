@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Literal
+from typing import Any, Literal
 
 from specdec.commands.common import ModelSettings, add_model_args
 from specdec.engine import Engine, Generation, Observer
@@ -29,9 +29,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--max-verify-passes", type=int, default=None, help="hard cap on target passes for the request")
+    g.add_argument(
+        "--n",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N independent samples of the prompt, prefilled once and stepped together (with --seed S, sample 0 "
+        "is what N=1 gives)",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--stream", action="store_true", help="print text as it is verified")
-    o.add_argument("--json", action="store_true", help="print one JSON object with text, token_ids, stats")
+    o.add_argument(
+        "--json", action="store_true", help="print one JSON object with text, token_ids, stats (one line per sample)"
+    )
     o.add_argument("--trace", default=None, metavar="FILE", help="append a JSONL trace of every step")
     o.add_argument(
         "--show-steps",
@@ -67,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         stop=args.stop,
         max_verify_passes=args.max_verify_passes,
     )
+    if args.n != 1:
+        return _samples(engine, prompt, args, kwargs, observers)
     gen = engine.start(prompt, **kwargs)
     if args.show_steps:
         return _show_steps(gen, engine, args.show_steps, observers)
@@ -91,6 +103,35 @@ def run(args: argparse.Namespace) -> int:
         f"finish: {s.finish_reason}]",
         file=sys.stderr,
     )
+    return 0
+
+
+def _samples(
+    engine: Engine, prompt: str, args: argparse.Namespace, kwargs: dict[str, Any], observers: list[Observer]
+) -> int:
+    """``--n N``: the samples stepped together, then printed one after the other (JSON: one line each)."""
+    for flag, on in (("--stream", args.stream), ("--show-steps", args.show_steps)):
+        if on:
+            raise InvalidRequestError(f"{flag} shows one sample: it cannot be combined with --n {args.n}", "n")
+    gens = engine.start_many(prompt, args.n, **kwargs)
+    try:
+        while not all(g.done for g in gens):
+            engine.step(gens)
+    finally:
+        _close(observers)
+    for index, gen in enumerate(gens):
+        result = gen.result()
+        if args.json:
+            print(json.dumps({"index": index, **result.to_json()}))
+            continue
+        print(f"--- sample {index} ---")
+        print(result.text)
+        s = result.stats
+        print(
+            f"[sample {index}: {s.new_tokens} tokens | α {s.acceptance_rate:.2f} | {s.target_passes} target passes | "
+            f"finish: {s.finish_reason}]",
+            file=sys.stderr,
+        )
     return 0
 
 

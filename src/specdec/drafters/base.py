@@ -30,6 +30,13 @@ class Drafter(ABC):
     def prefill(self, state: Any, prompt: list[int]) -> None:  # noqa: B027 - optional hook
         """Take in a new request's prompt before its first step (as the target's prefill does)."""
 
+    def fork(self, state: Any, prompt: list[int]) -> Any:
+        """A new state equal to ``state`` right after ``prefill(state, prompt)``, independent of it from then on
+        (the n samples of one prompt). This default prefills again; drafters with state copy it instead."""
+        new = self.new_state()
+        self.prefill(new, prompt)
+        return new
+
     def rollback(self, state: Any, length: int) -> None:  # noqa: B027 - optional hook
         """Only the first ``length`` tokens of what the drafter has seen stand (the rest were rejected)."""
 

@@ -33,6 +33,9 @@ class ModelDrafter(Drafter):
             ids = torch.tensor(prompt[:-1], dtype=torch.long, device=self.runner.device)
             self.runner.forward(ids, state.cache, last_only=True)
 
+    def fork(self, state: DraftModelState, prompt: list[int]) -> DraftModelState:
+        return DraftModelState(cache=self.runner.fork_cache(state.cache, prompt[: state.cache.length]))
+
     def rollback(self, state: DraftModelState, length: int) -> None:
         state.cache.crop(min(state.cache.length, length))
 

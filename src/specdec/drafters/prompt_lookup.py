@@ -39,6 +39,9 @@ class PromptLookupDrafter(Drafter):
     def new_state(self) -> None:
         return None
 
+    def fork(self, state: None, prompt: list[int]) -> None:
+        return None  # stateless: the context is all it reads
+
     def propose(self, asks: Sequence[DraftAsk]) -> list[Draft]:
         drafts = []
         for ask in asks:

@@ -64,6 +64,19 @@ class ModelRunner(ABC):
     def release(self, cache: KVCache) -> None:  # noqa: B027 - optional hook
         """A finished sequence's cache, which the runner may reuse for the next one."""
 
+    def fork_cache(self, cache: KVCache, tokens: Sequence[int]) -> KVCache:
+        """A new cache holding what ``cache`` holds (``tokens``, the ids it was filled with), independent of it
+        from then on: n samples of one prompt share its prefill (``Engine.start_many``).
+
+        Runtimes copy their tensors; this default, for a runtime that cannot, prefills ``tokens`` again.
+        """
+        if len(tokens) != cache.length:
+            raise ValueError(f"fork_cache: {len(tokens)} tokens given for a cache holding {cache.length}")
+        new = self.new_cache()
+        if tokens:
+            self.forward(torch.tensor(list(tokens), dtype=torch.long, device=self.device), new, last_only=True)
+        return new
+
 
 def check_batch_one(ids: torch.Tensor) -> torch.Tensor:
     """Accept ``[k]`` or ``[1, k]``; refuse real batches with a clear error instead of reshaping."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,15 @@ class HFCache(KVCache):
 
     def advance(self, k: int) -> None:
         self._length += k
+
+    def fork(self) -> HFCache:
+        """An independent copy (every layer's key and value tensors cloned)."""
+        import copy
+
+        new = HFCache.__new__(HFCache)
+        new.cache = copy.deepcopy(self.cache)
+        new._length = self._length
+        return new
 
 
 def context_window(config: Any) -> int:
@@ -81,6 +91,12 @@ class HFRunner(ModelRunner):
 
     def new_cache(self) -> HFCache:
         return HFCache()
+
+    def fork_cache(self, cache: KVCache, tokens: Sequence[int]) -> HFCache:
+        assert isinstance(cache, HFCache)
+        if len(tokens) != cache.length:
+            raise ValueError(f"fork_cache: {len(tokens)} tokens given for a cache holding {cache.length}")
+        return cache.fork()
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:

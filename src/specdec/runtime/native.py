@@ -206,6 +206,20 @@ class NativeRunner(ModelRunner):
             self._spare.append(cache.kv)
 
     @torch.inference_mode()
+    def fork_cache(self, cache: KVCache, tokens: Sequence[int]) -> NativeCache:
+        """A new slot holding a copy of ``cache``'s filled positions (those beyond its length are never read)."""
+        if not isinstance(cache, NativeCache):
+            raise TypeError(f"NativeRunner needs a cache from its own new_cache(), got {type(cache).__name__}")
+        if len(tokens) != cache.length:
+            raise ValueError(f"fork_cache: {len(tokens)} tokens given for a cache holding {cache.length}")
+        new = self.new_cache()
+        n = cache.length
+        if n:
+            new.kv.narrow(3, 0, n).copy_(cache.kv.narrow(3, 0, n))
+        new._length = n
+        return new
+
+    @torch.inference_mode()
     def forward_batch(
         self, blocks: Sequence[tuple[torch.Tensor, KVCache]], last_only: bool = False
     ) -> list[torch.Tensor]:

@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from specdec.engine import Engine, Generation
+from specdec.engine import Engine, Generation, GenerationResult
 from specdec.server.errors import APIError, install_handlers
 from specdec.server.guard import Guard
 from specdec.server.observe import ServerMetrics
@@ -20,6 +20,7 @@ from specdec.server.requests import chat_builder, check_supported, completion_bu
 from specdec.server.responses import DONE, Reply, sse, summary
 from specdec.server.scheduler import Done, Failed, Job, Scheduler, Started, Step
 from specdec.server.schemas import (
+    MAX_N,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -148,6 +149,15 @@ class _Api:
     def check_request(self, body: _Common) -> None:
         self.check_model(body.model)
         check_supported(body)
+        max_n = min(MAX_N, self.settings.max_batch, self.settings.max_active)
+        if body.n > max_n:
+            raise APIError(
+                400,
+                f"n={body.n} is more samples than this server runs together (at most {max_n}: "
+                f"--max-batch {self.settings.max_batch}, --max-active {self.settings.max_active})",
+                "n",
+                "invalid_value",
+            )
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.settings.model_name:
@@ -159,7 +169,7 @@ class _Api:
             )
 
     async def serve(
-        self, request: Request, body: _Common, build: Callable[[Engine], Generation], reply: Reply, rid: str
+        self, request: Request, body: _Common, build: Callable[[Engine], list[Generation]], reply: Reply, rid: str
     ) -> Response:
         want_steps = bool(body.speculative and body.speculative.steps)
         job = Job(
@@ -168,6 +178,7 @@ class _Api:
             loop=asyncio.get_running_loop(),
             deadline=time.monotonic() + self.settings.request_timeout,
             want_steps=want_steps,
+            n=body.n,
         )
         self.scheduler.submit(job)
         messages = job.messages()
@@ -181,7 +192,7 @@ class _Api:
             assert isinstance(first, Started)
             headers = {"X-Request-ID": rid}
             if not body.stream:
-                return await self._collect(messages, reply, first.prompt_tokens, want_steps, headers)
+                return await self._collect(messages, reply, body.n, first.prompt_tokens, want_steps, headers)
             streaming = True
         finally:
             watcher.cancel()
@@ -189,7 +200,7 @@ class _Api:
                 self.scheduler.cancel(job)  # a no-op once the job finished
         # From here the streaming response notices a disconnect and closes the stream (see _stream).
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = self._stream(job, messages, reply, first.prompt_tokens, want_steps, include_usage)
+        stream = self._stream(job, messages, reply, body.n, first.prompt_tokens, want_steps, include_usage)
         return StreamingResponse(
             stream,
             media_type="text/event-stream",
@@ -200,20 +211,25 @@ class _Api:
         self,
         messages: AsyncIterator[Any],
         reply: Reply,
+        n: int,
         prompt_tokens: int,
         want_steps: bool,
         headers: dict[str, str],
     ) -> Response:
-        """Wait for the whole result."""
+        """Wait for the whole result (all n samples)."""
         steps: list[dict[str, Any]] = []
+        results: dict[int, GenerationResult] = {}
         async for msg in messages:
             if isinstance(msg, Step) and msg.detail is not None:
                 steps.append(msg.detail)
             elif isinstance(msg, Failed):
                 raise msg.error
             elif isinstance(msg, Done):
-                body = reply.response(msg.result, prompt_tokens, steps if want_steps else None)
-                return JSONResponse(body, headers=headers)
+                results[msg.index] = msg.result
+                if len(results) == n:
+                    ordered = [results[j] for j in range(n)]
+                    body = reply.response(ordered, prompt_tokens, steps if want_steps else None)
+                    return JSONResponse(body, headers=headers)
         raise APIError(500, "the request ended without a result", None, "internal_error")
 
     async def _stream(
@@ -221,23 +237,31 @@ class _Api:
         job: Job,
         messages: AsyncIterator[Any],
         reply: Reply,
+        n: int,
         prompt_tokens: int,
         want_steps: bool,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
-        """SSE chunks: text as it is verified, then a closing chunk with the finish reason and stats."""
+        """SSE chunks: text as it is verified, then a closing chunk with the finish reason and stats, per choice
+        (``index``); after the last choice's, the usage chunk (when asked) and ``[DONE]``."""
+        results: dict[int, GenerationResult] = {}
         try:
             if reply.kind == "chat":
-                yield reply.chunk("", role=True)
+                for index in range(n):
+                    yield reply.chunk("", index=index, role=True)
             async for msg in messages:
                 if isinstance(msg, Step):
                     if msg.event.text or want_steps:
                         extra = {"speculative": {"step": msg.detail}} if want_steps else None
-                        yield reply.chunk(msg.event.text, extra=extra)
+                        yield reply.chunk(msg.event.text, index=msg.index, extra=extra)
                 elif isinstance(msg, Done):
-                    yield reply.chunk(None, msg.result.finish_reason, extra={"speculative": summary(msg.result)})
+                    results[msg.index] = msg.result
+                    extra = {"speculative": summary([msg.result])}
+                    yield reply.chunk(None, msg.result.finish_reason, index=msg.index, extra=extra)
+                    if len(results) < n:
+                        continue
                     if include_usage:
-                        yield reply.usage_chunk(prompt_tokens, msg.result)
+                        yield reply.usage_chunk(prompt_tokens, list(results.values()))
                     yield DONE
                 elif isinstance(msg, Failed):
                     yield sse(msg.error.body())  # headers are gone: report the failure in the stream

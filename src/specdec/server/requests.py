@@ -21,8 +21,6 @@ _PARAMS = {
 
 def check_supported(body: _Common) -> None:
     """Refuse OpenAI options specdec does not implement instead of silently ignoring them."""
-    if body.n != 1:
-        raise APIError(400, f"n={body.n} is not supported: specdec returns one choice per request", "n", "unsupported")
     if body.presence_penalty or body.frequency_penalty:
         param = "presence_penalty" if body.presence_penalty else "frequency_penalty"
         raise APIError(400, f"{param} is not supported (only 0)", param, "unsupported")
@@ -33,8 +31,14 @@ def check_supported(body: _Common) -> None:
             raise APIError(400, "echo is not supported", "echo", "unsupported")
         if body.logprobs is not None:
             raise APIError(400, "logprobs is not supported", "logprobs", "unsupported")
-        if body.best_of not in (None, 1):
-            raise APIError(400, f"best_of={body.best_of} is not supported (only 1)", "best_of", "unsupported")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(
+                400,
+                f"best_of={body.best_of} is not supported: only best_of equal to n ({body.n}), i.e. every "
+                "sample returned, is",
+                "best_of",
+                "unsupported",
+            )
         if body.suffix is not None:
             raise APIError(400, "suffix is not supported", "suffix", "unsupported")
     spec = body.speculative
@@ -67,25 +71,25 @@ def engine_kwargs(body: _Common, request_id: str) -> dict[str, Any]:
     }
 
 
-def completion_builder(body: CompletionRequest, request_id: str) -> Callable[[Engine], Generation]:
+def completion_builder(body: CompletionRequest, request_id: str) -> Callable[[Engine], list[Generation]]:
     prompt = body.prompt
     if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one prompt
     kwargs = engine_kwargs(body, request_id)
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
 
-    def build(engine: Engine) -> Generation:
-        return _start(engine, prompt, max_tokens, kwargs, "prompt")
+    def build(engine: Engine) -> list[Generation]:
+        return _start(engine, prompt, body.n, max_tokens, kwargs, "prompt")
 
     return build
 
 
-def chat_builder(body: ChatCompletionRequest, request_id: str) -> Callable[[Engine], Generation]:
+def chat_builder(body: ChatCompletionRequest, request_id: str) -> Callable[[Engine], list[Generation]]:
     messages = [_message_dict(m.role, m.text(), m.name) for m in body.messages]
     kwargs = engine_kwargs(body, request_id)
     max_tokens = body.max_completion_tokens or body.max_tokens
 
-    def build(engine: Engine) -> Generation:
+    def build(engine: Engine) -> list[Generation]:
         ids = render_chat(engine.tokenizer, messages)
         room = engine.max_context - len(ids)
         if room <= 0:
@@ -93,7 +97,7 @@ def chat_builder(body: ChatCompletionRequest, request_id: str) -> Callable[[Engi
                 f"the conversation ({len(ids)} tokens) fills the context window of {engine.max_context} tokens",
                 "messages",
             )
-        return _start(engine, ids, max_tokens if max_tokens is not None else room, kwargs, "messages")
+        return _start(engine, ids, body.n, max_tokens if max_tokens is not None else room, kwargs, "messages")
 
     return build
 
@@ -126,10 +130,11 @@ def _message_dict(role: str, content: str, name: str | None) -> dict[str, str]:
 
 
 def _start(
-    engine: Engine, prompt: str | list[int], max_tokens: int, kwargs: dict[str, Any], prompt_field: str
-) -> Generation:
+    engine: Engine, prompt: str | list[int], n: int, max_tokens: int, kwargs: dict[str, Any], prompt_field: str
+) -> list[Generation]:
+    """The request's n samples, prefilled once (``Engine.start_many``)."""
     try:
-        return engine.start(prompt, max_new_tokens=max_tokens, **kwargs)
+        return engine.start_many(prompt, n, max_new_tokens=max_tokens, **kwargs)
     except InvalidRequestError as e:
         param = _PARAMS.get(e.param or "", e.param)
         if param == "prompt":

@@ -1,8 +1,14 @@
-"""OpenAI response bodies and server-sent-event chunks, built from engine results."""
+"""OpenAI response bodies and server-sent-event chunks, built from engine results.
+
+A request of ``n`` samples has n results: ``choices`` ``index`` 0..n-1 (each with its own finish reason),
+``usage.completion_tokens`` summed over them, and ``speculative`` summed over them with each choice's own
+figures under ``speculative.choices``; a streamed chunk carries one choice, its ``index`` saying which.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -21,26 +27,31 @@ class Reply:
     kind: Kind
 
     def response(
-        self, result: GenerationResult, prompt_tokens: int, steps: list[dict[str, Any]] | None
+        self, results: Sequence[GenerationResult], prompt_tokens: int, steps: list[dict[str, Any]] | None
     ) -> dict[str, Any]:
-        reason = result.finish_reason
-        if self.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": reason}
-        else:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": result.text},
-                "logprobs": None,
-                "finish_reason": reason,
-            }
+        """The whole response: one choice per result (the request's n samples, in order)."""
+        choices: list[dict[str, Any]] = []
+        for index, result in enumerate(results):
+            reason = result.finish_reason
+            if self.kind == "completion":
+                choices.append({"index": index, "text": result.text, "logprobs": None, "finish_reason": reason})
+            else:
+                choices.append(
+                    {
+                        "index": index,
+                        "message": {"role": "assistant", "content": result.text},
+                        "logprobs": None,
+                        "finish_reason": reason,
+                    }
+                )
         return {
             "id": self.id,
             "object": "text_completion" if self.kind == "completion" else "chat.completion",
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
-            "usage": usage(prompt_tokens, result),
-            "speculative": summary(result, steps),
+            "choices": choices,
+            "usage": usage(prompt_tokens, results),
+            "speculative": summary(results, steps),
         }
 
     def chunk(
@@ -48,18 +59,25 @@ class Reply:
         text: str | None,
         finish_reason: str | None = None,
         *,
+        index: int = 0,
         role: bool = False,
         extra: dict[str, Any] | None = None,
     ) -> bytes:
-        """One SSE event. ``text=None``: a chunk with no text (the closing chunk of a chat stream)."""
+        """One SSE event for choice ``index``. ``text=None``: a chunk with no text (the closing chunk of a chat
+        stream)."""
         if self.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice: dict[str, Any] = {
+                "index": index,
+                "text": text or "",
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
             obj = "text_completion"
         else:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         body: dict[str, Any] = {
             "id": self.id,
@@ -71,7 +89,7 @@ class Reply:
         body.update(extra or {})
         return sse(body)
 
-    def usage_chunk(self, prompt_tokens: int, result: GenerationResult) -> bytes:
+    def usage_chunk(self, prompt_tokens: int, results: Sequence[GenerationResult]) -> bytes:
         """The extra last chunk OpenAI sends for ``stream_options.include_usage``: no choices, only usage."""
         obj = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
         return sse(
@@ -81,28 +99,37 @@ class Reply:
                 "created": self.created,
                 "model": self.model,
                 "choices": [],
-                "usage": usage(prompt_tokens, result),
+                "usage": usage(prompt_tokens, results),
             }
         )
 
 
-def usage(prompt_tokens: int, result: GenerationResult) -> dict[str, int]:
-    completion = len(result.token_ids)
+def usage(prompt_tokens: int, results: Sequence[GenerationResult]) -> dict[str, int]:
+    """The prompt counted once (it is prefilled once), the completion tokens of every sample."""
+    completion = sum(len(r.token_ids) for r in results)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
 
 
-def summary(result: GenerationResult, steps: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    s = result.stats
+def summary(results: Sequence[GenerationResult], steps: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The speculation figures of a request: one result's, or for n > 1 the sums over them (rates from the
+    sums) with each one's own under ``choices``."""
+    passes = sum(r.stats.target_passes for r in results)
+    drafted = sum(r.stats.drafted for r in results)
+    accepted = sum(r.stats.accepted for r in results)
+    emitted = sum(r.stats.new_tokens for r in results)
+    policy = next((r.records[0].policy for r in results if r.records), None)
     out: dict[str, Any] = {
-        "acceptance_rate": s.acceptance_rate,
-        "mean_accepted_length": s.mean_accepted_length,
-        "target_passes": s.target_passes,
-        "drafted": s.drafted,
-        "accepted": s.accepted,
-        "policy": result.records[0].policy if result.records else None,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "mean_accepted_length": emitted / passes if passes else 0.0,
+        "target_passes": passes,
+        "drafted": drafted,
+        "accepted": accepted,
+        "policy": policy,
     }
     if steps is not None:
         out["steps"] = steps
+    if len(results) > 1:
+        out["choices"] = [summary([r]) for r in results]
     return out
 
 

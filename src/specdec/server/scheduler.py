@@ -2,12 +2,17 @@
 
 Each request is a ``Job``: a function that tokenises and prefills it (``build``, run on the worker, in
 a pass of its own between steps), then it joins the batch. Each round is one ``Engine.step`` over up
-to ``max_batch`` active requests: one lockstep draft and one target pass shared by all of them. A
+to ``max_batch`` active sequences: one lockstep draft and one target pass shared by all of them. A
 request leaves the batch the moment it finishes, is cancelled or runs past its deadline, and a waiting
 one joins at the next round. With more active requests than ``max_batch`` the rounds rotate over
 them (``max_batch=1``: one request per pass, round-robin). Results travel back to the request's event
 loop through an ``asyncio.Queue``. A bounded waiting line answers 429; deadlines and client
 disconnects cancel the ``Generation`` and free its cache slot.
+
+A request asking for ``n`` samples is one job owning n Generations (prefilled once, ``Engine.start_many``):
+they always run in the same step, count n towards ``max_active``, ``max_queue`` and ``max_batch``, and
+are cancelled together (disconnect, deadline, failure). Each sample reports its own ``Step``s and its
+own ``Done`` (``index`` j); the job ends when all n are done.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,11 +43,13 @@ class Started:
 class Step:
     event: StepEvent
     detail: dict[str, Any] | None  # the step record with decoded pieces, when the client asked for steps
+    index: int = 0  # which of the request's n samples
 
 
 @dataclass
 class Done:
     result: GenerationResult
+    index: int = 0  # which of the request's n samples finished (the job ends after all n)
 
 
 @dataclass
@@ -55,16 +62,19 @@ Message = Started | Step | Done | Failed
 
 @dataclass
 class Job:
-    """One request as the scheduler sees it. ``build`` runs on the worker thread."""
+    """One request as the scheduler sees it. ``build`` runs on the worker thread and returns the request's
+    ``n`` Generations (one unless the client asked for more samples)."""
 
     request_id: str
-    build: Callable[[Engine], Generation]
+    build: Callable[[Engine], list[Generation]]
     loop: asyncio.AbstractEventLoop
     deadline: float  # time.monotonic() after which the request is abandoned
     want_steps: bool = False
+    n: int = 1  # sequences: what the job counts towards max_active, max_queue and max_batch
     queue: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
-    gen: Generation | None = None
+    gens: list[Generation] = field(default_factory=list)
+    reported: set[int] = field(default_factory=set)  # samples whose Done was posted
     finished: bool = False
 
     def post(self, msg: Message) -> None:
@@ -75,11 +85,13 @@ class Job:
             self.cancelled = True
 
     async def messages(self) -> AsyncIterator[Message]:
-        """Messages until the request is done or failed."""
+        """Messages until all ``n`` samples are done, or the request failed."""
+        done = 0
         while True:
             msg = await self.queue.get()
             yield msg
-            if isinstance(msg, (Done, Failed)):
+            done += isinstance(msg, Done)
+            if isinstance(msg, Failed) or done >= self.n:
                 return
 
 
@@ -132,7 +144,7 @@ class Scheduler:
         """Queue a job, or raise a 429 ``APIError`` when the waiting line is full."""
         self.start()
         with self._cond:
-            if len(self._waiting) + len(self._active) >= self.max_active + self.max_queue:
+            if _sequences(self._waiting) + _sequences(self._active) + job.n > self.max_active + self.max_queue:
                 self.rejected += 1
                 raise APIError(
                     429,
@@ -187,8 +199,11 @@ class Scheduler:
                 if self._stopping:
                     break
                 admitted: list[Job] = []
-                while self._waiting and len(self._active) + len(admitted) < self.max_active:
+                running = _sequences(self._active)
+                # Sequences (cache slots) up to max_active; a job larger than that still runs, alone.
+                while self._waiting and (running == 0 or running + self._waiting[0].n <= self.max_active):
                     admitted.append(self._waiting.popleft())
+                    running += admitted[-1].n
             for job in admitted:
                 self._admit(job)
             batch = [job for job in self._next_batch() if self._still_wanted(job)]
@@ -212,24 +227,32 @@ class Scheduler:
             job.post(Failed(_timeout_error()))
             return
         try:
-            job.gen = job.build(self.engine)  # tokenise, validate, prefill
+            job.gens = job.build(self.engine)  # tokenise, validate, prefill (once for the n samples)
         except Exception as e:  # noqa: BLE001 - any failure must reach the client, never kill the worker
             self._count("failed", job)
             job.post(Failed(_as_api_error(e)))
             return
         with self._cond:
             self._active.append(job)
-        job.post(Started(prompt_tokens=len(job.gen.prompt_ids)))
+        job.post(Started(prompt_tokens=len(job.gens[0].prompt_ids)))
 
     def _next_batch(self) -> list[Job]:
-        """Up to ``max_batch`` active jobs, rotating so every job gets its turn when there are more."""
+        """Active jobs holding up to ``max_batch`` sequences in all (a job's n samples always together),
+        rotating so every job gets its turn when there are more."""
         with self._cond:
             active = list(self._active)
-        if len(active) <= self.max_batch:
+        if _sequences(active) <= self.max_batch:
             return active
         start = self._turn % len(active)
-        self._turn = start + self.max_batch
-        return (active[start:] + active[:start])[: self.max_batch]
+        batch: list[Job] = []
+        rows = 0
+        for job in active[start:] + active[:start]:
+            if batch and rows + job.n > self.max_batch:
+                break
+            batch.append(job)
+            rows += job.n
+        self._turn = start + len(batch)
+        return batch
 
     def _still_wanted(self, job: Job) -> bool:
         """End a job whose client left or whose deadline passed (its slot is free for the next round)."""
@@ -244,7 +267,7 @@ class Scheduler:
     def _advance(self, batch: list[Job]) -> None:
         """One engine step over the batch; if it fails, each job alone, so only the one at fault fails."""
         try:
-            events = self.engine.step([job.gen for job in batch if job.gen is not None])
+            events = self.engine.step([g for job in batch for g in job.gens])
         except Exception as e:  # noqa: BLE001 - find the request at fault; the others go on
             if len(batch) == 1:
                 self._end(batch[0], Failed(_as_api_error(e)))
@@ -256,57 +279,65 @@ class Scheduler:
             records = [ev.record for ev in events if ev is not None]
             if records:
                 self.on_step(records[0].batch_size, records[0].rows)
-        for job, event in zip(batch, events):
+        first = 0
+        for job in batch:
+            size = len(job.gens)  # before delivering: a job that ends drops its Generations
             try:
-                self._deliver(job, event)
+                self._deliver(job, events[first : first + size])
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the worker
                 self._end(job, Failed(_as_api_error(e)))
+            first += size
 
-    def _deliver(self, job: Job, event: StepEvent | None) -> None:
-        gen = job.gen
-        assert gen is not None
-        if event is not None:
-            job.post(Step(event, self._step_detail(event) if job.want_steps else None))
-        if gen.done:
-            result = gen.result()
-            self._mean_latency = 0.8 * self._mean_latency + 0.2 * result.stats.latency
-            self._end(job, Done(result))
+    def _deliver(self, job: Job, events: list[StepEvent | None]) -> None:
+        finished: list[Done] = []
+        for j, (gen, event) in enumerate(zip(job.gens, events)):
+            if event is not None:
+                detail = self._step_detail(event, j if job.n > 1 else None) if job.want_steps else None
+                job.post(Step(event, detail, j))
+            if gen.done and j not in job.reported:
+                job.reported.add(j)
+                finished.append(Done(gen.result(), j))
+        if len(job.reported) == len(job.gens):
+            latency = max(gen.stats.latency for gen in job.gens)
+            self._mean_latency = 0.8 * self._mean_latency + 0.2 * latency
+            self._end(job, None)  # out of the running set before the client hears of its last sample
+        for msg in finished:
+            job.post(msg)
 
-    def _end(self, job: Job, msg: Message) -> None:
-        """Remove a running job, free its caches and tell the client how it ended."""
-        assert job.gen is not None
-        if not isinstance(msg, Done):
-            job.gen.cancel()
+    def _end(self, job: Job, failure: Failed | None) -> None:
+        """Remove a running job, free its caches and, if it failed, tell the client (its ``Done``s were sent)."""
+        if failure is not None:
+            for gen in job.gens:
+                gen.cancel()  # a no-op for a sample already finished
         with self._cond:
             if job in self._active:
                 self._active.remove(job)
-        kind = "completed" if isinstance(msg, Done) else "cancelled" if job.cancelled else "failed"
+        kind = "completed" if failure is None else "cancelled" if job.cancelled else "failed"
         self._count(kind, job)
-        job.post(msg)
-        job.gen = None  # drop the Generation: its caches go with it
-
-    def _drop(self, job: Job) -> None:
-        with self._cond:
-            if job in self._active:
-                self._active.remove(job)
-        if not job.finished:
-            self._count("failed", job)
-            job.post(Failed(APIError(500, "internal error in the scheduler", None, "internal_error")))
-        job.gen = None
+        if failure is not None:
+            job.post(failure)
+        job.gens = []  # drop the Generations: their caches go with them
 
     def _count(self, kind: str, job: Job) -> None:
         with self._cond:
             job.finished = True
             setattr(self, kind, getattr(self, kind) + 1)
 
-    def _step_detail(self, event: StepEvent) -> dict[str, Any]:
-        """The record as JSON plus the text of each draft and emitted token, for the playground."""
+    def _step_detail(self, event: StepEvent, index: int | None = None) -> dict[str, Any]:
+        """The record as JSON plus the text of each draft and emitted token, for the playground (and, for a
+        request of n > 1 samples, the ``index`` of the sample)."""
         tok = self.engine.tokenizer
         rec = event.record
         detail = rec.to_json()
+        if index is not None:
+            detail["index"] = index
         detail["draft_pieces"] = [tok.decode([t], skip_special_tokens=False) for t in rec.draft_tokens]
         detail["emitted_pieces"] = [tok.decode([t], skip_special_tokens=False) for t in rec.emitted]
         return detail
+
+
+def _sequences(jobs: Iterable[Job]) -> int:
+    return sum(job.n for job in jobs)
 
 
 def _cancelled_error() -> APIError:

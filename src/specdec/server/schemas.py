@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, S
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_STOP = 16
+MAX_N = 16  # samples per request at most (a server also caps n at its --max-batch and --max-active)
 
 
 def _valid_unicode(s: str) -> str:
@@ -58,7 +59,13 @@ class _Common(BaseModel):
     seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: StrictInt = Field(1, description="only 1 is supported")
+    n: StrictInt = Field(
+        1,
+        ge=1,
+        le=MAX_N,
+        description=f"independent samples of the prompt, sharing its prefill (at most {MAX_N}, and at most the "
+        "server's --max-batch and --max-active)",
+    )
     user: StrictStr | None = None
     presence_penalty: Float = Field(0.0, description="only 0 is supported")
     frequency_penalty: Float = Field(0.0, description="only 0 is supported")
@@ -84,7 +91,7 @@ class CompletionRequest(_Common):
     max_tokens: StrictInt | None = Field(16, gt=0, description="tokens to generate at most (default 16)")
     echo: StrictBool = Field(False, description="only false is supported")
     logprobs: StrictInt | None = Field(None, description="not supported (null only)")
-    best_of: StrictInt | None = Field(None, description="only 1 is supported")
+    best_of: StrictInt | None = Field(None, description="only null or equal to n (every sample returned)")
     suffix: StrictStr | None = Field(None, description="not supported (null only)")
 
 
@@ -131,6 +138,9 @@ class SpeculativeSummary(BaseModel):
     accepted: int
     policy: str | None
     steps: list[dict[str, Any]] | None = Field(None, description="every step's record, when speculative.steps")
+    choices: list[SpeculativeSummary] | None = Field(
+        None, description="n > 1: each choice's own figures (the ones above are summed over the choices)"
+    )
 
 
 FinishReason = Literal["stop", "length", "verify_budget"]

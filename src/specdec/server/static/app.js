@@ -10,7 +10,8 @@
 
   const ui = {
     form: $("run-form"), prompt: $("prompt"), model: $("model"), policy: $("policy"), tau: $("tau"),
-    temperature: $("temperature"), maxTokens: $("max-tokens"), apiKey: $("api-key"), run: $("run"),
+    temperature: $("temperature"), maxTokens: $("max-tokens"), n: $("n"), samples: $("samples"),
+    apiKey: $("api-key"), run: $("run"),
     stop: $("stop"), error: $("error"), info: $("server-info"), output: $("output"), echo: $("prompt-echo"),
     text: $("output-text"), steps: $("steps"), chartAccept: $("chart-accept"), chartSpeed: $("chart-speed"),
     stats: {
@@ -78,7 +79,7 @@
   function clearError() {
     ui.error.hidden = true;
     ui.error.textContent = "";
-    for (const f of [ui.prompt, ui.tau, ui.temperature, ui.maxTokens]) f.removeAttribute("aria-invalid");
+    for (const f of [ui.prompt, ui.tau, ui.temperature, ui.maxTokens, ui.n]) f.removeAttribute("aria-invalid");
   }
 
   async function errorMessage(response) {
@@ -152,7 +153,10 @@
       if (tau > 0 && !hasDrafter) return showError("this server has no drafter: τ must be 0", ui.tau);
       speculative.tau = tau;
     }
+    const n = Number(ui.n.value);
+    if (!Number.isInteger(n) || n < 1 || n > 16) return showError("n must be a whole number from 1 to 16", ui.n);
     const body = { prompt, max_tokens: maxTokens, temperature, stream: true, speculative };
+    if (n > 1) body.n = n;
     if (ui.model.value) body.model = ui.model.value;
     return body;
   }
@@ -163,9 +167,17 @@
     const body = readRequest();
     if (!body) return;
     run = { active: true, controller: new AbortController(), steps: [], tokens: 0, drafted: 0, accepted: 0,
-            time: 0, speeds: [], summary: null, finish: null };
+            time: 0, speeds: [], summary: null, finish: null, samples: [] };
     ui.echo.textContent = body.prompt;
     ui.text.textContent = "";
+    ui.samples.replaceChildren();
+    for (let j = 1; j < (body.n || 1); j++) {
+      const pre = el("pre", "output sample");
+      pre.setAttribute("aria-label", `sample ${j}`);
+      pre.append(el("span", "prompt-echo", `sample ${j}: `));
+      run.samples[j] = pre.appendChild(el("span"));
+      ui.samples.append(pre);
+    }
     ui.steps.replaceChildren();
     for (const dd of Object.values(ui.stats)) dd.textContent = "–";
     draw();
@@ -225,6 +237,10 @@
       return;
     }
     const choice = (chunk.choices || [])[0];
+    if (choice && choice.index > 0) {  // another of the n samples: its text only (steps and stats are sample 0's)
+      if (choice.text && r.samples[choice.index]) r.samples[choice.index].append(choice.text);
+      return;
+    }
     if (choice && choice.text) ui.text.append(choice.text);
     const spec = chunk.speculative;
     if (spec && spec.step) addStep(spec.step, r);
