@@ -414,9 +414,10 @@ def test_server_disconnect_cancels_all_samples(n_server: str) -> None:
 
 @pytest.mark.server
 def test_samples_count_towards_capacity(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """In-process: with --max-active 2 and no queue, an n=2 request fills the server, so a concurrent n=1 request
-    is refused with 429 (whichever arrives second). The worker's steps wait until the refusal is in, so the
-    first request cannot finish before the second is counted."""
+    """In-process: with --max-active 2 and no queue, an n=2 request fills the server, so an n=1 request arriving
+    while it runs is refused with 429. The worker's steps wait until the refusal is in, so the first request
+    cannot finish before the second is counted. (Sent one after the other, the second once the first is
+    counted: two posts started together through httpx's ASGI transport were not always handled concurrently.)"""
     import threading
 
     from specdec.server import ServerSettings, create_app
@@ -434,20 +435,23 @@ def test_samples_count_towards_capacity(tiny_models: dict[str, Path], monkeypatc
     async def main() -> list[httpx.Response]:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
-            tasks = [asyncio.create_task(client.post("/v1/completions", json=b)) for b in bodies]
-            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            assert [t.result().status_code for t in done] == [429]
+            first = asyncio.create_task(client.post("/v1/completions", json=bodies[0]))
+            for _ in range(3000):  # until the n=2 request is counted (queued or running)
+                snap = app.state.scheduler.snapshot()
+                if snap["active"] + snap["queued"]:
+                    break
+                await asyncio.sleep(0.01)
+            second = await client.post("/v1/completions", json=bodies[1])
             gate.set()
-            return list(await asyncio.gather(*tasks))
+            return [await first, second]
 
     try:
         responses = asyncio.run(main())
     finally:
         gate.set()
         app.state.scheduler.stop()
-    assert sorted(r.status_code for r in responses) == [200, 429]
-    body, served = next((b, r.json()) for b, r in zip(bodies, responses) if r.status_code == 200)
-    assert len(served["choices"]) == body.get("n", 1)
+    assert [r.status_code for r in responses] == [200, 429]
+    assert len(responses[0].json()["choices"]) == 2 and responses[1].json()["error"]["code"] == "queue_full"
     monkeypatch.undo()
     too_many = create_app(engine, ServerSettings(model_name="tiny", max_active=2, max_batch=4))
 
