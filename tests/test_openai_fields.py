@@ -342,3 +342,162 @@ def test_penalised_sampling_first_three_tokens_match_target(tiny_models, tmp_pat
         for k, v in joint.items():
             marg[k[pos]] = marg.get(k[pos], 0.0) + v
         assert chi2_pvalue(cnt, marg, n) > P_THRESHOLD, f"position {pos + 1}"
+
+
+# -- server, with the official openai client ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tiny_models, tmp_path_factory):
+    """A real ``specdec serve`` process on 127.0.0.1 (tiny llama with a chat template, tiny draft), its
+    ``openai`` client, and the same models in-process (what the server must reproduce)."""
+    openai = pytest.importorskip("openai")
+    import subprocess
+
+    from test_server import MODEL, start_server, with_chat_template
+
+    target = with_chat_template(tiny_models["llama"], tmp_path_factory.mktemp("fields") / "llama")
+    log = tmp_path_factory.mktemp("fields-server") / "server.log"
+    proc, url = start_server(target, tiny_models["draft"], log)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    try:
+        yield client, specdec.load(target, tiny_models["draft"]), MODEL
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert "Traceback" not in log.read_text(), log.read_text()
+
+
+SERVER_RULES = dict(presence_penalty=0.6, frequency_penalty=0.4, logit_bias={"5": 4.0, "17": -100.0})
+SERVER_EXTRA = dict(repetition_penalty=1.25, min_tokens=6)
+
+
+def _engine_rules() -> dict:
+    return dict(
+        presence_penalty=0.6,
+        frequency_penalty=0.4,
+        logit_bias={5: 4.0, 17: -100.0},
+        repetition_penalty=1.25,
+        min_tokens=6,
+    )
+
+
+@pytest.mark.server
+def test_server_completion_logprobs_and_penalties_equal_target_only(served):
+    """Completions, stream and not: penalised greedy text and every token's logprob and top-3 equal the Python
+    API's target-only run (native runtime: exactly)."""
+    from specdec.server.responses import token_text
+
+    client, engine, model = served
+    tok = engine.tokenizer
+    for prompt in PROMPTS:
+        expected = engine.generate(prompt, tau=0, max_new_tokens=24, logprobs=3, **_engine_rules())
+        assert expected.logprobs is not None
+        want = {
+            "tokens": [token_text(tok, lp.token) for lp in expected.logprobs],
+            "token_logprobs": [lp.logprob for lp in expected.logprobs],
+            "top_logprobs": [{token_text(tok, t): v for t, v in lp.top} for lp in expected.logprobs],
+        }
+        resp = client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=24,
+            temperature=0,
+            logprobs=3,
+            **SERVER_RULES,
+            extra_body=SERVER_EXTRA,
+        )
+        choice = resp.choices[0]
+        assert choice.text == expected.text
+        got = choice.logprobs
+        assert (got.tokens, got.token_logprobs, got.top_logprobs) == (
+            want["tokens"],
+            want["token_logprobs"],
+            want["top_logprobs"],
+        )
+        assert got.text_offset == [sum(len(t) for t in want["tokens"][:i]) for i in range(len(want["tokens"]))]
+        chunks = list(
+            client.completions.create(
+                model=model,
+                prompt=prompt,
+                max_tokens=24,
+                temperature=0,
+                logprobs=3,
+                stream=True,
+                **SERVER_RULES,
+                extra_body=SERVER_EXTRA,
+            )
+        )
+        assert "".join(c.choices[0].text for c in chunks) == expected.text
+        lps = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+        assert [t for lp in lps for t in lp.tokens] == want["tokens"]
+        assert [v for lp in lps for v in lp.token_logprobs] == want["token_logprobs"]
+        assert [d for lp in lps for d in lp.top_logprobs] == want["top_logprobs"]
+        assert [o for lp in lps for o in lp.text_offset] == got.text_offset
+        plain = engine.generate(prompt, tau=0, max_new_tokens=24)
+        assert plain.text != expected.text  # the penalties took effect
+
+
+@pytest.mark.server
+def test_server_chat_logprobs_equal_target_only(served):
+    from specdec.server.requests import render_chat
+    from specdec.server.responses import token_text
+
+    client, engine, model = served
+    tok = engine.tokenizer
+    messages = [{"role": "user", "content": "def fibonacci(n):"}]
+    ids = render_chat(tok, messages)
+    expected = engine.generate(ids, tau=0, max_new_tokens=20, logprobs=2, **_engine_rules())
+    assert expected.logprobs is not None
+    want = [
+        (token_text(tok, lp.token), lp.logprob, [(token_text(tok, t), v) for t, v in lp.top])
+        for lp in expected.logprobs
+    ]
+    kw = dict(
+        model=model,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        **SERVER_RULES,
+        extra_body=SERVER_EXTRA,
+    )
+    resp = client.chat.completions.create(**kw)
+    assert resp.choices[0].message.content == expected.text
+    content = resp.choices[0].logprobs.content
+    assert [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs]) for c in content] == want
+    assert all(c.bytes == list(c.token.encode()) for c in content)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs]) for c in streamed] == want
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expected.text
+    no_lp = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0)
+    assert no_lp.choices[0].logprobs is None
+
+
+@pytest.mark.server
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [
+        (dict(presence_penalty=2.5), "presence_penalty"),
+        (dict(frequency_penalty=-2.1), "frequency_penalty"),
+        (dict(logit_bias={"999999": 1}), "logit_bias"),
+        (dict(logprobs=6), "logprobs"),
+        (dict(extra_body={"min_tokens": 9}), "min_tokens"),
+        (dict(extra_body={"repetition_penalty": -1}), "repetition_penalty"),
+    ],
+)
+def test_server_bad_values_name_the_field(served, kw, param):
+    import openai
+
+    client, _engine, model = served
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt="x", max_tokens=8, **kw)
+    assert e.value.status_code == 400
+    body = e.value.body  # the client hands back the body's "error" object
+    assert isinstance(body, dict)
+    assert body["param"] == param

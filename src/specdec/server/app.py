@@ -71,7 +71,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             request,
             body,
             completion_builder(body, rid),
-            Reply(f"cmpl-{rid}", _now(), settings.model_name, "completion"),
+            Reply(f"cmpl-{rid}", _now(), settings.model_name, "completion", engine.tokenizer),
             rid,
         )
 
@@ -89,7 +89,11 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             )
         rid = uuid.uuid4().hex[:24]
         return await api.serve(
-            request, body, chat_builder(body, rid), Reply(f"chatcmpl-{rid}", _now(), settings.model_name, "chat"), rid
+            request,
+            body,
+            chat_builder(body, rid),
+            Reply(f"chatcmpl-{rid}", _now(), settings.model_name, "chat", engine.tokenizer),
+            rid,
         )
 
     @app.get("/v1/models", response_model=ModelList)
@@ -224,15 +228,24 @@ class _Api:
         want_steps: bool,
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
-        """SSE chunks: text as it is verified, then a closing chunk with the finish reason and stats."""
+        """SSE chunks: text as it is verified, then a closing chunk with the finish reason and stats.
+
+        A request asking for logprobs gets them in the chunk of the step that committed the tokens (the text
+        of a token can come in a later chunk: text is held back while it might be partial UTF-8 or a stop
+        string's prefix)."""
+        offset = 0  # completions' text_offset, across chunks
         try:
             if reply.kind == "chat":
                 yield reply.chunk("", role=True)
             async for msg in messages:
                 if isinstance(msg, Step):
-                    if msg.event.text or want_steps:
+                    lps = msg.event.logprobs
+                    if msg.event.text or want_steps or lps:
                         extra = {"speculative": {"step": msg.detail}} if want_steps else None
-                        yield reply.chunk(msg.event.text, extra=extra)
+                        logprobs = reply.logprobs(lps, offset)
+                        if logprobs is not None and reply.kind == "completion":
+                            offset += sum(len(t) for t in logprobs["tokens"])
+                        yield reply.chunk(msg.event.text, extra=extra, logprobs=logprobs)
                 elif isinstance(msg, Done):
                     yield reply.chunk(None, msg.result.finish_reason, extra={"speculative": summary(msg.result)})
                     if include_usage:
