@@ -153,6 +153,15 @@
       speculative.tau = tau;
     }
     const body = { prompt, max_tokens: maxTokens, temperature, stream: true, speculative };
+    // Penalties and length: sent only when changed from their defaults; the server checks the ranges (400).
+    for (const [id, key, off] of [["presence-penalty", "presence_penalty", 0], ["frequency-penalty",
+      "frequency_penalty", 0], ["repetition-penalty", "repetition_penalty", 1], ["min-tokens", "min_tokens", 0]]) {
+      const field = $(id);
+      const value = Number(field.value);
+      if (field.value.trim() === "" || !Number.isFinite(value)) return showError(`${key} must be a number`, field);
+      if (value !== off) body[key] = value;
+    }
+    if ($("ignore-eos").checked) body.ignore_eos = true;
     if (ui.model.value) body.model = ui.model.value;
     return body;
   }
