@@ -501,3 +501,25 @@ def test_server_bad_values_name_the_field(served, kw, param):
     body = e.value.body  # the client hands back the body's "error" object
     assert isinstance(body, dict)
     assert body["param"] == param
+
+
+@pytest.mark.identity
+def test_batched_step_with_different_rules_equals_solo(tiny_models):
+    """Requests with different rules (and one with none) stepped together: each equals its solo target-only run,
+    logprobs included (native runtime: exactly)."""
+    engine = _engine(tiny_models, "native", "draft")
+    asks = [
+        dict(max_new_tokens=20, logprobs=2, **RULES["penalties"]),
+        dict(max_new_tokens=20, **RULES["bias+min_tokens"]),
+        dict(max_new_tokens=20, logprobs=0),
+        dict(max_new_tokens=20, temperature=0.9, seed=5, ignore_eos=True, repetition_penalty=1.4),
+    ]
+    prompts = [PROMPTS[i % 2] for i in range(len(asks))]
+    gens = [engine.start(p, tau=3, **kw) for p, kw in zip(prompts, asks)]
+    while not all(g.done for g in gens):
+        engine.step(gens)
+    for g, p, kw in zip(gens, prompts, asks):
+        solo = engine.generate(p, tau=3 if "seed" in kw else 0, **kw)  # sampled: same seed, same τ alone
+        got = g.result()
+        assert got.token_ids == solo.token_ids
+        assert got.logprobs == solo.logprobs
