@@ -523,3 +523,32 @@ def test_batched_step_with_different_rules_equals_solo(tiny_models):
         got = g.result()
         assert got.token_ids == solo.token_ids
         assert got.logprobs == solo.logprobs
+
+
+def test_cli_generate_rules_and_logprobs(tiny_models, capsys: pytest.CaptureFixture[str]):
+    import json
+
+    from specdec.cli import main
+
+    base = ["generate", "def f(x):", "--target", str(tiny_models["llama"]), "--draft", str(tiny_models["draft"])]
+    base += ["--dtype", "float32", "--max-new-tokens", "8"]
+    rc = main([*base, "--logit-bias", f"{EOS}=100", "--ignore-eos", "--min-tokens", "2", "--json", "--logprobs", "2"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    # EOS masked for the first two tokens (min_tokens), then pushed up by the bias, kept (ignore_eos) to the end
+    assert EOS not in out["token_ids"][:2] and out["token_ids"][2:] == [EOS] * 6 and out["finish_reason"] == "length"
+    assert [lp["token"] for lp in out["logprobs"]] == out["token_ids"]
+    assert all(len(lp["top"]) == 2 for lp in out["logprobs"])
+    assert all(EOS not in [t for t, _ in lp["top"]] for lp in out["logprobs"][:2])  # probability 0: left out
+    assert all(lp["top"][0][0] == EOS for lp in out["logprobs"][2:])
+    with pytest.raises(SystemExit) as e:  # argparse refuses a malformed ID=BIAS itself
+        main([*base, "--logit-bias", "5"])
+    assert e.value.code == 2 and "ID=BIAS" in capsys.readouterr().err
+    for extra, needle in (
+        (["--presence-penalty", "3"], "presence_penalty"),
+        (["--logprobs", "2"], "--json"),
+        (["--min-tokens", "9"], "min_tokens"),
+    ):
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err
