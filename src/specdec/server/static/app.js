@@ -162,6 +162,7 @@
       if (value !== off) body[key] = value;
     }
     if ($("ignore-eos").checked) body.ignore_eos = true;
+    if ($("want-logprobs").checked) body.logprobs = 3;
     if (ui.model.value) body.model = ui.model.value;
     return body;
   }
@@ -175,6 +176,8 @@
             time: 0, speeds: [], summary: null, finish: null };
     ui.echo.textContent = body.prompt;
     ui.text.textContent = "";
+    $("logprobs").replaceChildren();
+    $("logprobs-box").hidden = !body.logprobs;
     ui.steps.replaceChildren();
     for (const dd of Object.values(ui.stats)) dd.textContent = "–";
     draw();
@@ -235,6 +238,15 @@
     }
     const choice = (chunk.choices || [])[0];
     if (choice && choice.text) ui.text.append(choice.text);
+    if (choice && choice.logprobs) {
+      const lp = choice.logprobs;
+      lp.tokens.forEach((token, i) => {
+        const alts = Object.entries(lp.top_logprobs[i] || {}).map(([t, v]) => `${visible(t)} ${v.toFixed(2)}`);
+        const li = document.createElement("li");
+        li.textContent = `${visible(token)}  ${lp.token_logprobs[i].toFixed(3)}   [${alts.join(", ")}]`;
+        $("logprobs").append(li);
+      });
+    }
     const spec = chunk.speculative;
     if (spec && spec.step) addStep(spec.step, r);
     if (choice && choice.finish_reason) {
