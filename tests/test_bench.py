@@ -256,3 +256,40 @@ def test_cli_bench_bad_input(tiny_models: dict[str, Path], tmp_path: Path, capsy
     assert main([*base, "--taus", "0-2"]) == 2
     err = capsys.readouterr().err
     assert "--taus" in err and len(err.strip().splitlines()) == 1
+
+
+def test_ignore_eos_gives_fixed_length_outputs(tiny_models: dict[str, Path]) -> None:
+    """--ignore-eos: a prompt whose target-only greedy output ends at EOS early runs to max_new_tokens in every
+    contender (ours and transformers'), all identical to target-only."""
+    models = load_models(_settings(tiny_models), with_hf=True)
+    engine, tok = models.target_only, models.target_only.tokenizer
+    max_new = 12
+    found = None
+    for a in range(1, engine.target.vocab_size):  # a short prompt the tiny target ends early (searched, not assumed)
+        for ids in ([a, 288], [288, a]):
+            text = tok.decode(ids)
+            if engine.encode(text) == ids:
+                r = engine.generate(ids, max_new_tokens=max_new, tau=0)
+                if r.finish_reason == "stop" and 0 < len(r.token_ids) < max_new - 2:
+                    found = text
+                    break
+        if found:
+            break
+    assert found is not None, "no prompt of the tiny target reaches EOS early"
+    cfg = BenchConfig(
+        prompts=[Prompt("eos", found)],
+        max_new_tokens=max_new,
+        taus=[2],
+        policies=[],
+        repeats=1,
+        warmup_tokens=2,
+        trace_prompts=0,
+        ignore_eos=True,
+    )
+    report = json.loads(json.dumps(run_bench(models, cfg)))
+    rows = {r["key"]: r for r in report["contenders"]}
+    assert set(rows) == {"target_only", "fixed_tau2", "hf_target", "hf_assisted", "hf_lookup"}
+    for key, row in rows.items():
+        assert row["identical_to_target_only"] is True, (key, row["mismatches"])
+        assert row["tokens"] == max_new, (key, row["tokens"])
+    assert report["settings"]["eos"].startswith("ignored")

@@ -169,6 +169,40 @@ def test_playground_streams_greedy_output_and_steps(server: str, page: tuple[Any
     assert errors == []
 
 
+def test_playground_penalties_and_logprobs(server: str, page: tuple[Any, list[str]]) -> None:
+    """The penalty and length controls reach the request, and the log probabilities are listed, one per token."""
+    pg, errors = page
+    pg.click("summary:has-text('Penalties and length')")
+    pg.fill("#presence-penalty", "1.5")
+    pg.fill("#repetition-penalty", "1.3")
+    pg.check("#ignore-eos")
+    pg.check("#want-logprobs")
+    pg.focus("#prompt")
+    pg.keyboard.press("Control+Enter")
+    pg.wait_for_selector("body[data-state=done]", timeout=90_000)
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "speculative": {"policy": "fixed", "tau": TAU},
+        "presence_penalty": 1.5,
+        "repetition_penalty": 1.3,
+        "ignore_eos": True,
+        "logprobs": 3,
+    }
+    api = httpx.post(f"{server}/v1/completions", json=body, timeout=120).json()
+    assert api["choices"][0]["text"] != _greedy_api(server)["choices"][0]["text"]  # the penalties took effect
+    assert pg.text_content("#output-text") == api["choices"][0]["text"]
+    lps = api["choices"][0]["logprobs"]["token_logprobs"]
+    assert pg.locator("#logprobs > li").count() == len(lps) == MAX_TOKENS
+    assert f"{lps[0]:.3f}" in pg.text_content("#logprobs > li:first-child")
+    for field, value in (("#presence-penalty", "0"), ("#repetition-penalty", "1")):
+        pg.fill(field, value)
+    pg.uncheck("#ignore-eos")
+    pg.uncheck("#want-logprobs")
+    assert errors == []
+
+
 def test_playground_narrow_and_errors(page: tuple[Any, list[str]]) -> None:
     """At phone width nothing scrolls sideways; a bad field gets a message naming it, and no request is sent."""
     pg, errors = page

@@ -20,10 +20,11 @@ import torch
 
 from specdec.drafters.base import Draft, DraftAsk, Drafter
 from specdec.errors import ContextLengthError, InvalidRequestError
+from specdec.logits_rules import LogitsRules, RulesState
 from specdec.policy import Decision, Policy, StepContext, make_policy, request_policy
 from specdec.records import FinishReason, GenerationStats, RequestSummary, StepRecord
 from specdec.runtime.base import KVCache, ModelRunner, eos_ids_of
-from specdec.sampling import SamplingParams, logits_to_probs
+from specdec.sampling import SamplingParams, TokenLogprob, logits_to_probs, token_logprobs
 from specdec.text import StopMatcher, TextDecoder
 from specdec.verify import Verdict, verify_greedy, verify_sampling
 
@@ -41,6 +42,9 @@ class StepEvent:
     record: StepRecord
     text: str  # new text this step made final (held back: partial UTF-8 and possible stop-string prefixes)
     finished: bool
+    # The tokens committed this step (``record.emitted``) with their log probabilities, when the request
+    # asked for ``logprobs``; None otherwise.
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -51,6 +55,7 @@ class GenerationResult:
     prompt_ids: list[int]
     stats: GenerationStats
     records: list[StepRecord] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when the request asked for them
 
     @property
     def finish_reason(self) -> FinishReason:
@@ -64,6 +69,7 @@ class GenerationResult:
             "prompt_tokens": len(self.prompt_ids),
             "finish_reason": self.finish_reason,
             "stats": self.stats.to_json(),
+            **({"logprobs": [lp.to_json() for lp in self.logprobs]} if self.logprobs is not None else {}),
         }
 
 
@@ -112,6 +118,13 @@ class Engine:
         stop: str | Sequence[str] | None = None,
         max_verify_passes: int | None = None,
         request_id: str | None = None,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        logit_bias: dict[int, float] | None = None,
+        min_tokens: int = 0,
+        ignore_eos: bool = False,
+        logprobs: int | None = None,
         fork_of: Generation | None = None,
     ) -> Generation:
         """Validate a request and prefill it; advance it with ``Generation.step()`` or ``Engine.step``.
@@ -119,6 +132,10 @@ class Engine:
         ``tau=N`` is the fixed policy ``fixed:tau=N`` (an error with any other ``policy``). ``fork_of`` (used by
         ``start_many``): a Generation of the same prompt that has not stepped yet, whose caches are copied
         instead of prefilling the prompt again.
+        Penalties, ``logit_bias``, ``min_tokens`` and ``ignore_eos``: see ``specdec.logits_rules`` (each
+        position of a verify block is processed with its own context, so the output is target-only decoding
+        with the same rules). ``logprobs=k``: each emitted token's log probability under the target's processed
+        distribution and its ``k`` most likely alternatives (``GenerationResult.logprobs``, ``StepEvent.logprobs``).
         """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -129,6 +146,18 @@ class Engine:
             raise InvalidRequestError(
                 f"max_verify_passes must be a positive integer, got {max_verify_passes}", "max_verify_passes"
             )
+        rules = LogitsRules.checked(
+            presence_penalty=presence_penalty,
+            frequency_penalty=frequency_penalty,
+            repetition_penalty=repetition_penalty,
+            logit_bias=logit_bias,
+            min_tokens=min_tokens,
+            ignore_eos=ignore_eos,
+            vocab_size=self.target.vocab_size,
+            max_new_tokens=max_new_tokens,
+        )
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise InvalidRequestError(f"logprobs must be an integer >= 0 or None, got {logprobs!r}", "logprobs")
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidRequestError("stop strings must be non-empty strings", "stop")
@@ -157,6 +186,8 @@ class Engine:
             max_new_tokens,
             max_verify_passes,
             request_id or uuid.uuid4().hex[:16],
+            rules,
+            logprobs,
             fork_of=fork_of,
         )
 
@@ -268,7 +299,17 @@ class Engine:
         ]
         try:
             target_logits = self.target.forward_batch(blocks)  # ONE pass over every sequence's [last, ŷ1..ŷτ]
+            # Each row processed by the request's logit rules with its own context (context + the block before it).
+            target_logits = [
+                g.rules_state.apply(logits, d.tokens) if g.rules_state is not None else logits
+                for g, d, logits in zip(live, drafts, target_logits)
+            ]
             verdicts = [self._verify(g, d, logits) for g, d, logits in zip(live, drafts, target_logits)]
+            # Emitted token j comes from row j (the correction/bonus token too: p's log probability there).
+            logprobs = [
+                token_logprobs(logits, v.tokens, g.params, g.logprobs) if g.logprobs is not None else None
+                for g, v, logits in zip(live, verdicts, target_logits)
+            ]
         except BaseException:
             self._undo(live)
             raise
@@ -281,8 +322,8 @@ class Engine:
             draft_passes=max(len(d.tokens) for d in drafts),
         )
         pending = [
-            g.commit_step(d, v, decision, t_plan=t1, t_draft=t2 - t1, t_verify=t3 - t2, shape=shape)
-            for g, d, v, decision in zip(live, drafts, verdicts, decisions)
+            g.commit_step(d, v, decision, t_plan=t1, t_draft=t2 - t1, t_verify=t3 - t2, shape=shape, logprobs=lp)
+            for g, d, v, decision, lp in zip(live, drafts, verdicts, decisions, logprobs)
         ]
         by_gen = {id(g): g.observe_step(step, t_verified=t3) for g, step in zip(live, pending)}
         return [by_gen.get(id(g)) for g in generations]
@@ -308,7 +349,7 @@ class Engine:
         if self.drafter is None or not any(taus):
             return [Draft() for _ in live]
         asks = [
-            DraftAsk(g.draft_state, g.context, tau, g.params, g.generator, d.rule)
+            DraftAsk(g.draft_state, g.context, tau, g.params, g.generator, d.rule, g.rules_state)
             for g, tau, d in zip(live, taus, decisions)
         ]
         try:
@@ -354,6 +395,7 @@ class _StepShape:
 class _Committed:
     record: StepRecord
     finish: FinishReason | None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Generation:
@@ -369,6 +411,8 @@ class Generation:
         max_new_tokens: int,
         max_verify_passes: int | None,
         request_id: str,
+        rules: LogitsRules | None = None,
+        logprobs: int | None = None,
         *,
         fork_of: Generation | None = None,
     ) -> None:
@@ -380,6 +424,15 @@ class Generation:
         self.max_new_tokens = max_new_tokens
         self.max_verify_passes = max_verify_passes
         self.context = list(prompt_ids)
+        self.rules = rules or LogitsRules()
+        # Counts for the logit rules, only when one is active (most requests: no state, no cost).
+        self.rules_state = (
+            RulesState(self.rules, prompt_ids, engine.target.vocab_size, engine.eos_ids, engine.target.device)
+            if self.rules.active
+            else None
+        )
+        self.logprobs = logprobs  # top alternatives per token; None = no log probabilities
+        self.token_logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
         self.records: list[StepRecord] = []
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.done = False
@@ -466,6 +519,7 @@ class Generation:
         t_draft: float,
         t_verify: float,
         shape: _StepShape,
+        logprobs: list[TokenLogprob] | None = None,
     ) -> _Committed:
         """Keep [ŷ1..ŷn̂, ȳ], roll both caches back past the rejected slots, and make the step's record."""
         base = len(self.context)
@@ -475,6 +529,8 @@ class Generation:
         if self.engine.drafter is not None:
             self.engine.drafter.rollback(self.draft_state, base + verdict.n_accepted)
         emitted, finish = self._commit(verdict.tokens)
+        if self.rules_state is not None:
+            self.rules_state.commit(emitted)
         tau = len(draft.tokens)
         record = StepRecord(
             request_id=self.request_id,
@@ -503,7 +559,7 @@ class Generation:
             verify_passes=self.stats.target_passes + 1,
             max_verify_passes=self.max_verify_passes,
         )
-        return _Committed(record, finish)
+        return _Committed(record, finish, logprobs[: len(emitted)] if logprobs is not None else None)
 
     def observe_step(self, step: _Committed, *, t_verified: float) -> StepEvent:
         """Detokenise, count and tell the policy and the observers about a committed step."""
@@ -521,7 +577,9 @@ class Generation:
         if finish is not None:
             self._finish(finish)
         self._t_mark = self.engine.clock()
-        return StepEvent(record=record, text=text_piece, finished=self.done)
+        if step.logprobs is not None and self.token_logprobs is not None:
+            self.token_logprobs.extend(step.logprobs)
+        return StepEvent(record=record, text=text_piece, finished=self.done, logprobs=step.logprobs)
 
     def _commit(self, tokens: list[int]) -> tuple[list[int], FinishReason | None]:
         """Append verified tokens, cutting at EOS, a stop string or max_new_tokens."""
@@ -530,7 +588,7 @@ class Generation:
         if len(tokens) >= remaining:
             tokens, finish = tokens[:remaining], "length"
         for i, t in enumerate(tokens):
-            if t in self.engine.eos_ids:
+            if t in self.engine.eos_ids and not self.rules.ignore_eos:
                 tokens, finish = tokens[:i], "stop"
                 break
         if self._stops.active:
@@ -563,6 +621,7 @@ class Generation:
                 "seed": self.params.seed,
                 "max_new_tokens": self.max_new_tokens,
                 "max_verify_passes": self.max_verify_passes,
+                **self.rules.settings(),
             },
             prompt_ids=self.prompt_ids,
         )
@@ -594,6 +653,7 @@ class Generation:
             prompt_ids=self.prompt_ids,
             stats=self.stats,
             records=self.records,
+            logprobs=list(self.token_logprobs) if self.token_logprobs is not None else None,
         )
 
 

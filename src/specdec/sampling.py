@@ -44,15 +44,12 @@ class SamplingParams:
         return gen
 
 
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """``logits [k, V]`` -> float32 probabilities ``[k, V]``.
-
-    Greedy requests get the untempered softmax (used only for confidence and traces;
-    greedy selection takes the argmax of the logits).
-    """
+def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``logits [k, V]`` -> float32 logits of the distribution sampled from: tempered, with -inf outside top-k
+    and top-p. Greedy requests: the logits unchanged (temperature 1)."""
     logits = logits.float()
     if params.greedy:
-        return torch.softmax(logits, dim=-1)
+        return logits
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -64,7 +61,45 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return torch.softmax(logits, dim=-1)
+    return logits
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``logits [k, V]`` -> float32 probabilities ``[k, V]``.
+
+    Greedy requests get the untempered softmax (used only for confidence and traces;
+    greedy selection takes the argmax of the logits).
+    """
+    return torch.softmax(processed_logits(logits, params), dim=-1)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log probability under the target's processed distribution, and the ``top`` most
+    likely tokens of that distribution as (token id, log probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+    def to_json(self) -> dict[str, object]:
+        return {"token": self.token, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams, k: int) -> list[TokenLogprob]:
+    """``tokens[j]``'s log probability under row ``j`` of ``logits [>= len(tokens), V]`` (already processed by
+    the request's logit rules), after temperature/top-k/top-p, with the ``k`` most likely alternatives
+    (tokens of probability 0 left out). Each row is computed alone, so a row's values do not depend on the
+    rows beside it in a verify block."""
+    out = []
+    for j, token in enumerate(tokens):
+        lp = torch.log_softmax(processed_logits(logits[j : j + 1], params), dim=-1)[0]
+        top: list[tuple[int, float]] = []
+        if k > 0:
+            values, ids = torch.topk(lp, min(k, lp.shape[-1]))
+            top = [(int(i), float(v)) for v, i in zip(values.tolist(), ids.tolist()) if v != float("-inf")]
+        out.append(TokenLogprob(token, float(lp[token]), top))
+    return out
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -43,6 +43,7 @@ class Contender(ABC):
     label: str  # what the table prints
     kind: str  # target_only | fixed | policy | trace | hf_target | hf_assisted | hf_lookup | planted
     tau: int | None = None  # fixed draft length, where there is one
+    ignore_eos: bool = False  # fixed-length outputs: EOS is a token like any other (bench --ignore-eos)
 
     @abstractmethod
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult: ...
@@ -61,7 +62,9 @@ class EngineContender(Contender):
 
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> RunResult:
         t0 = time.perf_counter()
-        res = self.engine.generate(prompt_ids, max_new_tokens=max_new_tokens, tau=self.tau, policy=self.policy)
+        res = self.engine.generate(
+            prompt_ids, max_new_tokens=max_new_tokens, tau=self.tau, policy=self.policy, ignore_eos=self.ignore_eos
+        )
         seconds = time.perf_counter() - t0
         s = res.stats
         return RunResult(
@@ -184,7 +187,7 @@ class HFContender(Contender):
         m = self.models
         device = next(m.target.parameters()).device
         ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)  # [1, P]
-        eos = sorted(self.eos_ids)
+        eos = [] if self.ignore_eos else sorted(self.eos_ids)
         m.target_meter.reset()
         if m.draft_meter is not None:
             m.draft_meter.reset()
@@ -196,12 +199,12 @@ class HFContender(Contender):
                 do_sample=False,
                 num_beams=1,
                 max_new_tokens=max_new_tokens,
-                eos_token_id=eos or None,
-                pad_token_id=eos[0] if eos else None,
+                eos_token_id=eos or None,  # None: no EOS stops generation (--ignore-eos)
+                pad_token_id=eos[0] if eos else (min(self.eos_ids) if self.eos_ids else None),
                 **self.generate_kwargs,
             )
         seconds = time.perf_counter() - t0
-        tokens = cut_at_eos(out[0, len(prompt_ids) :].tolist(), self.eos_ids)
+        tokens = cut_at_eos(out[0, len(prompt_ids) :].tolist(), frozenset(eos))
         passes = m.target_meter.calls  # the first call (prefill) also emits a token
         result = RunResult(
             tokens=tokens, seconds=seconds, target_passes=passes, verify_time=m.target_meter.seconds, counts_exact=False

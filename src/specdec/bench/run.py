@@ -41,6 +41,7 @@ class BenchConfig:
     lookup_tokens: int = 10
     trace_prompts: int = 0  # prompts for the trace-overhead comparison (0 = skip)
     quick: bool = False
+    ignore_eos: bool = False  # every contender generates exactly max_new_tokens (EOS kept as a token)
 
 
 @dataclass
@@ -82,6 +83,8 @@ def all_contenders(models: BenchModels, cfg: BenchConfig, notes: list[str]) -> l
             notes.append("no draft model: transformers assisted generation skipped")
     else:
         notes.append("transformers contenders skipped (--no-hf)")
+    for c in out:
+        c.ignore_eos = cfg.ignore_eos
     return out
 
 
@@ -184,8 +187,12 @@ def summarize(contenders: Sequence[Contender], cfg: BenchConfig, runs: Runs, not
             "prompts": [{"id": p.id, "source": p.source, "tokens": len(p.ids)} for p in cfg.prompts],
             "quick": cfg.quick,
             "greedy": True,
-            "eos": "every contender stops at the target's EOS ids; outputs are compared in full (length included) and "
-            "each contender's tokens/s counts its own tokens",
+            "eos": (
+                "ignored (--ignore-eos): every contender generates exactly max_new_tokens, EOS kept as a token"
+                if cfg.ignore_eos
+                else "every contender stops at the target's EOS ids; outputs are compared in full (length included) "
+                "and each contender's tokens/s counts its own tokens"
+            ),
             "timing": "wall time per request, prefill included; per-prompt median over repeats; tokens/s = "
             "tokens / sum of medians; ratios are ratios of tokens/s",
         },
@@ -231,6 +238,8 @@ def trace_overhead(models: BenchModels, cfg: BenchConfig, report: dict[str, Any]
             EngineContender("untraced", f"τ={tau}", "fixed", spec, tau=tau),
             EngineContender("traced", f"τ={tau} + JsonlTrace", "trace", traced, tau=tau),
         ]
+        for c in pair:
+            c.ignore_eos = cfg.ignore_eos
         prompts = cfg.prompts[: cfg.trace_prompts]
         log(f"trace overhead: τ={tau} with and without JsonlTrace on {len(prompts)} prompts")
         runs = measure(pair, prompts, cfg, log)

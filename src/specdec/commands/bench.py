@@ -53,6 +53,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--no-hf", action="store_true", help="skip the transformers generate() contenders")
     g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="fixed-length outputs: EOS does not end a request, every contender generates exactly --max-new-tokens",
+    )
+    g.add_argument(
         "--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for transformers (default 10)"
     )
     g.add_argument(
@@ -100,6 +105,7 @@ def _config(args: argparse.Namespace) -> Any:
         lookup_tokens=args.lookup_tokens,
         trace_prompts=max(0, trace_prompts),
         quick=args.quick,
+        ignore_eos=args.ignore_eos,
     )
 
 

@@ -37,6 +37,26 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="N independent samples of the prompt, prefilled once and stepped together (with --seed S, sample 0 "
         "is what N=1 gives)",
     )
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty, in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty, in [-2, 2]")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style repetition penalty, > 0 (1 = off)")
+    g.add_argument(
+        "--logit-bias",
+        action="append",
+        default=None,
+        type=_logit_bias,
+        metavar="ID=BIAS",
+        help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)",
+    )
+    g.add_argument("--min-tokens", type=int, default=0, help="EOS is not generated before this many tokens")
+    g.add_argument("--ignore-eos", action="store_true", help="EOS does not end generation (fixed-length output)")
+    g.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --json: each token's log probability and its N most likely alternatives",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--stream", action="store_true", help="print text as it is verified")
     o.add_argument(
@@ -58,6 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if args.logprobs is not None and not args.json:
+        raise InvalidRequestError("--logprobs prints them in the --json output: add --json", "logprobs")
     if args.show_steps and args.json:
         raise InvalidRequestError(
             "--show-steps and --json cannot be combined: --json prints one JSON object", "show_steps"
@@ -76,6 +98,13 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
         max_verify_passes=args.max_verify_passes,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        logit_bias=dict(args.logit_bias or []),
+        min_tokens=args.min_tokens,
+        ignore_eos=args.ignore_eos,
+        logprobs=args.logprobs,
     )
     if args.n != 1:
         return _samples(engine, prompt, args, kwargs, observers)
@@ -133,6 +162,16 @@ def _samples(
             file=sys.stderr,
         )
     return 0
+
+
+def _logit_bias(value: str) -> tuple[int, float]:
+    token, sep, bias = value.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 50256=-100), got {value!r}") from None
 
 
 def _step_style(value: str) -> str:

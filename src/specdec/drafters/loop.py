@@ -28,6 +28,9 @@ class DraftAsk:
     params: Settings  # the request's sampling settings (``SamplingParams``)
     generator: Any  # the request's ``torch.Generator`` (the simulator draws from its own stream)
     rule: DraftRule | None = None  # asked after each token: keep it, go on?
+    # The request's logit rules (``logits_rules.RulesState``; None when none is active): a drafter that has
+    # logits applies them at each position with its own context, context + the tokens drafted before it.
+    logit_rules: Any = None
 
 
 @dataclass

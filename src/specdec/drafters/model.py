@@ -56,27 +56,45 @@ class ModelDrafter(Drafter):
     def propose(self, asks: Sequence[DraftAsk]) -> list[Draft]:
         device = self.runner.device
 
+        drafted: dict[int, list[int]] = {}  # each sequence's tokens drafted so far this step (for logit rules)
+
         def first(rows: list[int]) -> list[Pick]:
             blocks = []
             for i in rows:
+                drafted[i] = []
                 ask, cache = asks[i], asks[i].state.cache
                 if cache.length >= len(ask.context):  # at least one token must be fed to get the next distribution
                     cache.crop(len(ask.context) - 1)
                 ids = torch.tensor(ask.context[cache.length :], dtype=torch.long, device=device)
                 blocks.append((ids, cache))
-            return self._pick(asks, rows, self.runner.forward_batch(blocks, last_only=True))
+            return self._pick(asks, rows, self.runner.forward_batch(blocks, last_only=True), drafted)
 
         def feed(rows: list[int], tokens: list[int]) -> list[Pick]:
+            for i, t in zip(rows, tokens):
+                drafted[i].append(t)
             blocks = [
                 (torch.tensor([t], dtype=torch.long, device=device), asks[i].state.cache) for i, t in zip(rows, tokens)
             ]
-            return self._pick(asks, rows, self.runner.forward_batch(blocks, last_only=True))
+            return self._pick(asks, rows, self.runner.forward_batch(blocks, last_only=True), drafted)
 
         return lockstep(asks, first, feed)
 
-    def _pick(self, asks: Sequence[DraftAsk], rows: list[int], logits: list[torch.Tensor]) -> list[Pick]:
+    def _pick(
+        self,
+        asks: Sequence[DraftAsk],
+        rows: list[int],
+        logits: list[torch.Tensor],
+        drafted: dict[int, list[int]] | None = None,
+    ) -> list[Pick]:
         """Each row's next draft token. Greedy rows: one softmax and one max over all of them (the token and
-        its probability); sampled rows: q under the request's settings, drawn with its own generator."""
+        its probability); sampled rows: q under the request's settings, drawn with its own generator. A request
+        with logit rules has them applied first, with this position's own context (context + drafted)."""
+        logits = list(logits)
+        for j, i in enumerate(rows):
+            state = asks[i].logit_rules
+            if state is not None:
+                done = drafted.get(i, []) if drafted is not None else []
+                logits[j] = state.apply(self._fit_vocab(logits[j][-1:]), done, offset=len(done))
         picks: list[Pick | None] = [None] * len(rows)
         greedy = [j for j, i in enumerate(rows) if asks[i].params.greedy]
         if greedy:

@@ -72,7 +72,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             request,
             body,
             completion_builder(body, rid),
-            Reply(f"cmpl-{rid}", _now(), settings.model_name, "completion"),
+            Reply(f"cmpl-{rid}", _now(), settings.model_name, "completion", engine.tokenizer),
             rid,
         )
 
@@ -90,7 +90,11 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             )
         rid = uuid.uuid4().hex[:24]
         return await api.serve(
-            request, body, chat_builder(body, rid), Reply(f"chatcmpl-{rid}", _now(), settings.model_name, "chat"), rid
+            request,
+            body,
+            chat_builder(body, rid),
+            Reply(f"chatcmpl-{rid}", _now(), settings.model_name, "chat", engine.tokenizer),
+            rid,
         )
 
     @app.get("/v1/models", response_model=ModelList)
@@ -243,17 +247,26 @@ class _Api:
         include_usage: bool,
     ) -> AsyncIterator[bytes]:
         """SSE chunks: text as it is verified, then a closing chunk with the finish reason and stats, per choice
-        (``index``); after the last choice's, the usage chunk (when asked) and ``[DONE]``."""
+        (``index``); after the last choice's, the usage chunk (when asked) and ``[DONE]``.
+
+        A request asking for logprobs gets them in the chunk of the step that committed the tokens (the text
+        of a token can come in a later chunk: text is held back while it might be partial UTF-8 or a stop
+        string's prefix)."""
         results: dict[int, GenerationResult] = {}
+        offsets = [0] * n  # completions' text_offset of each choice, across its chunks
         try:
             if reply.kind == "chat":
                 for index in range(n):
                     yield reply.chunk("", index=index, role=True)
             async for msg in messages:
                 if isinstance(msg, Step):
-                    if msg.event.text or want_steps:
+                    lps = msg.event.logprobs
+                    if msg.event.text or want_steps or lps:
                         extra = {"speculative": {"step": msg.detail}} if want_steps else None
-                        yield reply.chunk(msg.event.text, index=msg.index, extra=extra)
+                        logprobs = reply.logprobs(lps, offsets[msg.index])
+                        if logprobs is not None and reply.kind == "completion":
+                            offsets[msg.index] += sum(len(t) for t in logprobs["tokens"])
+                        yield reply.chunk(msg.event.text, index=msg.index, extra=extra, logprobs=logprobs)
                 elif isinstance(msg, Done):
                     results[msg.index] = msg.result
                     extra = {"speculative": summary([msg.result])}

@@ -21,16 +21,9 @@ _PARAMS = {
 
 def check_supported(body: _Common) -> None:
     """Refuse OpenAI options specdec does not implement instead of silently ignoring them."""
-    if body.presence_penalty or body.frequency_penalty:
-        param = "presence_penalty" if body.presence_penalty else "frequency_penalty"
-        raise APIError(400, f"{param} is not supported (only 0)", param, "unsupported")
-    if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported", "logit_bias", "unsupported")
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise APIError(400, "echo is not supported", "echo", "unsupported")
-        if body.logprobs is not None:
-            raise APIError(400, "logprobs is not supported", "logprobs", "unsupported")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(
                 400,
@@ -51,8 +44,17 @@ def check_supported(body: _Common) -> None:
             "speculative.policy",
             "invalid_value",
         )
-    if isinstance(body, ChatCompletionRequest) and (body.logprobs or body.top_logprobs is not None):
-        raise APIError(400, "logprobs are not supported", "logprobs", "unsupported")
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+
+
+def logprobs_wanted(body: _Common) -> int | None:
+    """How many alternatives per token the request asks for; None when it asks for no log probabilities."""
+    if isinstance(body, CompletionRequest):
+        return body.logprobs
+    if isinstance(body, ChatCompletionRequest) and body.logprobs:
+        return body.top_logprobs or 0
+    return None
 
 
 def engine_kwargs(body: _Common, request_id: str) -> dict[str, Any]:
@@ -68,6 +70,13 @@ def engine_kwargs(body: _Common, request_id: str) -> dict[str, Any]:
         "policy": spec.policy if spec else None,
         "max_verify_passes": spec.max_verify_passes if spec else None,
         "request_id": request_id,
+        "presence_penalty": float(body.presence_penalty),
+        "frequency_penalty": float(body.frequency_penalty),
+        "repetition_penalty": float(body.repetition_penalty),
+        "logit_bias": {int(k): float(v) for k, v in (body.logit_bias or {}).items()},
+        "min_tokens": body.min_tokens,
+        "ignore_eos": body.ignore_eos,
+        "logprobs": logprobs_wanted(body),
     }
 
 

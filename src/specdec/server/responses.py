@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from specdec.engine import GenerationResult
+from specdec.sampling import TokenLogprob
 
 Kind = Literal["completion", "chat"]
 
@@ -25,6 +26,33 @@ class Reply:
     created: int
     model: str
     kind: Kind
+    tokenizer: Any = None  # renders the tokens of log probabilities (needed only when a request asks for them)
+
+    def logprobs(self, lps: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+        """The ``logprobs`` of a choice for these tokens, in the endpoint's shape; ``offset``: the completion
+        text offset of the first one (streams carry it across chunks)."""
+        if lps is None:
+            return None
+        if self.kind == "completion":
+            tokens = [token_text(self.tokenizer, lp.token) for lp in lps]
+            offsets = []
+            for t in tokens:
+                offsets.append(offset)
+                offset += len(t)
+            return {
+                "tokens": tokens,
+                "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{token_text(self.tokenizer, t): v for t, v in lp.top} for lp in lps],
+                "text_offset": offsets,
+            }
+
+        def entry(token: int, logprob: float) -> dict[str, Any]:
+            text = token_text(self.tokenizer, token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {
+            "content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
+        }
 
     def response(
         self, results: Sequence[GenerationResult], prompt_tokens: int, steps: list[dict[str, Any]] | None
@@ -34,13 +62,20 @@ class Reply:
         for index, result in enumerate(results):
             reason = result.finish_reason
             if self.kind == "completion":
-                choices.append({"index": index, "text": result.text, "logprobs": None, "finish_reason": reason})
+                choices.append(
+                    {
+                        "index": index,
+                        "text": result.text,
+                        "logprobs": self.logprobs(result.logprobs),
+                        "finish_reason": reason,
+                    }
+                )
             else:
                 choices.append(
                     {
                         "index": index,
                         "message": {"role": "assistant", "content": result.text},
-                        "logprobs": None,
+                        "logprobs": self.logprobs(result.logprobs),
                         "finish_reason": reason,
                     }
                 )
@@ -62,6 +97,7 @@ class Reply:
         index: int = 0,
         role: bool = False,
         extra: dict[str, Any] | None = None,
+        logprobs: dict[str, Any] | None = None,
     ) -> bytes:
         """One SSE event for choice ``index``. ``text=None``: a chunk with no text (the closing chunk of a chat
         stream)."""
@@ -69,7 +105,7 @@ class Reply:
             choice: dict[str, Any] = {
                 "index": index,
                 "text": text or "",
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
             obj = "text_completion"
@@ -77,7 +113,7 @@ class Reply:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         body: dict[str, Any] = {
             "id": self.id,
@@ -102,6 +138,12 @@ class Reply:
                 "usage": usage(prompt_tokens, results),
             }
         )
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    """A token as text: its own decoding (special tokens included; a token holding part of a UTF-8 character
+    decodes to U+FFFD, as in other OpenAI-compatible servers)."""
+    return str(tokenizer.decode([token]))
 
 
 def usage(prompt_tokens: int, results: Sequence[GenerationResult]) -> dict[str, int]:

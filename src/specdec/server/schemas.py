@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic, so the OpenAPI schema is exact).
 
 Fields OpenAI defines but specdec does not implement are accepted only at their neutral value
-(``echo: false``, ``logprobs: null``, penalties 0, ...) so a request never silently means something else.
+(``echo: false``, ``n: 1``, ...) so a request never silently means something else.
 Unknown fields are ignored, as OpenAI clients send new ones over time.
 """
 
@@ -67,10 +67,34 @@ class _Common(BaseModel):
         "server's --max-batch and --max-active)",
     )
     user: StrictStr | None = None
-    presence_penalty: Float = Field(0.0, description="only 0 is supported")
-    frequency_penalty: Float = Field(0.0, description="only 0 is supported")
-    logit_bias: dict[str, Float] | None = Field(None, description="not supported (null or {} only)")
+    presence_penalty: Float = Field(
+        0.0, ge=-2, le=2, description="subtracted once from the logit of every token generated so far"
+    )
+    frequency_penalty: Float = Field(
+        0.0, ge=-2, le=2, description="subtracted from a token's logit once per time it was generated so far"
+    )
+    logit_bias: dict[str, Annotated[Float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="token id (as a string) -> bias in [-100, 100] added to its logit"
+    )
+    repetition_penalty: Float = Field(
+        1.0,
+        gt=0,
+        description="extension: a token in the prompt or generated so far has a positive logit divided by it, "
+        "a negative one multiplied (1 = off)",
+    )
+    min_tokens: StrictInt = Field(0, ge=0, description="extension: EOS is not generated before this many tokens")
+    ignore_eos: StrictBool = Field(
+        False, description="extension: EOS does not end the request (generate to max_tokens or a stop string)"
+    )
     speculative: SpeculativeOptions | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -90,7 +114,9 @@ class CompletionRequest(_Common):
     ) = Field(..., description="a string or token ids; a list of one prompt is accepted")
     max_tokens: StrictInt | None = Field(16, gt=0, description="tokens to generate at most (default 16)")
     echo: StrictBool = Field(False, description="only false is supported")
-    logprobs: StrictInt | None = Field(None, description="not supported (null only)")
+    logprobs: StrictInt | None = Field(
+        None, ge=0, le=5, description="log probabilities of each token and of the N most likely alternatives"
+    )
     best_of: StrictInt | None = Field(None, description="only null or equal to n (every sample returned)")
     suffix: StrictStr | None = Field(None, description="not supported (null only)")
 
@@ -117,8 +143,10 @@ class ChatCompletionRequest(_Common):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: StrictInt | None = Field(None, gt=0, description="default: up to the context window")
     max_completion_tokens: StrictInt | None = Field(None, gt=0, description="alias of max_tokens")
-    logprobs: StrictBool | None = Field(None, description="not supported (false/null only)")
-    top_logprobs: StrictInt | None = Field(None, description="not supported (null only)")
+    logprobs: StrictBool | None = Field(None, description="return each output token's log probability")
+    top_logprobs: StrictInt | None = Field(
+        None, ge=0, le=20, description="with logprobs: the N most likely alternatives at each position"
+    )
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -146,10 +174,31 @@ class SpeculativeSummary(BaseModel):
 FinishReason = Literal["stop", "length", "verify_budget"]
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobEntry] | None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -161,7 +210,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
 
 

@@ -157,6 +157,16 @@
     if (!Number.isInteger(n) || n < 1 || n > 16) return showError("n must be a whole number from 1 to 16", ui.n);
     const body = { prompt, max_tokens: maxTokens, temperature, stream: true, speculative };
     if (n > 1) body.n = n;
+    // Penalties and length: sent only when changed from their defaults; the server checks the ranges (400).
+    for (const [id, key, off] of [["presence-penalty", "presence_penalty", 0], ["frequency-penalty",
+      "frequency_penalty", 0], ["repetition-penalty", "repetition_penalty", 1], ["min-tokens", "min_tokens", 0]]) {
+      const field = $(id);
+      const value = Number(field.value);
+      if (field.value.trim() === "" || !Number.isFinite(value)) return showError(`${key} must be a number`, field);
+      if (value !== off) body[key] = value;
+    }
+    if ($("ignore-eos").checked) body.ignore_eos = true;
+    if ($("want-logprobs").checked) body.logprobs = 3;
     if (ui.model.value) body.model = ui.model.value;
     return body;
   }
@@ -178,6 +188,8 @@
       run.samples[j] = pre.appendChild(el("span"));
       ui.samples.append(pre);
     }
+    $("logprobs").replaceChildren();
+    $("logprobs-box").hidden = !body.logprobs;
     ui.steps.replaceChildren();
     for (const dd of Object.values(ui.stats)) dd.textContent = "–";
     draw();
@@ -242,6 +254,15 @@
       return;
     }
     if (choice && choice.text) ui.text.append(choice.text);
+    if (choice && choice.logprobs) {
+      const lp = choice.logprobs;
+      lp.tokens.forEach((token, i) => {
+        const alts = Object.entries(lp.top_logprobs[i] || {}).map(([t, v]) => `${visible(t)} ${v.toFixed(2)}`);
+        const li = document.createElement("li");
+        li.textContent = `${visible(token)}  ${lp.token_logprobs[i].toFixed(3)}   [${alts.join(", ")}]`;
+        $("logprobs").append(li);
+      });
+    }
     const spec = chunk.speculative;
     if (spec && spec.step) addStep(spec.step, r);
     if (choice && choice.finish_reason) {
