@@ -8,9 +8,7 @@
 // Numerics (the property the engine relies on): every output row of every token is computed the
 // same way whatever the block size k, the token's place in the block, or the thread count: each dot
 // product accumulates in two fixed 8-lane chains over the same 16-element strides and is reduced in
-// a fixed order; attention for a query scores its keys in 8-position blocks aligned to multiples of 8
-// (partial blocks key by key) and sums values in position order, all fixed by the query's own range of
-// keys, whatever other queries share its tile (see attend_tile). So a verify pass over
+// a fixed order; attention for a query visits its keys in position order. So a verify pass over
 // k tokens gives bit-for-bit the logits that k one-token passes give, and greedy speculative output
 // equals greedy target-only output exactly, not just up to near-ties.
 //
@@ -659,122 +657,55 @@ static void silu_mul(const float* g, const float* u, float* out, int64_t n) {
     for (; c < n; c++) out[c] = g[c] / (1.0f + exp1(-g[c])) * u[c];
 }
 
-// Eight keys' dot products with one query at once: one accumulator per key over the head's 8-float chunks,
-// then the eight sums reduced together (two rounds of pairwise adds and a lane swap) instead of one
-// horizontal sum per key. hd must be a multiple of 8.
-static inline void dot8(const float* q, const float* k0, int64_t hd, float* out) {
-    __m256 a[8];
-    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < hd; c += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + c);
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i * hd + c), a[i]);
-    }
-    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
-}
-
-// In place: s[0..n) -> exp(s - max) (8-lane strides, then the tail), returning 1 / their sum (summed lane-wise,
-// then reduced in a fixed order).
-static float softmax_unnormalised(float* s, int64_t n) {
+// One query head against its key/value head: out = softmax(q . K[lo..hi]) V[lo..hi].
+static void attend(const float* q, const float* K, const float* V, int64_t lo, int64_t hi, int64_t hd, float* scores,
+                   float* out) {
+    const int64_t n = hi - lo + 1;
     float mx = -INFINITY;
-    for (int64_t j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+    for (int64_t j = 0; j < n; j++) {
+        const float s = dot(q, K + (lo + j) * hd, hd);
+        scores[j] = s;
+        mx = s > mx ? s : mx;
+    }
+    // exp in 8-lane strides, summed lane-wise then reduced in a fixed order.
     const __m256 m8 = _mm256_set1_ps(mx);
     __m256 acc = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m8));
-        _mm256_storeu_ps(s + j, e);
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), m8));
+        _mm256_storeu_ps(scores + j, e);
         acc = _mm256_add_ps(acc, e);
     }
     float sum = hsum8(acc);
     for (; j < n; j++) {
-        s[j] = exp1(s[j] - mx);
-        sum += s[j];
+        scores[j] = exp1(scores[j] - mx);
+        sum += scores[j];
     }
-    return 1.0f / sum;
-}
-
-// Queries that share keys and values: the G query heads of one key/value head, for a run of consecutive rows
-// of one sequence (a verify block, or a prefill chunk), at most ATT_TILE of them.
-static constexpr int64_t ATT_TILE = 16;
-struct AttQuery {
-    const float* q;
-    float* out;
-    int64_t lo, hi;  // the keys it attends to: positions lo..hi of its sequence
-};
-
-// out_i = softmax(q_i . K[lo_i..hi_i]) V[lo_i..hi_i] for every query of a tile. The keys and values are read
-// in blocks of 8 positions (aligned to multiples of 8) and each block serves every query of the tile while it
-// is in L1, so a block of k rows reads its sequence's cache once per key/value head instead of once per row
-// and query head. What a query computes depends only on its own lo and hi, never on the other queries: a
-// score over a whole aligned block inside [lo, hi] comes from dot8, any other from dot; each output column
-// accumulates its positions in order from 0 with one fused multiply-add each, then is scaled by 1 / sum.
-static void attend_tile(const AttQuery* qs, int64_t nq, const float* K, const float* V, int64_t hd, float* scores,
-                        int64_t stride) {
-    int64_t jlo = qs[0].lo, jhi = qs[0].hi;
-    for (int64_t i = 1; i < nq; i++) {
-        jlo = qs[i].lo < jlo ? qs[i].lo : jlo;
-        jhi = qs[i].hi > jhi ? qs[i].hi : jhi;
-    }
-    const bool wide = (hd & 7) == 0;
-    for (int64_t b = jlo & ~(int64_t)7; b <= jhi; b += 8) {
-        for (int64_t i = 0; i < nq; i++) {
-            const AttQuery& a = qs[i];
-            float* s = scores + i * stride - a.lo;  // s[j]: the score of position j
-            if (wide && b >= a.lo && b + 7 <= a.hi) {
-                dot8(a.q, K + b * hd, hd, s + b);
-            } else {
-                const int64_t j0 = b > a.lo ? b : a.lo, j1 = b + 7 < a.hi ? b + 7 : a.hi;
-                for (int64_t j = j0; j <= j1; j++) s[j] = dot(a.q, K + j * hd, hd);
-            }
-        }
-    }
-    float inv[ATT_TILE];
-    for (int64_t i = 0; i < nq; i++) {
-        inv[i] = softmax_unnormalised(scores + i * stride, qs[i].hi - qs[i].lo + 1);
-        memset(qs[i].out, 0, hd * sizeof(float));
-    }
-    for (int64_t b = jlo & ~(int64_t)7; b <= jhi; b += 8) {
-        for (int64_t i = 0; i < nq; i++) {
-            const AttQuery& a = qs[i];
-            const int64_t j0 = b > a.lo ? b : a.lo, j1 = b + 7 < a.hi ? b + 7 : a.hi;
-            if (j0 > j1) continue;
-            const float* s = scores + i * stride - a.lo;
-            float* o = a.out;
-            int64_t c = 0;
-            for (; c + 64 <= hd; c += 64) {
-                __m256 acc[8];
-                for (int u = 0; u < 8; u++) acc[u] = _mm256_loadu_ps(o + c + 8 * u);
-                for (int64_t j = j0; j <= j1; j++) {
-                    const __m256 sj = _mm256_set1_ps(s[j]);
-                    const float* v = V + j * hd + c;
+    const float inv = 1.0f / sum;
+    // out = sum_j scores[j] V[j], 64 columns (8 independent chains) per pass over the positions.
+    int64_t c = 0;
+    for (; c + 64 <= hd; c += 64) {
+        __m256 o[8];
+        for (int i = 0; i < 8; i++) o[i] = _mm256_setzero_ps();
+        for (int64_t jj = 0; jj < n; jj++) {
+            const __m256 sj = _mm256_set1_ps(scores[jj]);
+            const float* v = V + (lo + jj) * hd + c;
 #pragma GCC unroll 8
-                    for (int u = 0; u < 8; u++) acc[u] = _mm256_fmadd_ps(sj, _mm256_loadu_ps(v + 8 * u), acc[u]);
-                }
-                for (int u = 0; u < 8; u++) _mm256_storeu_ps(o + c + 8 * u, acc[u]);
-            }
-            for (; c + 8 <= hd; c += 8) {
-                __m256 acc = _mm256_loadu_ps(o + c);
-                for (int64_t j = j0; j <= j1; j++)
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(s[j]), _mm256_loadu_ps(V + j * hd + c), acc);
-                _mm256_storeu_ps(o + c, acc);
-            }
-            for (; c < hd; c++) {
-                float acc = o[c];
-                for (int64_t j = j0; j <= j1; j++) acc += s[j] * V[j * hd + c];
-                o[c] = acc;
-            }
+            for (int i = 0; i < 8; i++) o[i] = _mm256_fmadd_ps(sj, _mm256_loadu_ps(v + 8 * i), o[i]);
         }
+        const __m256 iv = _mm256_set1_ps(inv);
+        for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + c + 8 * i, _mm256_mul_ps(o[i], iv));
     }
-    for (int64_t i = 0; i < nq; i++) {
-        const __m256 iv = _mm256_set1_ps(inv[i]);
-        float* o = qs[i].out;
-        int64_t c = 0;
-        for (; c + 8 <= hd; c += 8) _mm256_storeu_ps(o + c, _mm256_mul_ps(_mm256_loadu_ps(o + c), iv));
-        for (; c < hd; c++) o[c] *= inv[i];
+    for (; c + 8 <= hd; c += 8) {
+        __m256 o = _mm256_setzero_ps();
+        for (int64_t jj = 0; jj < n; jj++)
+            o = _mm256_fmadd_ps(_mm256_set1_ps(scores[jj]), _mm256_loadu_ps(V + (lo + jj) * hd + c), o);
+        _mm256_storeu_ps(out + c, _mm256_mul_ps(o, _mm256_set1_ps(inv)));
+    }
+    for (; c < hd; c++) {
+        float o = 0.0f;
+        for (int64_t jj = 0; jj < n; jj++) o += scores[jj] * V[(lo + jj) * hd + c];
+        out[c] = o * inv;
     }
 }
 
@@ -787,8 +718,8 @@ extern "C" int64_t sd_scratch_floats(const SdModel* m, int64_t k, int64_t thread
     int64_t widest = d > m->ff ? d : m->ff;
     widest = widest > m->heads * hd ? widest : m->heads * hd;
     // ... + bf16 copies of a product's input (k * widest 16-bit entries) + per-thread attention scores.
-    // Per thread: a tile's attention scores (ATT_TILE rows of max_ctx), or (at another time) a packed 16-row panel of weights.
-    const int64_t per_thread = (ATT_TILE * m->max_ctx > 16 * widest ? ATT_TILE * m->max_ctx : 16 * widest) + 16;
+    // Per thread: attention scores, or (at another time) a packed 16-row panel of weights.
+    const int64_t per_thread = (m->max_ctx > 16 * widest ? m->max_ctx : 16 * widest) + 16;
     return k * (d + d + qkv + m->heads * hd + 2 * m->ff + m->ff) + (k * widest + 1) / 2 + 16 + threads * per_thread;
 }
 
@@ -819,24 +750,8 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
     int64_t widest = d > ff ? d : ff;
     widest = widest > H * hd ? widest : H * hd;
     float* score_base = act + k * ff + (k * widest + 1) / 2 + 16;  // [threads][per_thread]
-    const int64_t per_thread = (ATT_TILE * C > 16 * widest ? ATT_TILE * C : 16 * widest) + 16;
+    const int64_t per_thread = (C > 16 * widest ? C : 16 * widest) + 16;
     const int64_t wt = m->wtype;
-    // Attention tiles: a run of consecutive rows of one sequence (same cache, consecutive positions) split into
-    // groups of ATT_TILE / G rows, times the key/value heads; each tile is its rows' G query heads of one
-    // key/value head, which read the same keys and values.
-    const int64_t tile_rows = ATT_TILE / G > 0 ? ATT_TILE / G : 1;
-    const int64_t head_chunks = (G + ATT_TILE - 1) / ATT_TILE;  // more query heads per key/value head than a tile
-    int64_t* tiles = (int64_t*)malloc(sizeof(int64_t) * 2 * (size_t)(k + 1));  // [start, end) row ranges
-    if (tiles == NULL) return -1;
-    int64_t n_tiles = 0;
-    for (int64_t t = 0; t < k;) {
-        int64_t e = t + 1;
-        while (e < k && e - t < tile_rows && kv[e] == kv[t] && pos[e] == pos[e - 1] + 1) e++;
-        tiles[2 * n_tiles] = t;
-        tiles[2 * n_tiles + 1] = e;
-        n_tiles++;
-        t = e;
-    }
 
     for (int64_t t = 0; t < k; t++) load_row(wt, m->embed, ids[t], m->embed_stride, x + t * d, d);
 
@@ -874,19 +789,11 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
             }
             PHASE_DONE(PH_ROPE_CACHE)
 #pragma omp for schedule(static)
-            for (int64_t u = 0; u < n_tiles * KV * head_chunks; u++) {
-                const int64_t tile = u / (KV * head_chunks), g = (u / head_chunks) % KV, chunk = u % head_chunks;
-                const int64_t r0 = tiles[2 * tile], r1 = tiles[2 * tile + 1];
-                const int64_t h0 = g * G + chunk * ATT_TILE, h1 = h0 + ATT_TILE < (g + 1) * G ? h0 + ATT_TILE : (g + 1) * G;
-                AttQuery qs[ATT_TILE];
-                int64_t nq = 0;
-                for (int64_t t = r0; t < r1; t++) {
-                    const int64_t p = pos[t];
-                    const int64_t lo = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
-                    for (int64_t head = h0; head < h1; head++)
-                        qs[nq++] = AttQuery{qkv + t * nqkv + head * hd, att + t * H * hd + head * hd, lo, p};
-                }
-                attend_tile(qs, nq, kv[r0] + key_off + g * C * hd, kv[r0] + val_off + g * C * hd, hd, scores, C);
+            for (int64_t th = 0; th < k * H; th++) {
+                const int64_t t = th / H, head = th % H, g = head / G, p = pos[t];
+                const int64_t lo = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
+                attend(qkv + t * nqkv + head * hd, kv[t] + key_off + g * C * hd, kv[t] + val_off + g * C * hd, lo, p,
+                       hd, scores, att + t * H * hd + head * hd);
             }
             PHASE_DONE(PH_ATTENTION)
             gemm(wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1, xb, scores);
@@ -910,7 +817,6 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
         }
 #undef PHASE_DONE
     }
-    free(tiles);
     return 0;
 }
 
