@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -243,7 +242,7 @@ def test_n_samples_follow_the_target_law_and_are_independent(tiny_models: dict[s
 # -- server ----------------------------------------------------------------------------------------------------
 
 openai = pytest.importorskip("openai")
-from test_server import API_KEY, MODEL, long_context, start_server, with_chat_template  # noqa: E402
+from test_server import API_KEY, MODEL, long_context, served, with_chat_template  # noqa: E402
 
 MAX_BATCH = 4
 
@@ -262,14 +261,8 @@ def n_models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFact
 @pytest.fixture(scope="module")
 def n_server(n_models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp_path_factory.mktemp("nserver") / "server.log"
-    proc, url = start_server(*n_models, log, "--api-key", API_KEY, "--max-batch", str(MAX_BATCH))
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    assert "Traceback" not in log.read_text(), log.read_text()
+    with served(*n_models, log, "--api-key", API_KEY, "--max-batch", str(MAX_BATCH)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -352,23 +352,14 @@ def served(tiny_models, tmp_path_factory):
     """A real ``specdec serve`` process on 127.0.0.1 (tiny llama with a chat template, tiny draft), its
     ``openai`` client, and the same models in-process (what the server must reproduce)."""
     openai = pytest.importorskip("openai")
-    import subprocess
 
-    from test_server import MODEL, start_server, with_chat_template
+    from test_server import MODEL, served, with_chat_template
 
     target = with_chat_template(tiny_models["llama"], tmp_path_factory.mktemp("fields") / "llama")
     log = tmp_path_factory.mktemp("fields-server") / "server.log"
-    proc, url = start_server(target, tiny_models["draft"], log)
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
-    try:
+    with served(target, tiny_models["draft"], log) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         yield client, specdec.load(target, tiny_models["draft"]), MODEL
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    assert "Traceback" not in log.read_text(), log.read_text()
 
 
 SERVER_RULES = dict(presence_penalty=0.6, frequency_penalty=0.4, logit_bias={"5": 4.0, "17": -100.0})

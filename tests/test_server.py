@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -84,6 +85,22 @@ def start_server(target: Path, draft: Path, log: Path, *extra: str) -> tuple[sub
     raise RuntimeError(f"server did not come up:\n{log.read_text()}")
 
 
+@contextlib.contextmanager
+def served(target: Path, draft: Path, log: Path, *extra: str) -> Iterator[str]:
+    """``start_server`` as a context: the server's URL, then the server stopped (bounded) and its log checked for
+    tracebacks."""
+    proc, url = start_server(target, draft, log, *extra)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    assert "Traceback" not in log.read_text(), log.read_text()
+
+
 @pytest.fixture(scope="module")
 def chat_target(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     return long_context(with_chat_template(tiny_models["llama"], tmp_path_factory.mktemp("chat") / "llama"))
@@ -115,14 +132,8 @@ def server(
     chat_target: Path, chat_draft: Path, trace_file: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     log = tmp_path_factory.mktemp("server") / "server.log"
-    proc, url = start_server(chat_target, chat_draft, log, "--api-key", API_KEY, "--trace", str(trace_file))
-    yield url
-    proc.terminate()
-    try:
-        proc.wait(15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    assert "Traceback" not in log.read_text(), log.read_text()
+    with served(chat_target, chat_draft, log, "--api-key", API_KEY, "--trace", str(trace_file)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
