@@ -380,8 +380,13 @@ def test_errors_auth_and_speculative_steps_pass_through(service: str, client: An
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="n=2"):
-        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2)
+    with pytest.raises(openai.BadRequestError, match="best_of"):  # a 400 from the replica passes through as one
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, n=2, best_of=3)
+    # n samples through the proxy: greedy samples equal each other and the replica's own answer
+    body = {"prompt": "class Stack:", "max_tokens": 8, "temperature": 0, "n": 2}
+    got = _post(service, body).json()
+    want = local("/v1/completions", {"model": MODEL, **body})
+    assert [c["text"] for c in got["choices"]] == [c["text"] for c in want["choices"]] and len(got["choices"]) == 2
     body = {"prompt": "class Stack:", "max_tokens": 12, "temperature": 0, "speculative": {"tau": 2, "steps": True}}
     got = _post(service, body).json()
     want = local("/v1/completions", {"model": MODEL, **body})
