@@ -401,8 +401,12 @@ class AdaptivePolicy(Policy):
         rate, seconds = goodput(best)
         rows = other_rows + sum(t + 1 for t in best)
         drafting = sum(t > 0 for t in best)
-        # One more row in the same pass (same depth, same sequences drafting): the pass's marginal cost.
-        row_cost = max(1e-9, self.batch_costs.step_time(rows + 1, depth, drafting, n, self.costs) - seconds)
+        # A further row in the same pass (same depth, same sequences drafting): the pass's marginal cost, as the
+        # secant over as many rows as there are sequences (at least 4), not the next row's step alone: the learned
+        # curve is a set of noisy means by size, and one size measured high would make every token look dear
+        # (it did: a server at 4 clients trimmed every request of a depth-3 plan to plain).
+        span = max(4, n)
+        row_cost = max(1e-9, (self.batch_costs.step_time(rows + span, depth, drafting, n, self.costs) - seconds) / span)
         for i in range(len(best)):
             while not explore and best[i] > floors[i] and (gains[i][best[i]] - gains[i][best[i] - 1]) < rate * row_cost:
                 best[i] -= 1
