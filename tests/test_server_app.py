@@ -209,6 +209,8 @@ def test_api_key(engine: Any) -> None:
     assert none.status_code == wrong.status_code == 401
     assert none.json()["error"]["code"] == "invalid_api_key" and none.headers["www-authenticate"] == "Bearer"
     assert right.status_code == 200 and health.status_code == 200
+    info = health.json()  # /health needs no key, and says what is served and where its batch costs come from
+    assert info["drafter"] == engine.drafter.name and info["costs"] == engine.costs_note
 
 
 def test_full_queue_answers_429_with_retry_after(engine: Any) -> None:

@@ -116,6 +116,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             "model": settings.model_name,
             # Whether one pass serves many requests (the native runtime's CPU kernel), or each runs its own.
             "batched_passes": engine.target.batches,
+            "drafter": engine.drafter.name if engine.drafter is not None else None,  # "model", "bridge", ...
             "costs": engine.costs_note,
             "runtime": getattr(engine.target, "backend", type(engine.target).__name__),
             **scheduler.snapshot(),
