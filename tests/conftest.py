@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,21 @@ def default_pair() -> tuple[Path, Path]:
     if not (target / "config.json").exists() or not (draft / "config.json").exists():
         pytest.skip("the shipped default pair is not present in this checkout")
     return target, draft
+
+
+@pytest.fixture(params=["hf", "native-kernel", "native-torch"])
+def runtime_name(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each runtime and back end in turn: transformers, the native runtime on its CPU kernel, and on PyTorch
+    operators (the kernel switched off by its environment switch, and switched back on after)."""
+    import specdec.runtime.native_kernel as nk
+
+    name = request.param
+    if name == "native-kernel" and not nk.kernel_available():
+        pytest.skip(f"CPU kernel unavailable: {nk.kernel_status()}")
+    if name == "native-torch":
+        monkeypatch.setenv(nk.ENV_SWITCH, "0")
+        nk._load.cache_clear()
+    yield name
+    if name == "native-torch":
+        monkeypatch.undo()
+        nk._load.cache_clear()

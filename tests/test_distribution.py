@@ -120,7 +120,6 @@ SETTINGS = {
     "t1-topk8": dict(temperature=1.0, top_k=8),
     "t0.8-topp0.8": dict(temperature=0.8, top_p=0.8),
 }
-RUNTIMES = ["hf", "native-kernel", "native-torch"]
 
 
 @pytest.fixture(scope="module", params=list(SETTINGS))
@@ -140,35 +139,17 @@ def target_law(request: pytest.FixtureRequest, tiny_models):
     return settings, prompt, joint, marginals
 
 
-@pytest.fixture(params=RUNTIMES)
-def runtime(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """Which runtime and back end to sample on; for ``native-torch`` the CPU kernel is switched off by its
-    environment switch (and switched back on after)."""
-    import specdec.runtime.native_kernel as nk
-
-    name = request.param
-    if name == "native-kernel" and not nk.kernel_available():
-        pytest.skip(f"CPU kernel unavailable: {nk.kernel_status()}")
-    if name == "native-torch":
-        monkeypatch.setenv(nk.ENV_SWITCH, "0")
-        nk._load.cache_clear()
-    yield name
-    if name == "native-torch":
-        monkeypatch.undo()
-        nk._load.cache_clear()
-
-
 @pytest.mark.slow
 @pytest.mark.distribution
-def test_engine_first_three_tokens_match_target_sampling(tiny_models, soft_draft, target_law, runtime):
+def test_engine_first_three_tokens_match_target_sampling(tiny_models, soft_draft, target_law, runtime_name):
     """The joint law of the first three tokens, and each position's marginal, against the exact target law
     (enumerated with transformers in fp32), for each sampling setting on each runtime.
 
     600 generations with seeds 0..599; four chi-square tests at 1e-3: false-failure rate ≤ 4e-3 over seeds."""
     settings, prompt, joint, marginals = target_law
-    engine = specdec.load(tiny_models["llama"], soft_draft, dtype="float32", runtime=runtime.split("-")[0])
+    engine = specdec.load(tiny_models["llama"], soft_draft, dtype="float32", runtime=runtime_name.split("-")[0])
     backend = getattr(engine.target, "backend", "transformers")
-    expected = {"hf": "transformers", "native-kernel": "cpu-kernel", "native-torch": "torch-"}[runtime]
+    expected = {"hf": "transformers", "native-kernel": "cpu-kernel", "native-torch": "torch-"}[runtime_name]
     assert backend.startswith(expected), backend
     assert engine.encode(PROMPT) == prompt
     engine.eos_ids = frozenset()  # sample exactly three tokens every time: EOS would end some runs early

@@ -36,23 +36,6 @@ def run_all(engine: Engine, gens: list[Generation]) -> list[list[int]]:
     return [g.result().token_ids for g in gens]
 
 
-@pytest.fixture(params=["hf", "native-kernel", "native-torch"])
-def runtime_name(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """transformers, the native runtime on its CPU kernel, and on PyTorch operators (the kernel switched off)."""
-    import specdec.runtime.native_kernel as nk
-
-    name = request.param
-    if name == "native-kernel" and not nk.kernel_available():
-        pytest.skip(f"CPU kernel unavailable: {nk.kernel_status()}")
-    if name == "native-torch":
-        monkeypatch.setenv(nk.ENV_SWITCH, "0")
-        nk._load.cache_clear()
-    yield name
-    if name == "native-torch":
-        monkeypatch.undo()
-        nk._load.cache_clear()
-
-
 # -- forks -------------------------------------------------------------------------------------------------
 
 
