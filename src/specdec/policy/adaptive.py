@@ -70,6 +70,25 @@ def reach_thresholds(times: list[float], rates: list[float], per_token: float, c
     return tuple(out) or (0.0,)
 
 
+def _want_left(ctx: StepContext) -> tuple[int, int | None]:
+    """Tokens the request still wants (at least 1) and verification passes it has left (None: no cap)."""
+    left = None if ctx.max_verify_passes is None else ctx.max_verify_passes - ctx.verify_passes
+    return max(1, ctx.max_new_tokens - ctx.new_tokens), left
+
+
+def _budget_binds(ctx: StepContext) -> bool:
+    """Fewer passes left than tokens wanted: the request plans for its budget, not for speed."""
+    want, left = _want_left(ctx)
+    return left is not None and left < want
+
+
+def _predict_latency(req: _Request, plan: _Plan, ctx: StepContext) -> None:
+    """At a request's first plan: its latency if every step ran at the plan's best τ (the SLO margin's yardstick)."""
+    if req.predicted_latency is None:
+        best = plan.best(list(range(len(plan.goodput))))
+        req.predicted_latency = ctx.elapsed + _want_left(ctx)[0] / plan.emitted[best] * plan.times[best]
+
+
 def _logit(p: float) -> float:
     p = min(max(p, 1e-3), 1 - 1e-3)
     return math.log(p / (1 - p))
@@ -216,12 +235,9 @@ class AdaptivePolicy(Policy):
             return self._decide(req, 0, "plain: no room to draft", None)
         plan = self._plan(req, k)
         req.plan, req.budget_bound = plan, False
-        want = max(1, ctx.max_new_tokens - ctx.new_tokens)
-        left = None if ctx.max_verify_passes is None else ctx.max_verify_passes - ctx.verify_passes
-        if req.predicted_latency is None:
-            best = plan.best(list(range(k + 1)))
-            req.predicted_latency = ctx.elapsed + want / plan.emitted[best] * plan.times[best]
-        if left is not None and left * 1.0 < want:
+        want, left = _want_left(ctx)
+        _predict_latency(req, plan, ctx)
+        if left is not None and left < want:
             req.budget_bound = True
             return self._under_budget(req, plan, want, left, ctx)
         return self._free(req, plan, ctx)
@@ -345,8 +361,7 @@ class AdaptivePolicy(Policy):
         for ctx in ctxs:
             req = self._request(ctx)
             k = min(horizon, ctx.max_tau)
-            left = None if ctx.max_verify_passes is None else ctx.max_verify_passes - ctx.verify_passes
-            if k and left is not None and left < max(1, ctx.max_new_tokens - ctx.new_tokens):
+            if k and _budget_binds(ctx):
                 mine = self.next_tau(ctx)  # budget-bound: its own decision, kept
                 cap = floor = min(mine.tau, k)
                 own.append(mine)
@@ -356,10 +371,8 @@ class AdaptivePolicy(Policy):
                 req.budget_bound = False
                 cap, floor = k, 0
                 own.append(None)
-                if req.predicted_latency is None and req.plan is not None:
-                    fastest = req.plan.best(list(range(k + 1)))
-                    want = max(1, ctx.max_new_tokens - ctx.new_tokens)
-                    req.predicted_latency = ctx.elapsed + want / req.plan.emitted[fastest] * req.plan.times[fastest]
+                if req.plan is not None:
+                    _predict_latency(req, req.plan, ctx)
             g = req.plan.emitted if req.plan is not None else [1.0]
             # Expected tokens of τ beyond the plan's horizon (a stop rule's cap): the plan's last increment, flat.
             gains.append(g + [g[-1]] * (cap + 1 - len(g)))
@@ -434,12 +447,7 @@ class AdaptivePolicy(Policy):
         for ctx in ctxs:
             req = self._request(ctx)
             d = self._reuse.get(ctx.request_id)
-            left = None if ctx.max_verify_passes is None else ctx.max_verify_passes - ctx.verify_passes
-            if (
-                left is not None
-                and left < max(1, ctx.max_new_tokens - ctx.new_tokens)
-                and min(self.max_tau, ctx.max_tau)
-            ):
+            if min(self.max_tau, ctx.max_tau) and _budget_binds(ctx):
                 d = self.next_tau(ctx)
             elif d is None:
                 req.steps += 1
