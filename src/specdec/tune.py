@@ -24,7 +24,7 @@ from specdec.bench.prompts import DEFAULT_PROMPTS
 from specdec.bench.prompts import load_prompts as load_prompt_file
 from specdec.policy.estimates import expected_emitted_all
 from specdec.records import StepRecord
-from specdec.simulate.costs import CostModel, fit_costs
+from specdec.simulate.costs import CostModel, fit_costs, measured_costs_path
 
 
 def load_prompts(path: str | Path | None, limit: int | None = None) -> list[str]:
@@ -236,8 +236,6 @@ def matching_costs(engine: Any, path: Path | None = None) -> tuple[dict[int, flo
     ``~/.cache/specdec/costs.json``) when they were measured on the engine's models: (seconds of a target pass
     by rows, seconds of a lockstep draft forward by sequences, a line saying what was used and why). A file
     measured on other models, or none, gives empty tables: the policy then learns its curves from steps alone."""
-    from specdec.simulate.costs import measured_costs_path
-
     path = path or measured_costs_path()
     if not path.is_file():
         return {}, {}, f"no measured costs ({path}): batch costs learnt from steps"
