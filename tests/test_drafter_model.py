@@ -98,19 +98,16 @@ def test_reach_rule_stops_after_the_token_that_drops_the_survival_chance(
     tiny_models: dict[str, Path], temperature: float
 ) -> None:
     drafter = _drafter(tiny_models)
-    runner = drafter.runner
     context = list(range(3, 23))
     params = SamplingParams(temperature=temperature)
     full = _one(drafter, _ask(drafter, context, 6, params, seed=1))
     ask = _ask(drafter, context, 6, params, seed=1, rule=ReachRule((0.6,) * 10, (0.3,)))
-    calls = []
-    forward_batch = runner.forward_batch
-    runner.forward_batch = lambda *a, **k: (calls.append(1), forward_batch(*a, **k))[1]  # type: ignore[method-assign]
     # Every token is judged 0.6 likely to pass: 0.6, 0.36, 0.216 -> the third takes it below 0.3.
     short = _one(drafter, ask)
     assert short.tokens == full.tokens[:3]  # the token that crossed is kept
     assert len(short.tops) == 3 and (short.probs is None) == (temperature == 0.0)
-    assert len(calls) == 3  # the context, then two draft forwards: the fourth token's forward never ran
+    # The context, then two draft tokens fed (on the kernel's greedy draft too): the fourth token's forward never ran.
+    assert ask.state.cache.length == len(context) + 2
     sure = _ask(drafter, context, 6, params, seed=1, rule=ReachRule((1.0,) * 10, (0.3,)))
     assert _one(drafter, sure).tokens == full.tokens
 
@@ -128,3 +125,78 @@ def test_reach_rule_reads_the_probability_by_tenths() -> None:
         ReachRule((0.5,) * 10, ())
     with pytest.raises(ValueError, match="10 entries"):
         ReachRule((0.5,) * 9, (0.1,))
+
+
+def _python_loop(drafter: ModelDrafter, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(type(drafter.runner), "drafts_natively", property(lambda self: False))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
+def test_kernel_greedy_draft_equals_the_python_loop(
+    tiny_models: dict[str, Path], dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU kernel's one-call greedy draft (``draft_greedy``) against the drafting loop run a token at a time
+    in Python: the same tokens and top probabilities, the same stops under each rule (ReachRule, MinConfidence,
+    none), and caches left holding the same tokens with the same keys/values — for ragged τ, several pending
+    tokens (after a fully accepted step), a catch-up longer than one kernel chunk, and many sequences at once."""
+    from specdec.runtime.native import NativeRunner
+
+    runner = load_runner(tiny_models["draft"], device=torch.device("cpu"), dtype=dtype)
+    if not (isinstance(runner, NativeRunner) and runner.drafts_natively):
+        pytest.skip("the CPU kernel is not available here")
+    drafter = ModelDrafter(runner, runner.vocab_size)
+    contexts = [list(range(3, 23)), [5, 9, 11], list(range(40, 90)), [17] * 7, [(7 * i) % 60 + 2 for i in range(200)]]
+    taus = [5, 1, 3, 8, 4]
+    rules: list[DraftRule | None] = [
+        None,
+        ReachRule(tuple(0.1 * (b + 1) for b in range(10)), (0.5, 0.3, 0.2)),
+        MinConfidence(0.05),  # above the tiny draft's flat top probabilities: the first token computed, dropped
+        DraftRule(),
+        None,
+    ]
+
+    def run(native: bool) -> tuple[list[Draft], list[int], list[torch.Tensor]]:
+        if not native:
+            _python_loop(drafter, monkeypatch)
+        states = [drafter.new_state() for _ in contexts]
+        for st, c in zip(states, contexts[:-1]):
+            drafter.prefill(st, c)  # the last one starts empty: a 200-token catch-up inside the draft call
+        # Sequence 0 as after a fully accepted step: its cache two tokens behind its context.
+        states[0].cache.crop(len(contexts[0]) - 3)
+        asks = [
+            DraftAsk(st, c, tau, SamplingParams(), torch.Generator().manual_seed(0), rule)
+            for st, c, tau, rule in zip(states, contexts, taus, rules)
+        ]
+        drafts = drafter.propose(asks)
+        # What each cache holds: the logits of one more token fed at its end.
+        after = [runner.forward(torch.tensor([1]), st.cache, last_only=True) for st in states]
+        monkeypatch.undo()
+        return drafts, [st.cache.length - 1 for st in states], after
+
+    (fast, fast_len, fast_after), (slow, slow_len, slow_after) = run(True), run(False)
+    for a, b, tau in zip(fast, slow, taus):
+        assert a.tokens == b.tokens and len(a.tokens) <= tau
+        assert a.tops == pytest.approx(b.tops, rel=1e-5) and a.token_probs == a.tops and a.probs is None
+    assert fast_len == slow_len
+    for a, b in zip(fast_after, slow_after):
+        assert torch.equal(a, b)  # the same keys and values, bit for bit
+    assert len(fast[3].tokens) == taus[3] and len(fast[0].tokens) == taus[0]  # no rule or the base rule: to τ
+    assert fast[2].tokens == [] and len(fast[1].tokens) == 1  # dropped at once; reach 0.1 < 0.5 after one
+
+
+def test_kernel_greedy_draft_stops_where_the_rules_say(tiny_models: dict[str, Path]) -> None:
+    """Stops decided inside the kernel: a MinConfidence threshold above every top probability drafts nothing (the
+    first token computed, then dropped); ReachRule's depth thresholds cut after the token that crosses them."""
+    from specdec.runtime.native import NativeRunner
+
+    drafter = _drafter(tiny_models)
+    if not (isinstance(drafter.runner, NativeRunner) and drafter.runner.drafts_natively):
+        pytest.skip("the CPU kernel is not available here")
+    context = list(range(3, 23))
+    none = _ask(drafter, context, 5, rule=MinConfidence(1.01))
+    assert _one(drafter, none).tokens == [] and none.state.cache.length == len(context)
+    for depth in (1, 2, 4):
+        thresholds = (0.9,) * (depth - 1) + (1.1,)  # reach stays 1.0 (table of ones): go on until depth
+        ask = _ask(drafter, context, 6, rule=ReachRule((1.0,) * 10, thresholds))
+        assert len(_one(drafter, ask).tokens) == depth
+        assert ask.state.cache.length == len(context) + depth - 1

@@ -55,27 +55,54 @@ class ModelDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, asks: Sequence[DraftAsk]) -> list[Draft]:
         device = self.runner.device
-
         drafted: dict[int, list[int]] = {}  # each sequence's tokens drafted so far this step (for logit rules)
+        # Greedy sequences without logit rules, on a runner whose kernel drafts (``draft_greedy``): their whole
+        # draft is made by one kernel call in ``first`` (the loop's stop rules evaluated there too), and ``feed``
+        # hands the loop the tokens already drafted, so the loop's decisions are the same, without a Python round
+        # trip per token.
+        native = bool(getattr(self.runner, "drafts_natively", False))
+        ahead: dict[int, list[Pick]] = {}
+
+        def catch_up(i: int) -> tuple[list[int], KVCache]:
+            drafted[i] = []
+            ask, cache = asks[i], asks[i].state.cache
+            if cache.length >= len(ask.context):  # at least one token must be fed to get the next distribution
+                cache.crop(len(ask.context) - 1)
+            return ask.context[cache.length :], cache
 
         def first(rows: list[int]) -> list[Pick]:
-            blocks = []
-            for i in rows:
-                drafted[i] = []
-                ask, cache = asks[i], asks[i].state.cache
-                if cache.length >= len(ask.context):  # at least one token must be fed to get the next distribution
-                    cache.crop(len(ask.context) - 1)
-                ids = torch.tensor(ask.context[cache.length :], dtype=torch.long, device=device)
-                blocks.append((ids, cache))
-            return self._pick(asks, rows, self.runner.forward_batch(blocks, last_only=True), drafted)
+            fast = [i for i in rows if native and asks[i].params.greedy and asks[i].logit_rules is None]
+            slow = [i for i in rows if i not in set(fast)]
+            picks: dict[int, Pick] = {}
+            if fast:
+                blocks = [catch_up(i) for i in fast]
+                rules = [asks[i].rule.as_numbers() if asks[i].rule is not None else None for i in fast]
+                vocab_used = min(self.vocab_size, int(self.runner.vocab_size))
+                tokens, tops = self.runner.draft_greedy(blocks, [asks[i].tau for i in fast], rules, vocab_used)
+                for i, toks, ps in zip(fast, tokens, tops):
+                    ahead[i] = [Pick(t, p, p) for t, p in zip(toks, ps)]
+                    picks[i] = ahead[i][0]
+            if slow:
+                blocks = [
+                    (torch.tensor(ids, dtype=torch.long, device=device), cache) for ids, cache in map(catch_up, slow)
+                ]
+                logits = self.runner.forward_batch(blocks, last_only=True)
+                picks.update(zip(slow, self._pick(asks, slow, logits, drafted)))
+            return [picks[i] for i in rows]
 
         def feed(rows: list[int], tokens: list[int]) -> list[Pick]:
             for i, t in zip(rows, tokens):
                 drafted[i].append(t)
-            blocks = [
-                (torch.tensor([t], dtype=torch.long, device=device), asks[i].state.cache) for i, t in zip(rows, tokens)
-            ]
-            return self._pick(asks, rows, self.runner.forward_batch(blocks, last_only=True), drafted)
+            slow = [i for i in rows if i not in ahead]
+            picks = {i: ahead[i][len(drafted[i])] for i in rows if i in ahead}
+            if slow:
+                blocks = [
+                    (torch.tensor([drafted[i][-1]], dtype=torch.long, device=device), asks[i].state.cache) for i in slow
+                ]
+                picks.update(
+                    zip(slow, self._pick(asks, slow, self.runner.forward_batch(blocks, last_only=True), drafted))
+                )
+            return [picks[i] for i in rows]
 
         return lockstep(asks, first, feed)
 

@@ -48,6 +48,22 @@ class DraftRule:
         """After keeping the tokens so far, whether to draft one more."""
         return True
 
+    def as_numbers(self) -> RuleNumbers | None:
+        """The rule as numbers, for a drafter that runs the drafting loop outside Python (the CPU kernel's greedy
+        draft) and evaluates it there exactly as ``keep``/``go_on`` do; None when it cannot be said so (such a
+        drafter then drafts to τ and the loop cuts the draft where the rule says, at the cost of forwards)."""
+        return RuleNumbers() if type(self) is DraftRule else None
+
+
+@dataclass(frozen=True)
+class RuleNumbers:
+    """A drafting rule in numbers: ``ReachRule``'s table and thresholds (``reach_table`` None: no reach rule) and
+    ``MinConfidence``'s threshold (``min_top`` 0: none)."""
+
+    reach_table: tuple[float, ...] | None = None
+    min_reach: tuple[float, ...] = ()
+    min_top: float = 0.0
+
 
 @dataclass(frozen=True)
 class MinConfidence(DraftRule):
@@ -57,6 +73,9 @@ class MinConfidence(DraftRule):
 
     def keep(self, probs: Sequence[float], tops: Sequence[float]) -> bool:
         return tops[-1] >= self.threshold
+
+    def as_numbers(self) -> RuleNumbers | None:
+        return RuleNumbers(min_top=self.threshold) if type(self) is MinConfidence else None
 
 
 @dataclass(frozen=True)
@@ -90,6 +109,11 @@ class ReachRule(DraftRule):
         for p in probs:
             reach = self.reach(reach, p)
         return reach >= self.min_reach[min(len(probs), len(self.min_reach)) - 1]
+
+    def as_numbers(self) -> RuleNumbers | None:
+        if type(self) is not ReachRule:
+            return None
+        return RuleNumbers(reach_table=tuple(self.accept_by_tenth), min_reach=tuple(self.min_reach))
 
 
 @dataclass(frozen=True)

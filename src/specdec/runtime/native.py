@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -36,9 +36,12 @@ from specdec.runtime.native_config import (
     rope_cis,
     rope_tables,
 )
-from specdec.runtime.native_kernel import WEIGHT_TYPES, FusedLlama, kernel_available, kernel_status
+from specdec.runtime.native_kernel import CHUNK, WEIGHT_TYPES, DraftRuleC, FusedLlama, kernel_available, kernel_status
 from specdec.runtime.native_ops import DenseOps, HalfOps, Ops, choose_ops, half_fits, prepare_layer
 from specdec.runtime.native_weights import ModelWeights, load_weights
+
+if TYPE_CHECKING:
+    from specdec.policy.base import RuleNumbers
 
 SUPPORTED_MODEL_TYPES = set(FAMILIES)
 # Blocks up to this many tokens take their mask from the precomputed band; longer ones (prefill) build one.
@@ -250,6 +253,51 @@ class NativeRunner(ModelRunner):
             out.append(logits[first : first + o.shape[0]])
             first += int(o.shape[0])
         return out
+
+    @property
+    def drafts_natively(self) -> bool:
+        """Whether ``draft_greedy`` runs (the CPU kernel drafts a whole greedy lockstep draft in one call)."""
+        return self._fused is not None
+
+    @torch.inference_mode()
+    def draft_greedy(
+        self,
+        blocks: Sequence[tuple[list[int], KVCache]],
+        taus: Sequence[int],
+        rules: Sequence[RuleNumbers | None],
+        vocab_used: int,
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Greedy drafts of several sequences in one kernel call (``FusedLlama.draft_greedy``): each block's
+        pending tokens are fed, then up to its τ argmax tokens drafted in lockstep, each cache left holding every
+        token fed (pending and drafted but the last, as the drafting loop leaves it). A block of more pending
+        tokens than one chunk is first caught up by an ordinary pass."""
+        if self._fused is None:
+            raise RuntimeError("draft_greedy needs the CPU kernel")
+        pending, caches = [list(ids) for ids, _ in blocks], [c for _, c in blocks]
+        for c in caches:
+            if not isinstance(c, NativeCache):
+                raise TypeError(f"NativeRunner needs caches from its own new_cache(), got {type(c).__name__}")
+        if sum(len(p) for p in pending) > CHUNK:  # a long catch-up (after a rollback to 0): all but the last now
+            long = [i for i, p in enumerate(pending) if len(p) > 1]
+            self.forward_batch([(torch.tensor(pending[i][:-1]), caches[i]) for i in long], last_only=True)
+            for i in long:
+                pending[i] = pending[i][-1:]
+        for p, c, tau in zip(pending, caches, taus):
+            if not p:
+                raise ValueError("draft_greedy needs at least one pending token per sequence")
+            if c.length + len(p) + tau - 1 > self.max_context:
+                raise ContextLengthError(
+                    f"{self.name}: {c.length + len(p) + tau - 1} tokens do not fit the context window of "
+                    f"{self.max_context}",
+                    "max_tokens",
+                )
+        native = [None if r is None else DraftRuleC.make(r.reach_table, r.min_reach, r.min_top) for r in rules]
+        tokens, tops, fed = self._fused.draft_greedy(
+            pending, [c.length for c in caches], [c.kv for c in caches], list(taus), native, vocab_used
+        )
+        for c, n in zip(caches, fed):
+            c._length += n  # type: ignore[attr-defined]
+        return tokens, tops
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:

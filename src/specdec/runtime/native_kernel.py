@@ -33,7 +33,7 @@ from specdec.runtime.native_config import NativeConfig, rope_tables
 from specdec.runtime.native_weights import ModelWeights
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 6
+ABI_VERSION = 7
 # sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 # -ffp-contract=off: a multiply followed by an add stays two roundings wherever it is inlined (GCC fuses them into
@@ -63,6 +63,34 @@ class _Layer(ctypes.Structure):
         ("bd", ctypes.c_void_p),
         ("window", ctypes.c_int64),
     ]
+
+
+class DraftRuleC(ctypes.Structure):
+    """The kernel's form of a drafting stop rule (``SdDraftRule``): ReachRule's table and thresholds, and/or
+    MinConfidence's threshold. The arrays are kept alive by the instance."""
+
+    _fields_ = [
+        ("reach_table", ctypes.POINTER(ctypes.c_double)),
+        ("min_reach", ctypes.POINTER(ctypes.c_double)),
+        ("n_reach", ctypes.c_int64),
+        ("min_top", ctypes.c_double),
+    ]
+
+    @classmethod
+    def make(
+        cls, reach_table: tuple[float, ...] | None = None, min_reach: tuple[float, ...] = (), min_top: float = 0.0
+    ) -> DraftRuleC:
+        rule = cls()
+        rule._arrays = []  # type: ignore[attr-defined]
+        if reach_table is not None:
+            table = (ctypes.c_double * 10)(*reach_table)
+            thresholds = (ctypes.c_double * len(min_reach))(*min_reach)
+            rule._arrays = [table, thresholds]  # type: ignore[attr-defined]
+            rule.reach_table = ctypes.cast(table, ctypes.POINTER(ctypes.c_double))
+            rule.min_reach = ctypes.cast(thresholds, ctypes.POINTER(ctypes.c_double))
+            rule.n_reach = len(min_reach)
+        rule.min_top = float(min_top)
+        return rule
 
 
 class _Model(ctypes.Structure):
@@ -166,6 +194,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.sd_matmul.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 4, ctypes.c_void_p]
     lib.sd_matmul.argtypes += [ctypes.c_int64]
     lib.sd_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    lib.sd_draft_greedy.restype = ctypes.c_int
+    # model, n, ids, off, pos0, kv, tau, max_tau, rules, vocab_used, tokens, tops, drafted, fed, logits, scratch, threads
+    lib.sd_draft_greedy.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 5, ctypes.c_int64]
+    lib.sd_draft_greedy.argtypes += [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 6, ctypes.c_int64]
     return lib, None
 
 
@@ -364,6 +396,73 @@ class FusedLlama:
         if buf is None or buf.numel() < need:
             buf = self._scratch.buf = torch.empty(need, dtype=torch.float32)
         return buf
+
+    def draft_greedy(
+        self,
+        pending: list[list[int]],
+        positions: list[int],
+        caches: list[torch.Tensor],
+        taus: list[int],
+        rules: list[DraftRuleC | None],
+        vocab_used: int,
+    ) -> tuple[list[list[int]], list[list[float]], list[int]]:
+        """A whole greedy lockstep draft of several sequences in one call: sequence s feeds ``pending[s]`` (at
+        least one token) at ``positions[s]..`` into ``caches[s]``, then drafts up to ``taus[s]`` tokens (argmax over
+        the first ``vocab_used`` logits), stopping early where ``rules[s]`` says (evaluated as the drafting loop
+        does). Returns each sequence's tokens and their top probabilities (every token an argmax was taken for: the
+        drafted ones, and one a MinConfidence rule dropped), and how many tokens it wrote to its cache (its pending
+        tokens and every drafted token but the last). Pending tokens must fit one chunk."""
+        n = len(pending)
+        lengths = [len(p) for p in pending]
+        off = [0]
+        for length in lengths:
+            off.append(off[-1] + length)
+        if off[-1] > CHUNK:
+            raise ValueError(f"draft_greedy: {off[-1]} pending tokens exceed one chunk ({CHUNK})")
+        max_tau = max(taus)
+        ids = torch.tensor([t for p in pending for t in p], dtype=torch.int64)
+        meta = torch.tensor([*off, *positions, *taus, *(c.data_ptr() for c in caches)], dtype=torch.int64)
+        out_i = torch.full((n * max_tau + 2 * n,), -1, dtype=torch.int64)  # tokens [n][max_tau], drafted, fed [n]
+        tops = torch.empty(n, max_tau, dtype=torch.float32)
+        logits = torch.empty(n, self.vocab_size, dtype=torch.float32)
+        threads = max(1, torch.get_num_threads())
+        scratch = self._scratch_for(max(off[-1], n), threads)
+        rule_ptrs = None
+        if any(r is not None for r in rules):
+            rule_ptrs = (ctypes.c_void_p * n)(*(None if r is None else ctypes.addressof(r) for r in rules))
+        base, eight = meta.data_ptr(), 8
+        rc = self._lib.sd_draft_greedy(
+            self._model_ref,
+            n,
+            ids.data_ptr(),
+            base,
+            base + eight * (n + 1),
+            base + eight * (3 * n + 1),
+            base + eight * (2 * n + 1),
+            max_tau,
+            rule_ptrs,
+            vocab_used,
+            out_i.data_ptr(),
+            tops.data_ptr(),
+            out_i.data_ptr() + eight * n * max_tau,
+            out_i.data_ptr() + eight * (n * max_tau + n),
+            logits.data_ptr(),
+            scratch.data_ptr(),
+            threads,
+        )
+        if rc != 0:
+            raise ValueError(
+                "CPU kernel refused the draft call (token ids out of range or a position beyond the cache)"
+            )
+        flat, top_rows = out_i.tolist(), tops.tolist()
+        fed = flat[n * max_tau + n :]
+        tokens, probs = [], []
+        for s in range(n):  # the tokens computed: those before the first -1 (a drafted one, or one dropped last)
+            row = flat[s * max_tau : (s + 1) * max_tau]
+            computed = row.index(-1) if -1 in row else max_tau
+            tokens.append(row[:computed])
+            probs.append(top_rows[s][:computed])
+        return tokens, probs, fed
 
     def forward(
         self, ids: torch.Tensor, kv: torch.Tensor, pos: int, last_only: bool, profile: torch.Tensor | None = None

@@ -33,6 +33,7 @@
 #include <time.h>
 
 #include <type_traits>
+#include <vector>
 
 // WT_I8: int8 weights with one fp32 scale per output (draft models); the embedding table is fp32 then.
 enum { WT_F32 = 0, WT_BF16 = 1, WT_F16 = 2, WT_I8 = 3 };
@@ -59,7 +60,7 @@ struct SdModel {
     const SdLayer* layers;
 };
 
-extern "C" int sd_abi_version(void) { return 6; }
+extern "C" int sd_abi_version(void) { return 7; }
 
 // Which products this build uses for bf16 weights: 1 = AVX512-BF16 dot products, 0 = AVX2 fp32.
 extern "C" int sd_bf16_dot(void) {
@@ -820,3 +821,111 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
     return 0;
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Greedy drafting: a whole lockstep draft of n sequences in one call
+
+// The argmax of l[0..v) (the lowest index among equal maxima, as torch.max) and the softmax's probability
+// there, 1 / sum_i exp(l[i] - max).
+static void top_of(const float* l, int64_t v, int64_t* token, float* top) {
+    int64_t best = 0;
+    float mx = l[0];
+    for (int64_t i = 1; i < v; i++)
+        if (l[i] > mx) mx = l[i], best = i;
+    const __m256 m8 = _mm256_set1_ps(mx);
+    __m256 acc = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= v; i += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(l + i), m8)));
+    float sum = hsum8(acc);
+    for (; i < v; i++) sum += exp1(l[i] - mx);
+    *token = best;
+    *top = 1.0f / sum;
+}
+
+// The drafting loop's stop rules, evaluated here exactly as policy.base evaluates them (doubles, the same
+// order), so no forward runs for a token the loop would not draft:
+//   reach_table (10 entries, or NULL): ReachRule - after the j-th token, go on only while the running product
+//     of reach_table[min(int(10 p), 9)] over the tokens' probabilities is >= min_reach[j-1] (the last entry
+//     for deeper j);
+//   min_top (> 0): MinConfidence - a token whose top probability is below it is dropped and the draft ends.
+struct SdDraftRule {
+    const double* reach_table;  // [10] or NULL
+    const double* min_reach;    // [n_reach]
+    int64_t n_reach;
+    double min_top;  // <= 0: none
+};
+
+// For each of n sequences: feed its pending tokens ids[off[s] .. off[s+1]) at positions pos0[s].. into its cache
+// kv[s], take the argmax of the last row's logits over the first `vocab_used` entries, then feed that token and
+// take the next argmax, until tau[s] tokens are drafted or its rule (rules[s], NULL: none) stops it. The sequences
+// still drafting share one pass per depth (sd_forward_rows: a row's logits do not depend on the other rows).
+// Out: tokens/tops [n][max_tau] (max_tau >= every tau[s]), drafted[s] = tokens kept, fed[s] = tokens written to the
+// cache (pending + drafted - 1: the last drafted token is not fed). `logits` [n][vocab] and `scratch` (for
+// max(off[n], n) rows) are the caller's. Returns 0, or -1 on bad arguments.
+extern "C" int sd_draft_greedy(const SdModel* m, int64_t n, const int64_t* ids, const int64_t* off, const int64_t* pos0,
+                               float* const* kv, const int64_t* tau, int64_t max_tau, const SdDraftRule* const* rules,
+                               int64_t vocab_used, int64_t* tokens, float* tops, int64_t* drafted, int64_t* fed,
+                               float* logits, float* scratch, int64_t threads) {
+    if (n < 1 || max_tau < 1 || vocab_used < 1 || vocab_used > m->vocab) return -1;
+    for (int64_t s = 0; s < n; s++)
+        if (off[s + 1] <= off[s] || tau[s] < 1 || tau[s] > max_tau) return -1;
+    const int64_t V = m->vocab;
+    std::vector<int64_t> row_ids(off[n] > n ? off[n] : n), row_pos(row_ids.size()), out_idx(n), live(n), next_live;
+    std::vector<float*> row_kv(row_ids.size());
+    std::vector<double> reach(n, 1.0);
+    // Depth 0: every sequence's pending tokens, its last row asked.
+    int64_t k = 0;
+    for (int64_t s = 0; s < n; s++) {
+        for (int64_t j = off[s]; j < off[s + 1]; j++, k++) {
+            row_ids[k] = ids[j];
+            row_pos[k] = pos0[s] + (j - off[s]);
+            row_kv[k] = kv[s];
+        }
+        out_idx[s] = k - 1;
+        live[s] = s;
+        drafted[s] = 0;
+        fed[s] = off[s + 1] - off[s];
+    }
+    int64_t n_live = n;
+    for (int64_t depth = 0; n_live > 0; depth++) {
+        if (sd_forward_rows(m, row_ids.data(), row_pos.data(), row_kv.data(), k, out_idx.data(), n_live, logits,
+                            scratch, threads, NULL) != 0)
+            return -1;
+#pragma omp parallel for num_threads((int)threads) schedule(static) if (n_live > 1)
+        for (int64_t j = 0; j < n_live; j++) {
+            const int64_t s = live[j];
+            top_of(logits + j * V, vocab_used, tokens + s * max_tau + depth, tops + s * max_tau + depth);
+        }
+        // Keep / go on, per sequence (the loop's rules), and the next depth's rows.
+        next_live.clear();
+        for (int64_t j = 0; j < n_live; j++) {
+            const int64_t s = live[j];
+            const SdDraftRule* r = rules != NULL ? rules[s] : NULL;
+            const double p = (double)tops[s * max_tau + depth];
+            if (r != NULL && r->min_top > 0.0 && p < r->min_top) continue;  // dropped; the draft ends
+            drafted[s] = depth + 1;
+            if (drafted[s] >= tau[s]) continue;
+            if (r != NULL && r->reach_table != NULL) {
+                double t10 = p * 10.0;
+                int64_t tenth = (int64_t)t10;  // int() of a non-negative double: truncation
+                tenth = tenth < 0 ? 0 : (tenth > 9 ? 9 : tenth);
+                reach[s] = reach[s] * r->reach_table[tenth];
+                const int64_t at = drafted[s] < r->n_reach ? drafted[s] : r->n_reach;
+                if (!(reach[s] >= r->min_reach[at - 1])) continue;
+            }
+            next_live.push_back(s);
+        }
+        n_live = (int64_t)next_live.size();
+        for (int64_t j = 0; j < n_live; j++) {
+            const int64_t s = next_live[j];
+            live[j] = s;
+            row_ids[j] = tokens[s * max_tau + depth];
+            row_pos[j] = pos0[s] + fed[s];
+            row_kv[j] = kv[s];
+            out_idx[j] = j;
+            fed[s] += 1;
+        }
+        k = n_live;
+    }
+    return 0;
+}
