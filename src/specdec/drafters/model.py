@@ -75,10 +75,10 @@ class ModelDrafter(Drafter):
             slow = [i for i in rows if i not in set(fast)]
             picks: dict[int, Pick] = {}
             if fast:
-                blocks = [catch_up(i) for i in fast]
-                rules = [asks[i].rule.as_numbers() if asks[i].rule is not None else None for i in fast]
+                pending = [catch_up(i) for i in fast]
+                rules = [r.as_numbers() if (r := asks[i].rule) is not None else None for i in fast]
                 vocab_used = min(self.vocab_size, int(self.runner.vocab_size))
-                tokens, tops = self.runner.draft_greedy(blocks, [asks[i].tau for i in fast], rules, vocab_used)
+                tokens, tops = self.runner.draft_greedy(pending, [asks[i].tau for i in fast], rules, vocab_used)
                 for i, toks, ps in zip(fast, tokens, tops):
                     ahead[i] = [Pick(t, p, p) for t, p in zip(toks, ps)]
                     picks[i] = ahead[i][0]

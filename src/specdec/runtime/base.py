@@ -61,6 +61,20 @@ class ModelRunner(ABC):
         """
         return [self.forward(ids, cache, last_only) for ids, cache in blocks]
 
+    # Whether ``draft_greedy`` runs a whole greedy draft in one call (the native runtime's CPU kernel).
+    drafts_natively: bool = False
+
+    def draft_greedy(
+        self,
+        blocks: Sequence[tuple[list[int], KVCache]],
+        taus: Sequence[int],
+        rules: Sequence[Any],
+        vocab_used: int,
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Greedy drafts of several sequences in one call (see ``NativeRunner.draft_greedy``); only runners whose
+        ``drafts_natively`` is true have it."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft in one call")
+
     def release(self, cache: KVCache) -> None:  # noqa: B027 - optional hook
         """A finished sequence's cache, which the runner may reuse for the next one."""
 

@@ -255,7 +255,7 @@ class NativeRunner(ModelRunner):
         return out
 
     @property
-    def drafts_natively(self) -> bool:
+    def drafts_natively(self) -> bool:  # type: ignore[override]
         """Whether ``draft_greedy`` runs (the CPU kernel drafts a whole greedy lockstep draft in one call)."""
         return self._fused is not None
 
@@ -273,10 +273,11 @@ class NativeRunner(ModelRunner):
         tokens than one chunk is first caught up by an ordinary pass."""
         if self._fused is None:
             raise RuntimeError("draft_greedy needs the CPU kernel")
-        pending, caches = [list(ids) for ids, _ in blocks], [c for _, c in blocks]
-        for c in caches:
+        pending, caches = [list(ids) for ids, _ in blocks], []
+        for _, c in blocks:
             if not isinstance(c, NativeCache):
                 raise TypeError(f"NativeRunner needs caches from its own new_cache(), got {type(c).__name__}")
+            caches.append(c)
         if sum(len(p) for p in pending) > CHUNK:  # a long catch-up (after a rollback to 0): all but the last now
             long = [i for i, p in enumerate(pending) if len(p) > 1]
             self.forward_batch([(torch.tensor(pending[i][:-1]), caches[i]) for i in long], last_only=True)
