@@ -828,13 +828,22 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
 // The argmax of l[0..v) (the lowest index among equal maxima, as torch.max) and the softmax's probability
 // there, 1 / sum_i exp(l[i] - max).
 static void top_of(const float* l, int64_t v, int64_t* token, float* top) {
-    int64_t best = 0;
+    // The maximum in 8-lane strides, then the first index holding it, then the softmax's sum.
     float mx = l[0];
-    for (int64_t i = 1; i < v; i++)
-        if (l[i] > mx) mx = l[i], best = i;
+    int64_t i = 0;
+    if (v >= 8) {
+        __m256 m8 = _mm256_loadu_ps(l);
+        for (i = 8; i + 8 <= v; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(l + i));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m8);
+        for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+    }
+    for (; i < v; i++) mx = l[i] > mx ? l[i] : mx;
+    int64_t best = 0;
+    while (best + 1 < v && l[best] != mx) best++;  // (bounded: NaN logits never compare equal)
     const __m256 m8 = _mm256_set1_ps(mx);
     __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
+    i = 0;
     for (; i + 8 <= v; i += 8) acc = _mm256_add_ps(acc, exp8(_mm256_sub_ps(_mm256_loadu_ps(l + i), m8)));
     float sum = hsum8(acc);
     for (; i < v; i++) sum += exp1(l[i] - mx);
