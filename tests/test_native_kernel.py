@@ -149,18 +149,18 @@ def test_status_names_the_instruction_set(monkeypatch: pytest.MonkeyPatch, tmp_p
         nk._load.cache_clear()
 
 
-def odd_checkpoint(root: Path) -> Path:
+def odd_checkpoint(root: Path, heads: int = 4, kv_heads: int = 2, hidden: int = 72, name: str = "odd") -> Path:
     """hidden 72, head_dim 18, intermediate 100, vocab 97: none a multiple of the vector widths, the 16-output
     panels or the AVX512 build's 64."""
     import transformers as tf
 
     cfg = tf.LlamaConfig(
         vocab_size=97,
-        hidden_size=72,
+        hidden_size=hidden,
         intermediate_size=100,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=128,
         bos_token_id=0,
         eos_token_id=0,
@@ -168,13 +168,13 @@ def odd_checkpoint(root: Path) -> Path:
     torch.manual_seed(7)
     model = tf.LlamaForCausalLM(cfg)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
+        for pname, p in model.named_parameters():
+            if "norm" in pname:
                 p.copy_(torch.randn_like(p) * 0.3 + 1.0)
             else:
                 p.mul_(8.0)
-    model.save_pretrained(str(root / "odd"), safe_serialization=True)
-    return root / "odd"
+    model.save_pretrained(str(root / name), safe_serialization=True)
+    return root / name
 
 
 def test_odd_sizes_take_the_tail_paths_and_still_match_transformers(tmp_path: Path) -> None:
@@ -194,6 +194,25 @@ def test_odd_sizes_take_the_tail_paths_and_still_match_transformers(tmp_path: Pa
     block = bf.forward(ids[20:27], cache)
     cache.crop(20)
     assert torch.equal(block, torch.cat([bf.forward(ids[i : i + 1], cache) for i in range(20, 27)]))
+
+
+def test_many_query_heads_per_kv_head_and_tiny_heads(tmp_path: Path) -> None:
+    """20 query heads on one KV head (more than one attention work item holds: the heads are split) with head_dim 4
+    (no 8-lane column stride at all): blocks equal one-token passes bit for bit, and match transformers."""
+    from specdec.runtime.hf import HFRunner
+
+    path = odd_checkpoint(tmp_path, heads=20, kv_heads=1, hidden=80, name="mqa")
+    ids = torch.randint(0, 97, (40,), generator=torch.Generator().manual_seed(9))
+    kernel = NativeRunner.from_pretrained(path, dtype=torch.float32, kernel=True)
+    hf = HFRunner.from_pretrained(path, dtype=torch.float32)
+    got, want = prefill(kernel, ids), hf.forward(ids, hf.new_cache())
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+    steps = kernel.new_cache()
+    singles = torch.cat([kernel.forward(ids[i : i + 1], steps) for i in range(40)])
+    assert torch.equal(got, singles)
+    cache = kernel.new_cache()
+    kernel.forward(ids[:25], cache)
+    assert torch.equal(kernel.forward(ids[25:33], cache), singles[25:33])
 
 
 # ---------------------------------------------------------------------------------------------
