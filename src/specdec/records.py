@@ -34,6 +34,18 @@ def correction_kind(tau: int, n_accepted: int) -> Correction:
 
 
 @dataclass
+class Verdict:
+    """What verifying one sequence's block decided (``specdec.verify``; the simulator's target side too)."""
+
+    accept_flags: list[bool]  # per-position test outcome, before taking the prefix
+    n_accepted: int
+    tokens: list[int]  # [ŷ_1..ŷ_n̂, ȳ]
+    correction: Correction
+    target_token_probs: list[float]  # p_t(ŷ_t), for traces
+    draft_token_probs: list[float]  # q_t(ŷ_t), for traces
+
+
+@dataclass
 class StepRecord:
     request_id: str
     step: int  # 0-based index of the step within its request
