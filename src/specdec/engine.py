@@ -171,6 +171,9 @@ class Engine:
         self._named_policies: dict[str, Policy] = {self.policy.name: self.policy}
         self.eos_ids = self.side.eos_token_ids
         self._measured: tuple[dict[int, float], dict[int, float]] = ({}, {})
+        # Seconds of every request's prefill so far: a request's step record leaves out the prefills that ran
+        # between its steps (requests admitted meanwhile: their passes, not this step's overhead).
+        self.prefill_seconds = 0.0
         self.costs_note = "batch costs learnt from steps"  # where the policies' batch cost curves start from
 
     def prime(self, pass_seconds: dict[int, float], draft_forward_seconds: dict[int, float]) -> None:
@@ -505,7 +508,8 @@ class Generation:
                 if drafter is not None:
                     drafter.prefill(self.draft_state, prompt_ids)
         self.stats.prefill_time = engine.clock() - self._t_start
-        self._t_mark = engine.clock()
+        engine.prefill_seconds += self.stats.prefill_time
+        self._t_mark, self._prefill_mark = engine.clock(), engine.prefill_seconds
         self.policy.begin(self.context_for_policy(1))
         allowance = self.policy.allowance(request_id)
         if allowance is not None:
@@ -590,7 +594,10 @@ class Generation:
             emitted=emitted,
             draft_time=t_draft,
             verify_time=t_verify,
-            other_time=t_plan - self._t_mark,  # the rest is added once the whole step is committed
+            # From this request's last step to the plan, less other requests' prefills in between (their own
+            # passes, which its latency counts but the step's cost does not); the rest is added once the whole
+            # step is committed.
+            other_time=t_plan - self._t_mark - (self.engine.prefill_seconds - self._prefill_mark),
             draft_token_probs=list(draft.token_probs),
             target_token_probs=verdict.target_token_probs,
             draft_confidence=list(draft.tops),
@@ -619,7 +626,7 @@ class Generation:
             obs.on_step(record)
         if finish is not None:
             self._finish(finish)
-        self._t_mark = self.engine.clock()
+        self._t_mark, self._prefill_mark = self.engine.clock(), self.engine.prefill_seconds
         if step.logprobs is not None and self.token_logprobs is not None:
             self.token_logprobs.extend(step.logprobs)
         return StepEvent(record=record, text=text_piece, finished=self.done, logprobs=step.logprobs)

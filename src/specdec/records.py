@@ -61,7 +61,9 @@ class StepRecord:
     emitted: list[int]  # tokens appended to the output by this step (after stop truncation)
     draft_time: float  # seconds proposing the draft (draft model forwards, sampling)
     verify_time: float  # seconds in the target's forward pass and the acceptance rule
-    other_time: float  # the rest of the step: policy, bookkeeping, stop checks, detokenising
+    # The rest of the step: policy, bookkeeping, stop checks, detokenising (from the request's previous step; the
+    # prefills of requests admitted in between are theirs, left out here and counted in latency).
+    other_time: float
     draft_token_probs: list[float] = field(default_factory=list)  # q(ŷ_t): the draft's probability of its token
     target_token_probs: list[float] = field(default_factory=list)  # p(ŷ_t) of each draft token (sampled requests)
     draft_confidence: list[float] = field(default_factory=list)  # the draft's top probability at each position
