@@ -1,7 +1,7 @@
 """audit: passes on the real engine, fails (naming the position) on a deliberately broken acceptance rule.
 
-The broken engines are made here only, by replacing the engine's verify functions with ones that
-accept every draft token. The sampling audit is a chi-square test at false-failure rate 1e-3 with
+The broken engines are made here only, by replacing the verify functions of the engine's target side
+(``specdec.verifier``) with ones that accept every draft token. The sampling audit is a chi-square test at false-failure rate 1e-3 with
 fixed seeds (0..149), so its outcome here is deterministic.
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import specdec
-import specdec.engine as engine_mod
+import specdec.verifier as verifier_mod
 from specdec.audit import audit_greedy, audit_sampling
 from specdec.engine import Engine
 from specdec.verify import Verdict, verify_with_uniforms
@@ -40,8 +40,8 @@ def _accept_all_sampling(draft_tokens, draft_probs, target_probs, generator):  #
 
 @pytest.fixture
 def broken(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_mod, "verify_greedy", _accept_all_greedy)
-    monkeypatch.setattr(engine_mod, "verify_sampling", _accept_all_sampling)
+    monkeypatch.setattr(verifier_mod, "verify_greedy", _accept_all_greedy)
+    monkeypatch.setattr(verifier_mod, "verify_sampling", _accept_all_sampling)
 
 
 @pytest.mark.identity

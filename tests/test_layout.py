@@ -1,5 +1,7 @@
 """Package layout: what importing a part of specdec loads. The model-free tools (``diagnose``, ``simulate``)
-must not load torch, transformers or the engine; ``specdec``'s public names still resolve on first use.
+must not load torch or transformers, and ``diagnose`` not the engine; the simulator runs the engine's own step,
+whose module loads no torch (the target model's side of the step, ``specdec.verifier``, does); ``specdec``'s
+public names still resolve on first use.
 
 Each check runs in a fresh interpreter: this test process has long imported torch.
 """
@@ -48,9 +50,18 @@ def test_diagnose_command_loads_no_torch(tmp_path: Path) -> None:
 def test_import_simulate_loads_no_torch() -> None:
     code = (
         "import specdec.simulate.goals\nfrom specdec.cli import main\n"
-        "assert main(['simulate', '--workload', 'iid-0.8', '--requests', '2', '--seeds', '1']) == 0"
+        "assert main(['simulate', '--workload', 'iid-0.8', '--requests', '2', '--seeds', '1']) == 0\n"
+        "assert main(['simulate', '--workload', 'load-0.8', '--requests', '4', '--seeds', '1', '--policy', "
+        "'adaptive', '--arrivals', 'clients:2']) == 0"
     )
-    assert loaded_after(code) == NOTHING
+    assert loaded_after(code) == {**NOTHING, "specdec.engine": True}  # the engine's step, on the simulated pair
+
+
+def test_the_engine_step_loads_no_torch_until_a_model_target_is_made() -> None:
+    assert loaded_after("import specdec.engine\nimport specdec.sampling_params") == {
+        **NOTHING,
+        "specdec.engine": True,
+    }
 
 
 def test_public_names_resolve_on_first_use() -> None:

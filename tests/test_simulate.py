@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from specdec.cli import main
-from specdec.policy import make_policy
+from specdec.policy import Policy, make_policy
+from specdec.records import StepRecord
 from specdec.simulate import WORKLOADS, load_costs, simulate
 from specdec.simulate.goals import check_goals
 from specdec.simulate.processes import Replay
@@ -33,8 +35,11 @@ def test_same_seed_same_result_other_seed_differs() -> None:
 
 
 def test_target_only_takes_one_pass_per_token() -> None:
+    """One pass per token, and one more for a request that stops by itself: the engine's EOS is a token the
+    target emits (in a pass of its own) and the output leaves out."""
     res = simulate(make_policy("fixed", tau=0), small("iid-0.8"), CPU, seed=0)
-    assert all(r.passes == r.new_tokens for r in res.requests)
+    assert {r.finish for r in res.requests} == {"length", "stop"}
+    assert all(r.passes == r.new_tokens + (r.finish == "stop") for r in res.requests)
     assert res.summary()["acceptance_rate"] == 0.0
 
 
@@ -190,7 +195,6 @@ def test_goal_check_reports_every_goal_with_figures() -> None:
 
 def test_a_reach_rule_in_the_runner_keeps_the_token_it_stops_at_and_charges_its_forwards() -> None:
     from specdec.policy import Decision, Policy, ReachRule, StepContext
-    from specdec.records import StepRecord
 
     class OneThenStop(Policy):
         name = "one-then-stop"
@@ -221,3 +225,67 @@ def make_policy_or_oracle(spec: str):
     from specdec.simulate.report import policy_factory
 
     return policy_factory(spec)()
+
+
+# -- the simulator runs the engine's step ------------------------------------------------------------------
+
+
+def _recording(spec: str) -> tuple[Policy, dict[str, list[StepRecord]]]:
+    """A policy whose records (the engine's) are kept by request id."""
+    policy = make_policy(spec)
+    seen: dict[str, list[StepRecord]] = defaultdict(list)
+    original = policy.observe
+    policy.observe = lambda rec: (seen[rec.request_id].append(rec), original(rec))  # type: ignore[method-assign]
+    return policy, seen
+
+
+def test_a_change_to_the_engines_step_shows_in_simulated_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both drivers step requests with ``Engine.step``: narrow the engine's τ clamp (``max_tau``) to 1 and every
+    simulated step drafts at most one token, though the policy asks for four; the records carry the fields the
+    engine fills (its pass count against the cap, the batch, the rows)."""
+    from specdec.engine import Generation
+    from specdec.simulate.arrivals import Arrivals
+    from specdec.simulate.runner import simulate_batched
+
+    context = Generation.context_for_policy
+    monkeypatch.setattr(
+        Generation, "context_for_policy", lambda g, n: replace(context(g, n), max_tau=min(1, context(g, n).max_tau))
+    )
+    w = replace(small("iid-0.9"), max_verify_passes=40)
+    policy, seen = _recording("fixed:tau=4")
+    res = simulate(policy, w, CPU, seed=0)
+    assert sum(r.passes for r in res.requests) == sum(len(recs) for recs in seen.values())
+    for recs in seen.values():
+        assert all(r.tau_planned == 4 and r.tau <= 1 and r.rows == r.tau + 1 and r.batch_size == 1 for r in recs)
+        assert [r.verify_passes for r in recs] == list(range(1, len(recs) + 1))
+        assert all(r.max_verify_passes == 40 for r in recs)
+    assert any(r.tau == 1 for recs in seen.values() for r in recs)
+    policy, seen = _recording("fixed:tau=4")
+    simulate_batched(policy, w, CPU, 0, Arrivals("clients", clients=4), max_batch=4)
+    recs = [r for rs in seen.values() for r in rs]
+    assert all(r.tau <= 1 for r in recs) and max(r.batch_size for r in recs) == 4
+
+
+def test_simulated_greedy_output_is_the_hidden_true_continuation() -> None:
+    """Verification is the engine's commit of the simulated target's greedy verdicts: whatever is drafted, the
+    output is the request's true continuation (lossless by construction), and requests finish by the engine's
+    rules: at EOS (``stop``: ``length`` tokens of a request that stops by itself), at ``max_new_tokens``
+    (``length``), or when their passes are spent (``verify_budget``)."""
+    from specdec.simulate.pair import World
+
+    w, seed = small("iid-0.6", 20), 5
+    policy, seen = _recording("fixed:tau=4")
+    res = simulate(policy, w, CPU, seed)
+    reqs = w.make_requests(seed)
+    world = World(w.process(seed), reqs, seed)
+    for req, out in zip(reqs, res.requests):
+        recs = seen[f"sim-{seed}-{req.index}"]
+        n = min(req.length, req.max_new_tokens)
+        assert [t for r in recs for t in r.emitted] == [world.token(req, p) for p in range(n)]
+        assert out.new_tokens == n and out.finish == ("stop" if req.length < req.max_new_tokens else "length")
+    assert {r.finish for r in res.requests} == {"stop", "length"}
+    assert any(not all(r.accept_flags) for recs in seen.values() for r in recs)  # rejected drafts never emitted
+    capped = simulate(make_policy("fixed", tau=0), replace(w, max_verify_passes=5), CPU, seed)
+    assert all(r.passes <= 5 for r in capped.requests)
+    assert {r.finish for r in capped.requests} == {"verify_budget"}
+    assert all(r.new_tokens == 5 for r in capped.requests)

@@ -149,10 +149,10 @@ def test_every_step_records_the_batch_as_the_engine_does(spec: str) -> None:
         assert all(r.rows == sum(q.tau + 1 for q in recs) for r in recs)  # rows = Σ(τ + 1)
         assert all(r.drafting == sum(q.tau > 0 for q in recs) for r in recs)
         assert all(r.draft_passes == max(q.tau for q in recs) for r in recs)
-        assert all(
-            (r.draft_time, r.verify_time, r.other_time) == (first.draft_time, first.verify_time, first.other_time)
-            for r in recs
-        )
+        # The step's passes and overhead are shared (what every request waited); the prefills of requests
+        # admitted between steps are not the step's (the engine leaves them out of its records).
+        assert all((r.draft_time, r.verify_time) == (first.draft_time, first.verify_time) for r in recs)
+        assert all(r.other_time == pytest.approx(first.other_time, abs=1e-12) for r in recs)  # (rounding)
         assert len({r.request_id for r in recs}) == len(recs)
     assert sum(r.new_tokens for r in res.requests) == sum(len(r.emitted) for s in p.steps for r in s)
 

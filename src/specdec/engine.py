@@ -5,28 +5,39 @@ generator, its stops). ``Engine.step(generations)`` advances any number of them 
 share: the drafter drafts for all of them in lockstep, the target runs **one** pass over every
 sequence's block, and each is verified with its own settings and generator. One request alone is the
 same step with one sequence (``Generation.step``); ``generate`` and ``stream`` are loops over it.
+
+Everything the step does with the target model (prefill, the verify pass, the acceptance rule, log
+probabilities) goes through a ``TargetSide``: ``specdec.verifier.ModelTarget`` over a ``ModelRunner``, or the
+simulator's (``specdec.simulate.pair``), which verifies against a hidden continuation on a virtual clock. So
+this module imports no torch, and the simulator runs this very step: planning, the τ clamp, the verification
+cap and allowances, commits, finish rules and records are written once, here.
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, cast
 
 from specdec.drafters.base import Draft, DraftAsk, Drafter
 from specdec.errors import ContextLengthError, InvalidRequestError
-from specdec.logits_rules import LogitsRules, RulesState
+from specdec.logits_rules import LogitsRules
 from specdec.policy import Decision, Policy, StepContext, make_policy, request_policy
-from specdec.records import FinishReason, GenerationStats, RequestSummary, StepRecord
-from specdec.runtime.base import KVCache, ModelRunner, eos_ids_of
-from specdec.sampling import SamplingParams, TokenLogprob, logits_to_probs, token_logprobs
+from specdec.records import FinishReason, GenerationStats, RequestSummary, StepRecord, Verdict
+from specdec.sampling_params import SamplingParams, TokenLogprob
 from specdec.text import StopMatcher, TextDecoder
-from specdec.verify import Verdict, verify_greedy, verify_sampling
+
+if TYPE_CHECKING:
+    import torch
+
+    from specdec.logits_rules import RulesState
+    from specdec.runtime.base import ModelRunner
 
 
 class Observer(Protocol):
@@ -35,6 +46,60 @@ class Observer(Protocol):
     def on_step(self, record: StepRecord) -> None: ...
 
     def on_request(self, summary: RequestSummary) -> None: ...
+
+
+class Cache(Protocol):
+    """What the engine does with a sequence's target cache (a model's: ``runtime.base.KVCache``)."""
+
+    @property
+    def length(self) -> int: ...
+
+    def crop(self, length: int) -> None: ...
+
+
+class TargetSide(ABC):
+    """The target model's part of the step, for the engine: a request's cache (prefilled, forked, released), and
+    the one verify pass over every sequence's block with the acceptance rule. ``specdec.verifier.ModelTarget``
+    runs a ``ModelRunner``; the simulator's verifies against a hidden continuation (``specdec.simulate.pair``).
+
+    A cache holds ``context[:-1]`` between steps; ``verify`` appends each sequence's block ``[context[-1],
+    ŷ1..ŷτ]`` to it and the engine crops it back to what stands (``cache.crop``, as a ``KVCache``).
+    """
+
+    vocab_size: int
+    max_context: int
+    eos_token_ids: frozenset[int]  # the ids that end a request (the model's and its tokenizer's)
+
+    @abstractmethod
+    def mode(self) -> AbstractContextManager[Any]:
+        """The context the step and the prefill run in (models: torch's inference mode, drafter included)."""
+
+    @abstractmethod
+    def generator(self, params: SamplingParams) -> Any:
+        """The request's random generator (``DraftAsk.generator``, the acceptance rule's draws)."""
+
+    @abstractmethod
+    def rules_state(self, rules: LogitsRules, prompt_ids: list[int], eos_ids: frozenset[int]) -> RulesState:
+        """The counts of a request whose logit rules are active (``LogitsRules.active``)."""
+
+    @abstractmethod
+    def prefill(self, prompt_ids: list[int]) -> Cache:
+        """A new cache holding ``prompt_ids[:-1]`` (the last prompt token opens the first step's block)."""
+
+    @abstractmethod
+    def fork(self, cache: Cache, prompt_ids: list[int]) -> Cache:
+        """A copy of an unstepped request's cache of the same prompt (``Engine.start_many``)."""
+
+    @abstractmethod
+    def release(self, cache: Cache) -> None:
+        """A finished request's cache, which the side may reuse."""
+
+    @abstractmethod
+    def verify(
+        self, live: Sequence[Generation], drafts: Sequence[Draft]
+    ) -> tuple[list[Verdict], list[list[TokenLogprob] | None]]:
+        """ONE target pass over every sequence's ``[context[-1], *draft.tokens]``, then each verified with its own
+        settings: the verdicts, and the emitted tokens' log probabilities (for requests that asked for them)."""
 
 
 @dataclass
@@ -74,9 +139,12 @@ class GenerationResult:
 
 
 class Engine:
+    """Runs requests on a target (a ``ModelRunner``, or a whole ``TargetSide``: the simulator's) with an optional
+    drafter. ``clock`` gives every time the records and stats hold (the simulator's is virtual)."""
+
     def __init__(
         self,
-        target: ModelRunner,
+        target: ModelRunner | TargetSide,
         tokenizer: Any,
         drafter: Drafter | None = None,
         policy: Policy | None = None,
@@ -84,16 +152,28 @@ class Engine:
         max_context: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self.target = target
+        self.side: TargetSide
+        if isinstance(target, TargetSide):
+            self.side = target
+        else:
+            from specdec.verifier import ModelTarget  # torch: only where a model runs
+
+            self.side = ModelTarget(target, tokenizer)
+        # The model, which the server, tune and audit read; an engine made on a bare target side (the simulator's)
+        # has no model, and there this is that side.
+        self.target = cast("ModelRunner", target)
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.policy = policy or make_policy("fixed")
         self.observers: list[Observer] = list(observers)
-        self.max_context = max_context or target.max_context
+        self.max_context = max_context or self.side.max_context
         self.clock = clock
         self._named_policies: dict[str, Policy] = {self.policy.name: self.policy}
-        self.eos_ids = target.eos_token_ids | eos_ids_of(tokenizer)  # the model's, and its tokenizer's
+        self.eos_ids = self.side.eos_token_ids
         self._measured: tuple[dict[int, float], dict[int, float]] = ({}, {})
+        # Seconds of every request's prefill so far: a request's step record leaves out the prefills that ran
+        # between its steps (requests admitted meanwhile: their passes, not this step's overhead).
+        self.prefill_seconds = 0.0
         self.costs_note = "batch costs learnt from steps"  # where the policies' batch cost curves start from
 
     def prime(self, pass_seconds: dict[int, float], draft_forward_seconds: dict[int, float]) -> None:
@@ -153,7 +233,7 @@ class Engine:
             logit_bias=logit_bias,
             min_tokens=min_tokens,
             ignore_eos=ignore_eos,
-            vocab_size=self.target.vocab_size,
+            vocab_size=self.side.vocab_size,
             max_new_tokens=max_new_tokens,
         )
         if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
@@ -245,7 +325,7 @@ class Engine:
             if not prompt:
                 raise InvalidRequestError("prompt is empty", "prompt")
             ids = list(self.tokenizer(prompt)["input_ids"])
-        elif isinstance(prompt, torch.Tensor):
+        elif _is_tensor(prompt):
             if prompt.dim() == 2 and prompt.shape[0] != 1:
                 raise InvalidRequestError(
                     f"batch size {prompt.shape[0]} in one request: pass one sequence per request "
@@ -257,10 +337,10 @@ class Engine:
             ids = [int(t) for t in prompt]
         if not ids:
             raise InvalidRequestError("prompt is empty", "prompt")
-        bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
+        bad = [t for t in ids if not 0 <= t < self.side.vocab_size]
         if bad:
             raise InvalidRequestError(
-                f"prompt token id {bad[0]} is outside the vocabulary (size {self.target.vocab_size})", "prompt"
+                f"prompt token id {bad[0]} is outside the vocabulary (size {self.side.vocab_size})", "prompt"
             )
         return ids
 
@@ -274,13 +354,16 @@ class Engine:
 
     # -- the step ---------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def step(self, generations: Sequence[Generation]) -> list[StepEvent | None]:
         """One draft → verify → commit step shared by every unfinished generation given.
 
         Returns one event per generation (None for one that was finished, or that this step found out
         of verification budget and finished).
         """
+        with self.side.mode():
+            return self._step(generations)
+
+    def _step(self, generations: Sequence[Generation]) -> list[StepEvent | None]:
         live = [g for g in generations if not g.done and not g.out_of_budget()]
         if not live:
             return [None] * len(generations)
@@ -292,24 +375,8 @@ class Engine:
         drafts = self._draft(live, taus, decisions)
 
         t2 = self.clock()
-        device = self.target.device
-        blocks = [
-            (torch.tensor([g.context[-1], *d.tokens], dtype=torch.long, device=device), g.cache)
-            for g, d in zip(live, drafts)
-        ]
         try:
-            target_logits = self.target.forward_batch(blocks)  # ONE pass over every sequence's [last, ŷ1..ŷτ]
-            # Each row processed by the request's logit rules with its own context (context + the block before it).
-            target_logits = [
-                g.rules_state.apply(logits, d.tokens) if g.rules_state is not None else logits
-                for g, d, logits in zip(live, drafts, target_logits)
-            ]
-            verdicts = [self._verify(g, d, logits) for g, d, logits in zip(live, drafts, target_logits)]
-            # Emitted token j comes from row j (the correction/bonus token too: p's log probability there).
-            logprobs = [
-                token_logprobs(logits, v.tokens, g.params, g.logprobs) if g.logprobs is not None else None
-                for g, v, logits in zip(live, verdicts, target_logits)
-            ]
+            verdicts, logprobs = self.side.verify(live, drafts)  # ONE pass over every sequence's [last, ŷ1..ŷτ]
         except BaseException:
             self._undo(live)
             raise
@@ -367,21 +434,6 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.rollback(g.draft_state, 0)
 
-    def _verify(self, gen: Generation, draft: Draft, target_logits: torch.Tensor) -> Verdict:
-        device = target_logits.device
-        draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=device)
-        if gen.params.greedy:
-            return verify_greedy(draft_tokens, target_logits)
-        target_probs = logits_to_probs(target_logits, gen.params)
-        if draft.probs is None:
-            if draft.tokens:  # only greedy requests may be drafted without q
-                name = self.drafter.name if self.drafter else "?"
-                raise RuntimeError(f"drafter {name!r} gave no draft distributions for a sampled request")
-            draft_probs = torch.empty(0, target_probs.shape[-1], device=device)
-        else:
-            draft_probs = draft.probs.to(device)
-        return verify_sampling(draft_tokens, draft_probs, target_probs, gen.generator)
-
 
 @dataclass(frozen=True)
 class _StepShape:
@@ -425,12 +477,9 @@ class Generation:
         self.max_verify_passes = max_verify_passes
         self.context = list(prompt_ids)
         self.rules = rules or LogitsRules()
+        side = engine.side
         # Counts for the logit rules, only when one is active (most requests: no state, no cost).
-        self.rules_state = (
-            RulesState(self.rules, prompt_ids, engine.target.vocab_size, engine.eos_ids, engine.target.device)
-            if self.rules.active
-            else None
-        )
+        self.rules_state = side.rules_state(self.rules, prompt_ids, engine.eos_ids) if self.rules.active else None
         self.logprobs = logprobs  # top alternatives per token; None = no log probabilities
         self.token_logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
         self.records: list[StepRecord] = []
@@ -439,30 +488,28 @@ class Generation:
         self._t_start = engine.clock()
         self._decoder = TextDecoder(engine.tokenizer)
         self._stops = StopMatcher(stops)
-        self.generator = params.generator(engine.target.device)
+        self.generator = side.generator(params)
         drafter = engine.drafter
-        self.cache: KVCache
+        self.cache: Cache
         self.draft_state: Any
         if fork_of is not None:
             if fork_of.done or fork_of.records or fork_of.prompt_ids != prompt_ids:
                 raise ValueError("fork_of must be an unstepped Generation of the same prompt")
             # Copies of a fresh sibling's caches: the prompt is prefilled once for all samples of it.
-            with torch.inference_mode():
-                self.cache = engine.target.fork_cache(fork_of.cache, prompt_ids[:-1])
+            with side.mode():
+                self.cache = side.fork(fork_of.cache, prompt_ids)
                 self.draft_state = drafter.fork(fork_of.draft_state, prompt_ids) if drafter else None
         else:
-            self.cache = engine.target.new_cache()
             self.draft_state = drafter.new_state() if drafter else None
             # Prefill, in a pass of its own: the target's cache holds context[:-1]; each step feeds
             # [context[-1], ŷ_1..ŷ_τ]. The drafter takes the prompt in the same way.
-            with torch.inference_mode():
-                if len(prompt_ids) > 1:
-                    ids = torch.tensor(prompt_ids[:-1], dtype=torch.long, device=engine.target.device)
-                    engine.target.forward(ids, self.cache, last_only=True)
+            with side.mode():
+                self.cache = side.prefill(prompt_ids)
                 if drafter is not None:
                     drafter.prefill(self.draft_state, prompt_ids)
         self.stats.prefill_time = engine.clock() - self._t_start
-        self._t_mark = engine.clock()
+        engine.prefill_seconds += self.stats.prefill_time
+        self._t_mark, self._prefill_mark = engine.clock(), engine.prefill_seconds
         self.policy.begin(self.context_for_policy(1))
         allowance = self.policy.allowance(request_id)
         if allowance is not None:
@@ -547,7 +594,10 @@ class Generation:
             emitted=emitted,
             draft_time=t_draft,
             verify_time=t_verify,
-            other_time=t_plan - self._t_mark,  # the rest is added once the whole step is committed
+            # From this request's last step to the plan, less other requests' prefills in between (their own
+            # passes, which its latency counts but the step's cost does not); the rest is added once the whole
+            # step is committed.
+            other_time=t_plan - self._t_mark - (self.engine.prefill_seconds - self._prefill_mark),
             draft_token_probs=list(draft.token_probs),
             target_token_probs=verdict.target_token_probs,
             draft_confidence=list(draft.tops),
@@ -576,7 +626,7 @@ class Generation:
             obs.on_step(record)
         if finish is not None:
             self._finish(finish)
-        self._t_mark = self.engine.clock()
+        self._t_mark, self._prefill_mark = self.engine.clock(), self.engine.prefill_seconds
         if step.logprobs is not None and self.token_logprobs is not None:
             self.token_logprobs.extend(step.logprobs)
         return StepEvent(record=record, text=text_piece, finished=self.done, logprobs=step.logprobs)
@@ -631,7 +681,7 @@ class Generation:
     def _release(self) -> None:
         """Hand the caches back at once (the slot serves the next request)."""
         if self.cache is not None:
-            self.engine.target.release(self.cache)
+            self.engine.side.release(self.cache)
             self.cache = None  # type: ignore[assignment]
         if self.draft_state is not None and self.engine.drafter is not None:
             self.engine.drafter.release(self.draft_state)
@@ -655,6 +705,12 @@ class Generation:
             records=self.records,
             logprobs=list(self.token_logprobs) if self.token_logprobs is not None else None,
         )
+
+
+def _is_tensor(value: object) -> TypeGuard[torch.Tensor]:
+    """A torch tensor, checked without importing torch (a tensor exists only once torch is loaded)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
 
 
 def sample_seed(seed: int | None, j: int) -> int | None:

@@ -12,16 +12,21 @@ of a token seen in prompt + generated tokens is divided by it, a negative one mu
 presence penalties (OpenAI/vLLM, generated tokens only: ``logit[t] -= frequency*count[t] +
 presence*(count[t] > 0)``); EOS masked to -inf while fewer than ``min_tokens`` tokens have been generated
 at that row. Temperature, top-k and top-p come after (``sampling.logits_to_probs``).
+
+``LogitsRules`` (the checked settings) is plain data; only ``RulesState`` needs torch, and imports it when made
+(the engine's step imports this module without torch, for the simulator).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from specdec.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,8 @@ class RulesState:
         eos_ids: Collection[int],
         device: torch.device,
     ) -> None:
+        import torch
+
         self.rules = rules
         self.vocab_size = vocab_size
         self.device = device
@@ -150,6 +157,8 @@ class RulesState:
         """Tokens appended to the context (generated)."""
         if not tokens:
             return
+        import torch
+
         self.generated += len(tokens)
         if self._needs_counts:
             ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
@@ -166,6 +175,8 @@ class RulesState:
         rules = self.rules
         if not rules.active:
             return logits
+        import torch
+
         k = logits.shape[0]
         device = logits.device
         out = logits.float().clone()

@@ -34,6 +34,18 @@ def correction_kind(tau: int, n_accepted: int) -> Correction:
 
 
 @dataclass
+class Verdict:
+    """What verifying one sequence's block decided (``specdec.verify``; the simulator's target side too)."""
+
+    accept_flags: list[bool]  # per-position test outcome, before taking the prefix
+    n_accepted: int
+    tokens: list[int]  # [ŷ_1..ŷ_n̂, ȳ]
+    correction: Correction
+    target_token_probs: list[float]  # p_t(ŷ_t), for traces
+    draft_token_probs: list[float]  # q_t(ŷ_t), for traces
+
+
+@dataclass
 class StepRecord:
     request_id: str
     step: int  # 0-based index of the step within its request
@@ -49,7 +61,9 @@ class StepRecord:
     emitted: list[int]  # tokens appended to the output by this step (after stop truncation)
     draft_time: float  # seconds proposing the draft (draft model forwards, sampling)
     verify_time: float  # seconds in the target's forward pass and the acceptance rule
-    other_time: float  # the rest of the step: policy, bookkeeping, stop checks, detokenising
+    # The rest of the step: policy, bookkeeping, stop checks, detokenising (from the request's previous step; the
+    # prefills of requests admitted in between are theirs, left out here and counted in latency).
+    other_time: float
     draft_token_probs: list[float] = field(default_factory=list)  # q(ŷ_t): the draft's probability of its token
     target_token_probs: list[float] = field(default_factory=list)  # p(ŷ_t) of each draft token (sampled requests)
     draft_confidence: list[float] = field(default_factory=list)  # the draft's top probability at each position

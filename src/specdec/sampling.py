@@ -3,45 +3,17 @@
 The same ``SamplingParams`` are applied to target and draft logits before the acceptance
 rule (Leviathan et al. 2023 prove losslessness for whatever distribution the target
 samples from, so the target's *processed* distribution is the one to reproduce).
-Order as in ``transformers``: temperature, then top-k, then top-p.
+Order as in ``transformers``: temperature, then top-k, then top-p. ``SamplingParams`` and ``TokenLogprob`` are
+plain data, defined in ``specdec.sampling_params`` (no torch) and re-exported here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from specdec.errors import InvalidRequestError
+from specdec.sampling_params import SamplingParams, TokenLogprob
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0  # 1 = off
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k}", "top_k")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def generator(self, device: torch.device) -> torch.Generator:
-        """One generator per request: same seed, same output."""
-        gen = torch.Generator(device=device)
-        if self.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(self.seed)
-        return gen
+__all__ = ["SamplingParams", "TokenLogprob", "logits_to_probs", "processed_logits", "sample", "token_logprobs"]
 
 
 def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -71,19 +43,6 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     greedy selection takes the argmax of the logits).
     """
     return torch.softmax(processed_logits(logits, params), dim=-1)
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One emitted token's log probability under the target's processed distribution, and the ``top`` most
-    likely tokens of that distribution as (token id, log probability), most likely first."""
-
-    token: int
-    logprob: float
-    top: list[tuple[int, float]]
-
-    def to_json(self) -> dict[str, object]:
-        return {"token": self.token, "logprob": self.logprob, "top": [list(t) for t in self.top]}
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], params: SamplingParams, k: int) -> list[TokenLogprob]:

@@ -9,26 +9,25 @@ The step then emits one more token ȳ from the target:
     *bonus*:     all τ accepted,  ȳ ~ p_{τ+1}                              (greedy: argmax p_{τ+1})
     *plain*:     τ = 0, the same bonus draw: a plain target decoding step.
 Every step emits [ŷ_1..ŷ_n̂, ȳ]: n̂ + 1 tokens, never a rejected draft token.
+A step's outcome is a ``Verdict`` (plain data in ``specdec.records``, re-exported here).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from specdec.records import Correction, correction_kind
+from specdec.records import Verdict, correction_kind
 from specdec.sampling import sample
 
-
-@dataclass
-class Verdict:
-    accept_flags: list[bool]  # per-position test outcome, before taking the prefix
-    n_accepted: int
-    tokens: list[int]  # [ŷ_1..ŷ_n̂, ȳ]
-    correction: Correction
-    target_token_probs: list[float]  # p_t(ŷ_t), for traces
-    draft_token_probs: list[float]  # q_t(ŷ_t), for traces
+__all__ = [
+    "Verdict",
+    "accept_mask",
+    "first_rejection",
+    "residual",
+    "verify_greedy",
+    "verify_sampling",
+    "verify_with_uniforms",
+]
 
 
 def accept_mask(target_p: torch.Tensor, draft_q: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

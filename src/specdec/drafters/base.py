@@ -4,17 +4,19 @@
 forward per draft position over every sequence still drafting (``lockstep``, the one drafting loop).
 A drafter keeps its state by position, like the caches: after verification the engine tells it how
 many tokens of the context stand (``rollback``), and the next ``propose`` feeds what came after.
+The interface imports no torch: the simulator's drafter (``specdec.simulate.pair``) is one too.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from specdec.drafters.loop import Draft, DraftAsk, Pick, lockstep
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Draft", "DraftAsk", "Drafter", "Pick", "lockstep", "one_hot"]
 
@@ -50,5 +52,7 @@ class Drafter(ABC):
 
 def one_hot(tokens: list[int], vocab_size: int, device: torch.device) -> torch.Tensor:
     """``[τ]`` -> ``[τ, V]``: the q of a deterministic drafter."""
+    import torch  # here, not at the top: the interface loads without torch (the simulator's drafter)
+
     ids = torch.tensor(tokens, dtype=torch.long, device=device)
     return torch.zeros(len(tokens), vocab_size, device=device).scatter_(1, ids[:, None], 1.0)

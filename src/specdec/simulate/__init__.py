@@ -1,4 +1,5 @@
-"""Policy simulator: replay acceptance processes under cost models, driving the real policy objects."""
+"""Policy simulator: replay acceptance processes under cost models through the engine's own step (``runner.py``),
+on a simulated target, drafter and virtual clock (``pair.py``), driving the real policy objects."""
 
 from specdec.simulate.costs import COSTS, CostModel, fit_costs, load_costs
 from specdec.simulate.runner import RunResult, simulate

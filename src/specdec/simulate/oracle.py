@@ -9,6 +9,8 @@ nothing to learn. Neither is an upper bound on everything (a better stop rule co
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from specdec.policy.adaptive import REACH_DEPTH, reach_thresholds
 from specdec.policy.base import Decision, Policy, ReachRule, StepContext
 from specdec.policy.estimates import expected_emitted_all, posterior_by_tenth, reach_weighted_mean
@@ -24,15 +26,17 @@ class OraclePolicy(Policy):
         if confidence:
             self.name = "oracle+confidence"
             self._tenths = confidence_tenths(True), confidence_tenths(False)
-        self.view: tuple[AcceptanceProcess, SimRequest, int, CostModel] | None = None
+        self.view: tuple[AcceptanceProcess, Mapping[str, SimRequest], CostModel] | None = None
 
-    def see(self, process: AcceptanceProcess, req: SimRequest, start: int, cost: CostModel) -> None:
-        """The runner shows the oracle the truth before each step."""
-        self.view = (process, req, start, cost)
+    def see(self, process: AcceptanceProcess, requests: Mapping[str, SimRequest], cost: CostModel) -> None:
+        """The runner shows the oracle the truth before a run: the process, each request by its id, the costs
+        (each step's context then says which request and where in it: ``request_id``, ``new_tokens``)."""
+        self.view = (process, requests, cost)
 
     def next_tau(self, ctx: StepContext) -> Decision:
         assert self.view is not None, "the oracle runs only inside the simulator"
-        process, req, start, cost = self.view
+        process, requests, cost = self.view
+        req, start = requests[ctx.request_id], ctx.new_tokens
         k = min(self.max_tau, ctx.max_tau)
         rates = [process.rate(req, start, i) for i in range(1, k + 1)]
         emitted = expected_emitted_all(rates)

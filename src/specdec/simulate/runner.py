@@ -1,19 +1,20 @@
-"""Drive real policy objects through synthetic steps: what is simulated is what ships.
+"""Drive the engine's own step (``specdec.engine.Engine``) on a simulated model pair: what is simulated is what ships.
 
-Each step asks the policy for a ``Decision`` with a ``StepContext`` built like the engine's, draws
-the draft's acceptance from the workload's process, charges time from the cost model, and feeds the
-policy a ``StepRecord`` built like the engine's. The hard cap, τ clamp and stop decisions follow
-the engine's rules. All randomness is seeded per (seed, request), so every policy meets the same
-requests and the same acceptance stream where their choices coincide.
+The simulator makes an ``Engine`` on ``specdec.simulate.pair``: a target side that verifies greedily against
+each request's hidden true continuation, a drafter that runs the engine's ``lockstep`` loop drawing each
+token's acceptance from the workload's process, and a virtual clock charged from the cost model. Every
+request is an engine ``Generation`` advanced by ``Engine.step``: the policies' plans, the τ clamp, the
+verification cap and allowances, commits, finish rules (``length``, EOS ``stop``, ``verify_budget``), records
+and stats are the engine's, written once. The drivers here only admit requests, charge the rest of each step
+(policy, bookkeeping) and collect outcomes. All randomness is seeded per (seed, request), so every policy meets
+the same requests and the same acceptance stream where their choices coincide.
 
-``simulate`` runs the requests one after another, each alone (decode throughput, no queueing).
-``simulate_batched`` serves them as the engine's batched step does under an arrival process
-(``arrivals.py``): continuous batching of up to ``max_batch`` sequences (a request joins between steps,
-its prefill a pass of its own that the others wait for, and leaves the moment it finishes); each step
-plans every sequence's τ (``Policy.plan``: batch-aware policies see the whole batch), drafts them all
-through the engine's lockstep loop (one draft forward per depth over the sequences still drafting, each
-drawing from its own acceptance stream), and charges the batched cost model: one target pass by its
-total rows, a draft forward by the sequences in it, the rest by sequences.
+``simulate`` runs the requests one after another, each alone (decode throughput, no queueing), priced by the
+one-request cost figures. ``simulate_batched`` serves them as ``specdec serve`` does under an arrival process
+(``arrivals.py``): continuous batching of up to ``max_batch`` sequences (a request joins between steps, its
+prefill a pass of its own that the others wait for, and leaves the moment it finishes), each step one
+``Engine.step`` over them all, priced by the batched cost model: one target pass by its total rows, a draft
+forward by the sequences in it, the rest by sequences.
 """
 
 from __future__ import annotations
@@ -23,25 +24,16 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.drafters.loop import DraftAsk, Pick, lockstep
-from specdec.policy.base import Decision, Policy, StepContext
+from specdec.engine import Engine, Generation
+from specdec.policy.base import Policy
 from specdec.policy.budget import FleetBudgetPolicy
-from specdec.records import FinishReason, GenerationStats, StepRecord, correction_kind
+from specdec.records import FinishReason
 from specdec.simulate.arrivals import Arrivals
 from specdec.simulate.costs import CostModel
 from specdec.simulate.oracle import OraclePolicy
-from specdec.simulate.processes import AcceptanceProcess, SimRequest, draft_confidence
+from specdec.simulate.pair import NoText, SimClock, SimDrafter, SimTarget, World
+from specdec.simulate.processes import SimRequest
 from specdec.simulate.workloads import Workload
-
-
-class _Greedy:
-    """Synthetic drafts are judged by their acceptance draws alone: the loop sees a greedy request."""
-
-    greedy = True
-
-
-_GREEDY = _Greedy()
-_NO_GENERATOR: Any = None  # simulated drafts draw from the runner's own random stream
 
 
 @dataclass
@@ -110,100 +102,69 @@ class RunResult:
 
 def simulate(policy: Policy, workload: Workload, cost: CostModel, seed: int, label: str | None = None) -> RunResult:
     """Run every request of ``workload`` through ``policy`` (one long-lived instance, as in the engine)."""
-    if workload.fleet_budget is not None:
-        policy = FleetBudgetPolicy(policy, workload.fleet_budget, workload.budget_window)
-    process = workload.process(seed)
+    policy, world, reqs = _setup(policy, workload, cost, seed)
+    clock = SimClock(cost, random.Random())
+    engine = _engine(world, clock)
     result = RunResult(label or policy.name, workload.name, cost.name, seed, workload.slo_s, workload.budget_window)
-    for req in workload.make_requests(seed):
-        process.prepare(req, random.Random(f"{seed}/{req.index}/prepare"))
-        result.requests.append(_run_request(policy, process, req, cost, workload.max_verify_passes, seed))
+    for req in reqs:
+        clock.rng = random.Random(f"{seed}/{req.index}/time")  # each request's timings: a stream of its own
+        gen = _start(engine, world, policy, req, workload.max_verify_passes)
+        while not gen.done and not gen.out_of_budget():
+            clock.rest(1)
+            engine.step([gen])
+        result.requests.append(_outcome(gen, gen.stats.latency))
     return result
 
 
-def _run_request(
-    policy: Policy, process: AcceptanceProcess, req: SimRequest, cost: CostModel, cap: int | None, seed: int
-) -> RequestOutcome:
-    rng = random.Random(f"{seed}/{req.index}/accept")
-    jit = random.Random(f"{seed}/{req.index}/time")
-    rid = f"sim-{seed}-{req.index}"
-    end = min(req.max_new_tokens, req.length)
-    prefill = cost.noisy(cost.prefill_per_token_s * req.prompt_len, jit)
-    clock, new, passes, drafted, accepted = prefill, 0, 0, 0, 0
-    records: list[StepRecord] = []
+def _setup(policy: Policy, workload: Workload, cost: CostModel, seed: int) -> tuple[Policy, World, list[SimRequest]]:
+    """The run's policy (under the workload's fleet budget, if any), its world and requests, the oracle shown
+    the truth."""
+    if workload.fleet_budget is not None:
+        policy = FleetBudgetPolicy(policy, workload.fleet_budget, workload.budget_window)
+    process = workload.process(seed)
+    reqs = workload.make_requests(seed)
+    for req in reqs:
+        process.prepare(req, random.Random(f"{seed}/{req.index}/prepare"))
+    world = World(process, reqs, seed)
+    oracle = getattr(policy, "inner", policy)
+    if isinstance(oracle, OraclePolicy):
+        oracle.see(process, {_request_id(seed, req): req for req in reqs}, cost)
+    return policy, world, reqs
 
-    def context() -> StepContext:
-        return StepContext(
-            request_id=rid,
-            step=len(records),
-            prompt_len=req.prompt_len,
-            context_len=req.prompt_len + new,
-            new_tokens=new,
-            max_new_tokens=req.max_new_tokens,
-            verify_passes=passes,
-            max_verify_passes=cap,
-            max_tau=max(0, req.max_new_tokens - new - 1),
-            elapsed=clock,
-        )
 
-    policy.begin(context())
-    allowance = policy.allowance(rid)  # the engine's rule: a policy's allowance narrows the request's cap
-    if allowance is not None:
-        cap = allowance if cap is None else min(cap, allowance)
-    finish: FinishReason | None = None
-    while finish is None:
-        if cap is not None and passes >= cap:
-            finish = "verify_budget"
-            break
-        ctx = context()
-        oracle = getattr(policy, "inner", policy)
-        if isinstance(oracle, OraclePolicy):
-            oracle.see(process, req, new, cost)
-        decision = policy.next_tau(ctx)
-        asked = max(0, min(decision.tau, ctx.max_tau))  # the engine's clamp
-        draws: list[bool] = []
+def _engine(world: World, clock: SimClock) -> Engine:
+    return Engine(SimTarget(world, clock), NoText(), SimDrafter(world, clock), clock=clock)
 
-        def draw(rows: list[int], *_: Any, draws: list[bool] = draws, start: int = new) -> list[Pick]:
-            ok = rng.random() < process.rate(req, start, len(draws) + 1)
-            draws.append(ok)
-            conf = draft_confidence(ok, rng)
-            return [Pick(int(ok), conf, conf)]
 
-        # The engine's drafting loop, with a simulated draft forward: token 1 = accepted, 0 = rejected.
-        (draft,) = lockstep([DraftAsk(None, [], asked, _GREEDY, _NO_GENERATOR, decision.rule)], draw, draw)
-        flags, confs = [bool(t) for t in draft.tokens], draft.token_probs
-        dropped = len(draws) - len(flags)  # a confidence cut still ran the forward that made the dropped token
-        tau = len(flags)
-        n_acc = flags.index(False) if False in flags else tau
-        forwards = tau + dropped
-        draft_t = cost.noisy(forwards * cost.draft_per_token_s, jit) if forwards else 0.0
-        verify_t = cost.noisy(cost.verify(tau + 1), jit)
-        other_t = cost.noisy(cost.other_s, jit)
-        emitted = min(n_acc + 1, end - new)
-        record = _sim_record(
-            rid,
-            len(records),
-            req.prompt_len,
-            new,
-            policy.name,
-            decision,
-            flags,
-            confs,
-            emitted,
-            (draft_t, verify_t, other_t),
-            verify_passes=passes + 1,
-            max_verify_passes=cap,
-        )
-        records.append(record)
-        clock += draft_t + verify_t + other_t
-        passes += 1
-        new += emitted
-        drafted += tau
-        accepted += min(n_acc, emitted)
-        policy.observe(record)
-        if new >= end:
-            finish = "length" if new >= req.max_new_tokens else "stop"
-    policy.end(rid, _stats(req.prompt_len, records, prefill, clock, finish))
-    return RequestOutcome(req.prompt_len, new, passes, clock, prefill, finish, drafted, accepted)
+def _request_id(seed: int, req: SimRequest) -> str:
+    return f"sim-{seed}-{req.index}"
+
+
+def _start(engine: Engine, world: World, policy: Policy, req: SimRequest, cap: int | None) -> Generation:
+    """The request as the engine starts one: validated, prefilled (charged), its policy told."""
+    return engine.start(
+        world.prompt(req),
+        max_new_tokens=req.max_new_tokens,
+        max_verify_passes=cap,
+        request_id=_request_id(world.seed, req),
+        policy=policy,
+    )
+
+
+def _outcome(gen: Generation, latency: float, arrival: float = 0.0, finished: float = 0.0) -> RequestOutcome:
+    stats = gen.stats
+    return RequestOutcome(
+        stats.prompt_tokens,
+        stats.new_tokens,
+        stats.target_passes,
+        latency,
+        stats.prefill_time,
+        stats.finish_reason,
+        stats.drafted,
+        stats.accepted,
+        arrival=arrival,
+        finished=finished,
+    )
 
 
 @dataclass
@@ -253,40 +214,13 @@ class LoadResult(RunResult):
 
 
 @dataclass
-class _Seq:
-    """A request in flight in a batched run."""
+class _InFlight:
+    """A request in a batched run: its engine generation and when it arrived and was admitted."""
 
-    req: SimRequest
-    rid: str
-    rng: random.Random
+    index: int
+    gen: Generation
     arrival: float
     started: float  # admitted (its prefill begins): the engine's clock for the request starts here
-    prefill: float
-    cap: int | None
-    new: int = 0
-    passes: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    records: list[StepRecord] = field(default_factory=list)
-
-    @property
-    def end(self) -> int:
-        return min(self.req.max_new_tokens, self.req.length)
-
-    def context(self, batch_size: int, clock: float) -> StepContext:
-        return StepContext(
-            request_id=self.rid,
-            step=len(self.records),
-            prompt_len=self.req.prompt_len,
-            context_len=self.req.prompt_len + self.new,
-            new_tokens=self.new,
-            max_new_tokens=self.req.max_new_tokens,
-            verify_passes=self.passes,
-            max_verify_passes=self.cap,
-            max_tau=max(0, self.req.max_new_tokens - self.new - 1),
-            elapsed=clock - self.started,
-            batch_size=batch_size,
-        )
 
 
 def simulate_batched(
@@ -301,12 +235,9 @@ def simulate_batched(
     """Serve every request of ``workload`` arriving by ``arrivals`` with continuous batching (see the module)."""
     if max_batch < 1:
         raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-    if workload.fleet_budget is not None:
-        policy = FleetBudgetPolicy(policy, workload.fleet_budget, workload.budget_window)
-    process = workload.process(seed)
-    reqs = workload.make_requests(seed)
-    for req in reqs:
-        process.prepare(req, random.Random(f"{seed}/{req.index}/prepare"))
+    policy, world, reqs = _setup(policy, workload, cost, seed)
+    clock = SimClock(cost, random.Random(f"{seed}/batch/time"), batched=True)
+    engine = _engine(world, clock)
     result = LoadResult(
         label or policy.name,
         workload.name,
@@ -321,188 +252,39 @@ def simulate_batched(
     # Arrival time by request index, filled in order: all at once (open loop), or N at 0 and then one per
     # finish (closed loop: a client sends its next request the moment its last one finishes).
     arrive: list[float] = list(times) if times is not None else [0.0] * min(arrivals.clients, len(reqs))
-    jit = random.Random(f"{seed}/batch/time")
-    clock, nxt = 0.0, 0
+    nxt = 0
     waiting: deque[int] = deque()
-    active: list[_Seq] = []
+    active: list[_InFlight] = []
     outcomes: dict[int, RequestOutcome] = {}
 
-    def finish(seq: _Seq, reason: FinishReason) -> None:
-        policy.end(seq.rid, _stats(seq.req.prompt_len, seq.records, seq.prefill, clock - seq.started, reason))
-        outcomes[seq.req.index] = RequestOutcome(
-            seq.req.prompt_len,
-            seq.new,
-            seq.passes,
-            clock - seq.arrival,
-            seq.prefill,
-            reason,
-            seq.drafted,
-            seq.accepted,
-            arrival=seq.arrival,
-            finished=clock,
-        )
-        active.remove(seq)
-        if times is None and len(arrive) < len(reqs):
-            arrive.append(clock)
+    def settle() -> None:
+        """Collect the requests the engine finished; a closed-loop client sends its next one now."""
+        for seq in [s for s in active if s.gen.done]:
+            latency = seq.started + seq.gen.stats.latency - seq.arrival
+            outcomes[seq.index] = _outcome(seq.gen, latency, seq.arrival, seq.arrival + latency)
+            active.remove(seq)
+            if times is None and len(arrive) < len(reqs):
+                arrive.append(clock.now)
 
     while len(outcomes) < len(reqs):
-        while nxt < len(arrive) and arrive[nxt] <= clock:
+        while nxt < len(arrive) and arrive[nxt] <= clock.now:
             waiting.append(nxt)
             nxt += 1
         if not active and not waiting:
-            clock = arrive[nxt]  # idle until the next arrival
+            clock.wait_until(arrive[nxt])  # idle until the next arrival
             continue
         while waiting and len(active) < max_batch:
-            req = reqs[waiting.popleft()]
-            seq = _Seq(
-                req,
-                f"sim-{seed}-{req.index}",
-                random.Random(f"{seed}/{req.index}/accept"),
-                arrive[req.index],
-                clock,
-                cost.noisy(cost.prefill_per_token_s * req.prompt_len, jit),
-                workload.max_verify_passes,
-            )
-            clock += seq.prefill  # a pass of its own, before the next step: the others wait
-            policy.begin(seq.context(1, clock))
-            allowance = policy.allowance(seq.rid)  # the engine's rule: an allowance narrows the request's cap
-            if allowance is not None:
-                seq.cap = allowance if seq.cap is None else min(seq.cap, allowance)
-            active.append(seq)
-        for seq in [s for s in active if s.cap is not None and s.passes >= s.cap]:
-            finish(seq, "verify_budget")  # the engine's one check, at the step's start
-        if not active:
-            continue
-        live = list(active)
-        ctxs = [seq.context(len(live), clock) for seq in live]
-        oracle = getattr(policy, "inner", policy)
-        if isinstance(oracle, OraclePolicy):  # shown the truth for each sequence in turn (it plans alone)
-            decisions = []
-            for seq, ctx in zip(live, ctxs):
-                oracle.see(process, seq.req, seq.new, cost)
-                decisions.append(policy.next_tau(ctx))
-        else:
-            decisions = policy.plan(ctxs, 0)
-        taus = [max(0, min(d.tau, ctx.max_tau)) for d, ctx in zip(decisions, ctxs)]  # the engine's clamp
-        draws: list[list[bool]] = [[] for _ in live]
-        forwards: list[int] = []  # sequences in each lockstep draft forward
-
-        def forward(
-            rows: list[int],
-            *_: Any,
-            live: list[_Seq] = live,
-            draws: list[list[bool]] = draws,
-            forwards: list[int] = forwards,
-        ) -> list[Pick]:
-            forwards.append(len(rows))
-            picks = []
-            for i in rows:
-                seq = live[i]
-                ok = seq.rng.random() < process.rate(seq.req, seq.new, len(draws[i]) + 1)
-                draws[i].append(ok)
-                conf = draft_confidence(ok, seq.rng)
-                picks.append(Pick(int(ok), conf, conf))
-            return picks
-
-        asks = [DraftAsk(None, [], tau, _GREEDY, _NO_GENERATOR, d.rule) for tau, d in zip(taus, decisions)]
-        drafts = lockstep(asks, forward, forward)  # the engine's drafting loop, over every sequence at once
-        rows = sum(len(d.tokens) + 1 for d in drafts)
-        drafting = sum(1 for d in drafts if d.tokens)
-        depth = max(len(d.tokens) for d in drafts)
-        draft_t = cost.noisy(sum(cost.draft_forward(n) for n in forwards), jit) if forwards else 0.0
-        verify_t = cost.noisy(cost.verify_rows(rows), jit)
-        other_t = cost.noisy(cost.step_other(len(live)), jit)
-        clock += draft_t + verify_t + other_t
-        result.steps += 1
-        result.sequence_steps += len(live)
-        result.rows += rows
-        result.drafting_steps += drafting
-        done: list[tuple[_Seq, FinishReason]] = []
-        for seq, decision, draft in zip(live, decisions, drafts):
-            flags, confs = [bool(t) for t in draft.tokens], draft.token_probs
-            tau = len(flags)
-            n_acc = flags.index(False) if False in flags else tau
-            emitted = min(n_acc + 1, seq.end - seq.new)
-            record = _sim_record(
-                seq.rid,
-                len(seq.records),
-                seq.req.prompt_len,
-                seq.new,
-                policy.name,
-                decision,
-                flags,
-                confs,
-                emitted,
-                (
-                    draft_t,
-                    verify_t,
-                    other_t,
-                ),  # the step's times, shared (what the request waited), as the engine records
-                verify_passes=seq.passes + 1,
-                max_verify_passes=seq.cap,
-                batch_size=len(live),
-                rows=rows,
-                drafting=drafting,
-                draft_passes=depth,
-            )
-            seq.records.append(record)
-            seq.passes += 1
-            seq.new += emitted
-            seq.drafted += tau
-            seq.accepted += min(n_acc, emitted)
-            policy.observe(record)
-            if seq.new >= seq.end:
-                done.append((seq, "length" if seq.new >= seq.req.max_new_tokens else "stop"))
-        for seq, reason in done:
-            finish(seq, reason)
+            index, started = waiting.popleft(), clock.now
+            gen = _start(engine, world, policy, reqs[index], workload.max_verify_passes)  # the others wait
+            active.append(_InFlight(index, gen, arrive[index], started))
+        live = [s.gen for s in active if not s.gen.out_of_budget()]  # the engine's check (it finishes them)
+        if live:
+            clock.rest(len(live))
+            record = next(e.record for e in engine.step(live) if e is not None)
+            result.steps += 1
+            result.sequence_steps += record.batch_size
+            result.rows += record.rows
+            result.drafting_steps += record.drafting
+        settle()
     result.requests = [outcomes[i] for i in range(len(reqs))]
     return result
-
-
-def _sim_record(
-    rid: str,
-    step: int,
-    prompt_len: int,
-    new: int,
-    policy: str,
-    decision: Decision,
-    flags: list[bool],
-    confs: list[float],
-    emitted: int,
-    times: tuple[float, float, float],
-    **batch: Any,
-) -> StepRecord:
-    """A synthetic step's record, built as the engine builds its records (token ids are placeholders)."""
-    tau = len(flags)
-    n_acc = flags.index(False) if False in flags else tau
-    return StepRecord(
-        request_id=rid,
-        step=step,
-        prompt_len=prompt_len,
-        context_len=prompt_len + new,
-        policy=policy,
-        reason=decision.reason,
-        tau=tau,
-        draft_tokens=[0] * tau,
-        accept_flags=flags,
-        n_accepted=n_acc,
-        correction=correction_kind(tau, n_acc),
-        emitted=[0] * emitted,
-        draft_time=times[0],
-        verify_time=times[1],
-        other_time=times[2],
-        draft_token_probs=confs,
-        draft_confidence=confs,
-        tau_planned=decision.tau,
-        **batch,
-    )
-
-
-def _stats(
-    prompt_len: int, records: list[StepRecord], prefill: float, latency: float, finish: FinishReason
-) -> GenerationStats:
-    """A simulated request's stats, counted from its records as the engine counts them (``GenerationStats.add``)."""
-    stats = GenerationStats(prompt_tokens=prompt_len, prefill_time=prefill, latency=latency, finish_reason=finish)
-    for record in records:
-        stats.add(record)
-    return stats

@@ -1,0 +1,94 @@
+"""The engine's target side over a model (``Engine`` makes one for a ``ModelRunner``): the prefill, and the one
+verify pass of a step with the acceptance rule, the logit rules and log probabilities. The torch half of the
+step: ``specdec.engine`` plans, drafts, commits and records without torch, so the simulator can run it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from specdec.drafters.base import Draft
+from specdec.engine import Cache, TargetSide
+from specdec.logits_rules import LogitsRules, RulesState
+from specdec.records import Verdict
+from specdec.runtime.base import KVCache, ModelRunner, eos_ids_of
+from specdec.sampling import SamplingParams, TokenLogprob, logits_to_probs, token_logprobs
+from specdec.verify import verify_greedy, verify_sampling
+
+if TYPE_CHECKING:
+    from specdec.engine import Generation
+
+
+class ModelTarget(TargetSide):
+    """A ``ModelRunner`` as the engine's target side; EOS ids: the model's and its tokenizer's."""
+
+    def __init__(self, runner: ModelRunner, tokenizer: Any) -> None:
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+        self.max_context = runner.max_context
+        self.eos_token_ids = runner.eos_token_ids | eos_ids_of(tokenizer)
+
+    def mode(self) -> AbstractContextManager[Any]:
+        return torch.inference_mode()
+
+    def generator(self, params: SamplingParams) -> torch.Generator:
+        return params.generator(self.runner.device)
+
+    def rules_state(self, rules: LogitsRules, prompt_ids: list[int], eos_ids: frozenset[int]) -> RulesState:
+        return RulesState(rules, prompt_ids, self.vocab_size, eos_ids, self.runner.device)
+
+    def prefill(self, prompt_ids: list[int]) -> Cache:
+        cache = self.runner.new_cache()
+        if len(prompt_ids) > 1:
+            ids = torch.tensor(prompt_ids[:-1], dtype=torch.long, device=self.runner.device)
+            self.runner.forward(ids, cache, last_only=True)
+        return cache
+
+    def fork(self, cache: Cache, prompt_ids: list[int]) -> Cache:
+        return self.runner.fork_cache(cast(KVCache, cache), prompt_ids[:-1])
+
+    def release(self, cache: Cache) -> None:
+        self.runner.release(cast(KVCache, cache))
+
+    def verify(
+        self, live: Sequence[Generation], drafts: Sequence[Draft]
+    ) -> tuple[list[Verdict], list[list[TokenLogprob] | None]]:
+        device = self.runner.device
+        blocks = [
+            (torch.tensor([g.context[-1], *d.tokens], dtype=torch.long, device=device), cast(KVCache, g.cache))
+            for g, d in zip(live, drafts)
+        ]
+        target_logits = self.runner.forward_batch(blocks)  # ONE pass over every sequence's [last, ŷ1..ŷτ]
+        # Each row processed by the request's logit rules with its own context (context + the block before it).
+        target_logits = [
+            g.rules_state.apply(logits, d.tokens) if g.rules_state is not None else logits
+            for g, d, logits in zip(live, drafts, target_logits)
+        ]
+        verdicts = [_verify(g, d, logits) for g, d, logits in zip(live, drafts, target_logits)]
+        # Emitted token j comes from row j (the correction/bonus token too: p's log probability there).
+        logprobs = [
+            token_logprobs(logits, v.tokens, g.params, g.logprobs) if g.logprobs is not None else None
+            for g, v, logits in zip(live, verdicts, target_logits)
+        ]
+        return verdicts, logprobs
+
+
+def _verify(gen: Generation, draft: Draft, target_logits: torch.Tensor) -> Verdict:
+    device = target_logits.device
+    draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=device)
+    if gen.params.greedy:
+        return verify_greedy(draft_tokens, target_logits)
+    target_probs = logits_to_probs(target_logits, gen.params)
+    if draft.probs is None:
+        if draft.tokens:  # only greedy requests may be drafted without q
+            drafter = gen.engine.drafter
+            name = drafter.name if drafter else "?"
+            raise RuntimeError(f"drafter {name!r} gave no draft distributions for a sampled request")
+        draft_probs = torch.empty(0, target_probs.shape[-1], device=device)
+    else:
+        draft_probs = draft.probs.to(device)
+    return verify_sampling(draft_tokens, draft_probs, target_probs, gen.generator)
