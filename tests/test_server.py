@@ -262,6 +262,8 @@ def test_models_health_metrics_and_auth(server: str, client: Any) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     assert health(server)["status"] == "ok"  # open without a key
+    # --threads auto: the passes leave one of the usable CPUs to the event loop
+    assert health(server)["threads"] == max(1, len(os.sched_getaffinity(0)) - 1)
     assert "specdec_spec_decode_num_draft_tokens_total" in httpx.get(f"{server}/metrics", timeout=5).text
     denied = httpx.post(f"{server}/v1/completions", json={"prompt": "x"}, timeout=5)
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
@@ -369,3 +371,14 @@ def test_cli_refuses_bad_flags(tiny_models: dict[str, Path]) -> None:
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith("specdec: error:") and "Traceback" not in proc.stderr
+
+
+def test_threads_setting() -> None:
+    from specdec.commands.serve import serve_threads, usable_cpus
+    from specdec.errors import InvalidRequestError
+
+    assert serve_threads("auto") == max(1, usable_cpus() - 1)
+    assert serve_threads("3") == 3
+    for bad in ("0", "-2", "many"):
+        with pytest.raises(InvalidRequestError, match="--threads must be a positive integer or auto"):
+            serve_threads(bad)

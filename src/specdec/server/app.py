@@ -119,6 +119,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             "drafter": engine.drafter.name if engine.drafter is not None else None,  # "model", "bridge", ...
             "costs": engine.costs_note,
             "runtime": getattr(engine.target, "backend", type(engine.target).__name__),
+            "threads": _compute_threads(),
             **scheduler.snapshot(),
         }
 
@@ -321,3 +322,10 @@ def _version() -> str:
     from specdec import __version__
 
     return __version__
+
+
+def _compute_threads() -> int:
+    """Threads of the model passes (``specdec serve --threads``)."""
+    import torch
+
+    return int(torch.get_num_threads())
