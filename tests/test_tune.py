@@ -135,6 +135,11 @@ def test_measured_batch_costs_prime_the_adaptive_policy_only_for_their_models(
     path.write_text(json.dumps({**doc, "model": {**model_identity(engine), "target": "/elsewhere"}}))
     rows, drafts, note = matching_costs(engine, path)
     assert rows == {} and "other models" in note
+    # Measured with another number of compute threads (a server computes on the CPUs less one): not used, and said.
+    other = model_identity(engine)["threads"] + 1
+    path.write_text(json.dumps({**doc, "model": {**model_identity(engine), "threads": other}}))
+    rows, drafts, note = matching_costs(engine, path)
+    assert rows == {} and f"measured with {other} compute threads" in note and "--threads" in note
     path.write_text(
         json.dumps({**doc, "draft_forward_s": 2e-4, "draft_row_frac": 0.1, "model": model_identity(engine)})
     )

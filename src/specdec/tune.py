@@ -218,10 +218,14 @@ def measure_batched_costs(engine: Any, rows: tuple[int, ...] = BATCH_ROWS, round
 
 
 def model_identity(engine: Any) -> dict[str, Any]:
-    """What measured costs belong to: the target and draft checkpoints, their dtypes and the backend."""
+    """What measured costs belong to: the target and draft checkpoints, their dtypes, the backend and the compute
+    threads (a pass on one thread costs up to twice one on two: ``specdec serve`` computes on the CPUs less one)."""
+    import torch
+
     target, drafter = engine.target, engine.drafter
     draft_runner = getattr(drafter, "runner", None)
     return {
+        "threads": int(torch.get_num_threads()),
         "target": str(target.name),
         "target_dtype": str(target.dtype).replace("torch.", ""),
         "draft": str(draft_runner.name) if draft_runner is not None else (drafter.name if drafter else None),
@@ -243,7 +247,18 @@ def matching_costs(engine: Any, path: Path | None = None) -> tuple[dict[int, flo
         doc = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         return {}, {}, f"measured costs {path} unreadable ({e}): not used"
-    if doc.get("model") != model_identity(engine):
+    here = model_identity(engine)
+    measured = doc.get("model") or {}
+    if measured != here:
+        if {**measured, "threads": here["threads"]} == here:
+            return (
+                {},
+                {},
+                (
+                    f"measured costs {path} were measured with {measured.get('threads')} compute threads, these passes "
+                    f"run on {here['threads']}: not used (specdec tune --threads {here['threads']} --save-costs)"
+                ),
+            )
         return {}, {}, f"measured costs {path} are for other models or settings: not used (re-run specdec tune)"
     rows = {int(k): float(v) for k, v in (doc.get("rows_table") or {}).items()}
     drafts: dict[int, float] = {}

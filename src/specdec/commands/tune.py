@@ -56,6 +56,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="write the best draft's measured costs for `specdec simulate --cost cpu` "
         "(default file: $SPECDEC_COSTS or ~/.cache/specdec/costs.json)",
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="compute threads to measure with (default: every CPU, as generate and bench run); a cost file for "
+        "`specdec serve`, which computes on the CPUs less one, is measured with that many (the server uses a file "
+        "only when the threads match)",
+    )
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the full report as JSON")
     p.set_defaults(func=run)
 
@@ -80,6 +89,12 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"--max-new-tokens must be >= 2, got {args.max_new_tokens}", "max_new_tokens")
     if args.n_prompts is not None and args.n_prompts < 1:
         raise InvalidRequestError(f"--n-prompts must be >= 1, got {args.n_prompts}", "n_prompts")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidRequestError(f"--threads must be >= 1, got {args.threads}", "threads")
+        import torch
+
+        torch.set_num_threads(args.threads)
     prompts = load_prompts(args.prompts, args.n_prompts)
     target = args.target or default_target()
     drafts = args.draft or [default_draft()]
