@@ -401,10 +401,13 @@ class AdaptivePolicy(Policy):
         # Depths never run leave the cost curves unmeasured where they would be read (rows beyond any pass seen,
         # draft forwards never run) and acceptance unlearnt: now and then run one deeper when predicted nearly
         # as good, or whatever predicted while no draft forward has been measured (its cost is then a prior).
+        # A plain batch looks one deeper whatever predicted: drafting costs learnt at a bad moment (a cold start, a
+        # busy machine) would otherwise never be measured again, and a server at 4 clients stayed plain for good
+        # at 0.55x the speed of drafting 3 tokens.
         explore = (
             self._batch_steps - self._explored >= EXPLORE_EVERY
             and depth + 1 < len(by_depth)
-            and (rates[depth + 1] >= 0.9 * rates[depth] or not self.batch_costs.draft_forward.seen)
+            and (rates[depth + 1] >= 0.9 * rates[depth] or depth == 0 or not self.batch_costs.draft_forward.seen)
         )
         if explore:
             depth += 1
@@ -414,12 +417,15 @@ class AdaptivePolicy(Policy):
         rate, seconds = goodput(best)
         rows = other_rows + sum(t + 1 for t in best)
         drafting = sum(t > 0 for t in best)
-        # A further row in the same pass (same depth, same sequences drafting): the pass's marginal cost, as the
-        # secant over as many rows as there are sequences (at least 4), not the next row's step alone: the learned
-        # curve is a set of noisy means by size, and one size measured high would make every token look dear
-        # (it did: a server at 4 clients trimmed every request of a depth-3 plan to plain).
-        span = max(4, n)
-        row_cost = max(1e-9, (self.batch_costs.step_time(rows + span, depth, drafting, n, self.costs) - seconds) / span)
+        # A further row in the same pass (same depth, same sequences drafting): the pass's marginal cost, the slope
+        # of a line fitted to the pass curve around this many rows, not a difference of two sizes: the learned curve
+        # is a set of noisy means by size, and one size measured high made every token look dear (a server at 4
+        # clients trimmed every request of a depth-3 plan to plain, even with the difference taken over 4 rows).
+        slope = self.batch_costs.verify.local_slope(rows)
+        if slope is None:
+            span = max(4, n)
+            slope = (self.batch_costs.step_time(rows + span, depth, drafting, n, self.costs) - seconds) / span
+        row_cost = max(1e-9, slope)
         for i in range(len(best)):
             while not explore and best[i] > floors[i] and (gains[i][best[i]] - gains[i][best[i] - 1]) < rate * row_cost:
                 best[i] -= 1

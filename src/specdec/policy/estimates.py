@@ -66,6 +66,47 @@ class PositionRates:
 
 
 @dataclass
+class DraftLine:
+    """Seconds of a draft by its depth (lockstep forwards), d(p) = d0 + d1·(p − 1): decayed least squares over the
+    steps that drafted, ridge toward the proportional line (d0 = d1, what one depth alone says).
+
+    The first forward of a step costs more than the others: the target's pass has just streamed its weights
+    through the caches, so the draft's come back from memory (the default draft: ~0.5 ms on one thread, then
+    ~0.15 ms per further forward). Priced per forward, that cold start made every further token look as dear as
+    the first, and a policy drafting one token measured only that, and kept drafting one.
+    """
+
+    decay: float = 0.95
+    spread: float = 0.5  # the proportional prior weighs as much as depths spread by this much
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # S1, Sx, Sy, Sxx, Sxy over x = p - 1
+
+    def observe(self, passes: int, seconds: float, weight: float = 1.0) -> None:
+        x, y = float(passes - 1), seconds
+        s = self._sums
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            s[i] = self.decay**weight * s[i] + weight * v
+
+    @property
+    def seen(self) -> bool:
+        return self._sums[0] > 0
+
+    def line(self) -> tuple[float, float]:
+        n, sx, sy, sxx, sxy = self._sums
+        mx, my = sx / n, sy / n
+        var, cov = max(sxx / n - mx * mx, 0.0), sxy / n - mx * my
+        prior = my / (mx + 1.0)  # proportional: every forward alike
+        lam = self.spread**2
+        d1 = min(max(0.0, (cov + lam * prior) / (var + lam)), my / max(mx, 1e-9) if mx > 0 else math.inf)
+        return max(my - d1 * mx, 0.0), d1
+
+    def __call__(self, depth: int) -> float:
+        if depth <= 0:
+            return 0.0
+        d0, d1 = self.line()
+        return d0 + d1 * (depth - 1)
+
+
+@dataclass
 class StepCosts:
     """Measured step costs: draft seconds per token, verify seconds by block size, other per step.
 
@@ -79,6 +120,7 @@ class StepCosts:
     prior_draft_frac: float = 0.1  # until measured: c = 0.1
     draft_per_token: float | None = None
     other: float | None = None
+    draft: DraftLine = field(default_factory=DraftLine)  # seconds of a step's draft by its forwards
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # S1, Sx, Sy, Sxx, Sxy
     _by_block: dict[int, list[float]] = field(default_factory=dict)  # k -> [weight, mean]
     _times: dict[int, list[float]] = field(default_factory=dict, repr=False, compare=False)  # step_times, until observe
@@ -87,6 +129,7 @@ class StepCosts:
         self._times.clear()
         if forwards > 0 and draft_time > 0:
             self.draft_per_token = self._ewma(self.draft_per_token, draft_time / forwards)
+            self.draft.observe(forwards, draft_time)
         self.other = self._ewma(self.other, other_time)
         k = tau + 1
         x, y = float(k - 1), verify_time
@@ -130,9 +173,12 @@ class StepCosts:
             return cached
         line = self.line()  # once per call: it is refitted from the sums every time
         verify = [self.verify(tau + 1, line) for tau in range(max_tau + 1)]
-        d = self.draft_per_token if self.draft_per_token is not None else self.prior_draft_frac * verify[0]
         o = self.other or 0.0
-        times = self._times[max_tau] = [tau * d + v + o for tau, v in enumerate(verify)]
+        if self.draft.seen:
+            drafts = [self.draft(tau) for tau in range(max_tau + 1)]
+        else:
+            drafts = [tau * self.prior_draft_frac * verify[0] for tau in range(max_tau + 1)]
+        times = self._times[max_tau] = [d + v + o for d, v in zip(drafts, verify)]
         return times
 
 
@@ -293,6 +339,20 @@ class CurveEWMA:
         lam = self.spread**2
         return max(0.0, (cov + lam * prior) / (var + lam))
 
+    def local_slope(self, size: int) -> float | None:
+        """Cost per further size around ``size``: weighted least squares over the seen sizes within half of it (at
+        least 8 either side), each weighed by its observations; None while fewer than three sizes fall there."""
+        h = max(8.0, 0.5 * size)
+        near = [(s, v) for s, v in self._at.items() if abs(s - size) <= h]
+        if len(near) < 3:
+            return None
+        w = sum(v[0] for _, v in near)
+        mx = sum(v[0] * s for s, v in near) / w
+        my = sum(v[0] * v[1] for _, v in near) / w
+        var = sum(v[0] * (s - mx) ** 2 for s, v in near) / w
+        cov = sum(v[0] * (s - mx) * (v[1] - my) for s, v in near) / w
+        return max(0.0, cov / var) if var > 0 else None
+
     def __call__(self, size: int, fallback: float) -> float:
         if not self._at:
             return fallback
@@ -321,6 +381,8 @@ class BatchCosts:
 
     verify: CurveEWMA = field(default_factory=CurveEWMA)  # rows -> seconds of the target pass
     draft_forward: CurveEWMA = field(default_factory=lambda: CurveEWMA(growth=DRAFT_ROW_GROWTH))  # drafting -> s
+    # Each count of drafting sequences' draft seconds by depth (the cold first forward apart from the others).
+    draft_lines: dict[int, DraftLine] = field(default_factory=dict)
     other: CurveEWMA = field(default_factory=CurveEWMA)  # sequences -> seconds of the rest of the step
 
     _last_pass: tuple[float, float, int, int] | None = field(default=None, repr=False, compare=False)
@@ -338,6 +400,7 @@ class BatchCosts:
             if passes and record.draft_time > 0:
                 drafting = max(1, record.drafting or 1)
                 self.draft_forward.observe(drafting, record.draft_time / passes)
+                self.draft_lines.setdefault(drafting, DraftLine()).observe(passes, record.draft_time)
         self.other.observe(max(1, record.batch_size), record.other_time, w)
 
     def step_time(self, rows: int, depth: int, drafting: int, sequences: int, solo: StepCosts) -> float:
@@ -353,6 +416,15 @@ class BatchCosts:
         verify = self.verify(rows, v0 + v1 * (rows - 1))
         n = max(1, drafting)
         d1 = solo.draft_per_token if solo.draft_per_token is not None else solo.prior_draft_frac * one_row
-        draft = depth * self.draft_forward(n, d1 * (1 + DRAFT_ROW_GROWTH * (n - 1))) if depth else 0.0
+        per_forward = self.draft_forward(n, d1 * (1 + DRAFT_ROW_GROWTH * (n - 1)))
+        line = self.draft_lines.get(n)
+        if depth and line is not None and line.seen:
+            # The measured line's shape (its cold first forward), at the level of the smoothed curve by sequences.
+            d0, slope = line.line()
+            mean_depth = line._sums[1] / line._sums[0] + 1.0
+            scale = per_forward * mean_depth / max(d0 + slope * (mean_depth - 1.0), 1e-12)
+            draft = scale * (d0 + slope * (depth - 1))
+        else:
+            draft = depth * per_forward
         other = self.other(sequences, (solo.other or 0.0) * sequences)
         return verify + draft + other
