@@ -339,20 +339,6 @@ class CurveEWMA:
         lam = self.spread**2
         return max(0.0, (cov + lam * prior) / (var + lam))
 
-    def local_slope(self, size: int) -> float | None:
-        """Cost per further size around ``size``: weighted least squares over the seen sizes within half of it (at
-        least 8 either side), each weighed by its observations; None while fewer than three sizes fall there."""
-        h = max(8.0, 0.5 * size)
-        near = [(s, v) for s, v in self._at.items() if abs(s - size) <= h]
-        if len(near) < 3:
-            return None
-        w = sum(v[0] for _, v in near)
-        mx = sum(v[0] * s for s, v in near) / w
-        my = sum(v[0] * v[1] for _, v in near) / w
-        var = sum(v[0] * (s - mx) ** 2 for s, v in near) / w
-        cov = sum(v[0] * (s - mx) * (v[1] - my) for s, v in near) / w
-        return max(0.0, cov / var) if var > 0 else None
-
     def __call__(self, size: int, fallback: float) -> float:
         if not self._at:
             return fallback
