@@ -262,8 +262,12 @@ def test_models_health_metrics_and_auth(server: str, client: Any) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     assert health(server)["status"] == "ok"  # open without a key
-    # --threads auto: the passes leave one of the usable CPUs to the event loop
-    assert health(server)["threads"] == max(1, len(os.sched_getaffinity(0)) - 1)
+    # --threads auto: short passes leave one of the usable CPUs to the event loop, batch passes use them all
+    cpus = len(os.sched_getaffinity(0))
+    h = health(server)
+    assert h["threads"] == max(1, cpus - 1)
+    if cpus > 1:
+        assert h["wide_pass_threads"] == cpus and h["wide_pass_rows"] == 12
     assert "specdec_spec_decode_num_draft_tokens_total" in httpx.get(f"{server}/metrics", timeout=5).text
     denied = httpx.post(f"{server}/v1/completions", json={"prompt": "x"}, timeout=5)
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
@@ -382,3 +386,17 @@ def test_threads_setting() -> None:
     for bad in ("0", "-2", "many"):
         with pytest.raises(InvalidRequestError, match="--threads must be a positive integer or auto"):
             serve_threads(bad)
+
+
+def test_pass_threads_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``configure_threads`` (serve's auto threads): a pass's thread count by its rows; unset, torch's count."""
+    import torch
+
+    from specdec.runtime import native_kernel as nk
+
+    monkeypatch.setattr(nk, "_PASS_THREADS", None)
+    assert nk.pass_threads(1) == nk.pass_threads(100) == max(1, torch.get_num_threads())
+    nk.configure_threads(1, 3, 12)
+    assert [nk.pass_threads(r) for r in (1, 11, 12, 64)] == [1, 1, 3, 3]
+    with pytest.raises(ValueError, match="positive"):
+        nk.configure_threads(0, 2, 12)

@@ -222,10 +222,13 @@ def model_identity(engine: Any) -> dict[str, Any]:
     threads (a pass on one thread costs up to twice one on two: ``specdec serve`` computes on the CPUs less one)."""
     import torch
 
+    from specdec.runtime import native_kernel
+
     target, drafter = engine.target, engine.drafter
     draft_runner = getattr(drafter, "runner", None)
+    split = native_kernel._PASS_THREADS
     return {
-        "threads": int(torch.get_num_threads()),
+        "threads": int(torch.get_num_threads()) if split is None else f"{split[0]}, {split[1]} from {split[2]} rows",
         "target": str(target.name),
         "target_dtype": str(target.dtype).replace("torch.", ""),
         "draft": str(draft_runner.name) if draft_runner is not None else (drafter.name if drafter else None),
@@ -256,7 +259,8 @@ def matching_costs(engine: Any, path: Path | None = None) -> tuple[dict[int, flo
                 {},
                 (
                     f"measured costs {path} were measured with {measured.get('threads')} compute threads, these passes "
-                    f"run on {here['threads']}: not used (specdec tune --threads {here['threads']} --save-costs)"
+                    f"run on {here['threads']}: not used (specdec tune --threads "
+                    f"{'auto' if isinstance(here['threads'], str) else here['threads']} --save-costs)"
                 ),
             )
         return {}, {}, f"measured costs {path} are for other models or settings: not used (re-run specdec tune)"

@@ -78,9 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="N",
         help="compute threads of the model passes; auto (default): one fewer than the CPUs this process may use "
-        "(at least 1), leaving a core to the HTTP server: on 2 cores a pass split over both stalled whenever the "
-        "event loop ran, and one thread served 1.25-2.2x the tokens (docs/server.md). With --ray each replica "
-        "uses its --replica-cpus",
+        "(at least 1) for passes of fewer than 12 rows, leaving a core to the HTTP server (on 2 cores a short "
+        "pass split over both stalled whenever the event loop ran), and every CPU for larger batch passes "
+        "(docs/server.md). With --ray each replica uses its --replica-cpus",
     )
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     r = p.add_argument_group("ray (scale out over replicas; needs pip install 'specdec[ray]'; see docs/scaling.md)")
@@ -156,10 +156,7 @@ def run(args: argparse.Namespace) -> int:
     given = [f"--{name.replace('_', '-')}" for name in _RAY_ONLY if getattr(args, name) is not None]
     if given:
         raise InvalidRequestError(f"{', '.join(given)}: only with --ray (or --ray-address)", given[0])
-    threads = serve_threads(args.threads or "auto")
-    import torch
-
-    torch.set_num_threads(threads)
+    threads, wide = apply_threads(args.threads)
     engine = ModelSettings.from_args(args).load()
     if args.costs != "none":
         from specdec.tune import matching_costs
@@ -194,7 +191,9 @@ def run(args: argparse.Namespace) -> int:
     drafter = engine.drafter.name if engine.drafter is not None else "none (plain target decoding)"
     print(
         f"specdec: serving {settings.model_name!r} (drafter: {drafter}, policy: {engine.policy.name}, "
-        f"{threads} compute thread{'s' if threads != 1 else ''} of {usable_cpus()} CPUs) on "
+        f"{threads} compute thread{'s' if threads != 1 else ''}"
+        + (f", {wide} for passes of {WIDE_ROWS}+ rows" if wide != threads else "")
+        + f" of {usable_cpus()} CPUs) on "
         f"http://{args.host}:{args.port} (OpenAI API under /v1)",
         file=sys.stderr,
         flush=True,
@@ -207,6 +206,10 @@ def run(args: argparse.Namespace) -> int:
             if close:
                 close()
     return 0
+
+
+# auto threads: passes of this many rows or more (batches) run on every usable CPU.
+WIDE_ROWS = 12
 
 
 def usable_cpus() -> int:
@@ -233,6 +236,21 @@ def serve_threads(value: str) -> int:
     if n < 1:
         raise InvalidRequestError(f"--threads must be a positive integer or auto, got {value!r}", "threads")
     return n
+
+
+def apply_threads(value: str | None) -> tuple[int, int]:
+    """Set this process's compute threads as ``--threads`` says (None: auto) and return (threads of a short pass,
+    threads of a pass of WIDE_ROWS or more rows)."""
+    import torch
+
+    threads = serve_threads(value or "auto")
+    torch.set_num_threads(threads)
+    wide = usable_cpus() if value is None or value.strip().lower() == "auto" else threads
+    if wide != threads:
+        from specdec.runtime.native_kernel import configure_threads
+
+        configure_threads(threads, wide, WIDE_ROWS)
+    return threads, wide
 
 
 def run_ray(args: argparse.Namespace, settings: ServerSettings) -> int:

@@ -58,12 +58,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--threads",
-        type=int,
         default=None,
         metavar="N",
-        help="compute threads to measure with (default: every CPU, as generate and bench run); a cost file for "
-        "`specdec serve`, which computes on the CPUs less one, is measured with that many (the server uses a file "
-        "only when the threads match)",
+        help="compute threads to measure with (default: every CPU, as generate and bench run); auto: as `specdec "
+        "serve` runs by default (the CPUs less one for short passes, all for batches of 12+ rows). A server uses "
+        "a cost file only when it was measured with its own threads",
     )
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the full report as JSON")
     p.set_defaults(func=run)
@@ -90,11 +89,9 @@ def run(args: argparse.Namespace) -> int:
     if args.n_prompts is not None and args.n_prompts < 1:
         raise InvalidRequestError(f"--n-prompts must be >= 1, got {args.n_prompts}", "n_prompts")
     if args.threads is not None:
-        if args.threads < 1:
-            raise InvalidRequestError(f"--threads must be >= 1, got {args.threads}", "threads")
-        import torch
+        from specdec.commands.serve import apply_threads
 
-        torch.set_num_threads(args.threads)
+        apply_threads(args.threads)
     prompts = load_prompts(args.prompts, args.n_prompts)
     target = args.target or default_target()
     drafts = args.draft or [default_draft()]

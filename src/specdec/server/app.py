@@ -119,7 +119,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             "drafter": engine.drafter.name if engine.drafter is not None else None,  # "model", "bridge", ...
             "costs": engine.costs_note,
             "runtime": getattr(engine.target, "backend", type(engine.target).__name__),
-            "threads": _compute_threads(),
+            **_compute_threads(),
             **scheduler.snapshot(),
         }
 
@@ -324,8 +324,15 @@ def _version() -> str:
     return __version__
 
 
-def _compute_threads() -> int:
-    """Threads of the model passes (``specdec serve --threads``)."""
+def _compute_threads() -> dict[str, int]:
+    """Threads of the model passes (``specdec serve --threads``): ``threads``, and where batch passes of
+    ``wide_pass_rows`` rows or more run on more, ``wide_pass_threads``."""
     import torch
 
-    return int(torch.get_num_threads())
+    from specdec.runtime import native_kernel
+
+    out = {"threads": int(torch.get_num_threads())}
+    if native_kernel._PASS_THREADS is not None:
+        small, large, wide = native_kernel._PASS_THREADS
+        out.update(threads=small, wide_pass_threads=large, wide_pass_rows=wide)
+    return out
