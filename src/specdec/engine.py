@@ -19,9 +19,7 @@ import hashlib
 import sys
 import time
 import uuid
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, cast
 
@@ -31,12 +29,12 @@ from specdec.logits_rules import LogitsRules
 from specdec.policy import Decision, Policy, StepContext, make_policy, request_policy
 from specdec.records import FinishReason, GenerationStats, RequestSummary, StepRecord, Verdict
 from specdec.sampling_params import SamplingParams, TokenLogprob
+from specdec.target_side import Cache, TargetSide
 from specdec.text import StopMatcher, TextDecoder
 
 if TYPE_CHECKING:
     import torch
 
-    from specdec.logits_rules import RulesState
     from specdec.runtime.base import ModelRunner
 
 
@@ -46,60 +44,6 @@ class Observer(Protocol):
     def on_step(self, record: StepRecord) -> None: ...
 
     def on_request(self, summary: RequestSummary) -> None: ...
-
-
-class Cache(Protocol):
-    """What the engine does with a sequence's target cache (a model's: ``runtime.base.KVCache``)."""
-
-    @property
-    def length(self) -> int: ...
-
-    def crop(self, length: int) -> None: ...
-
-
-class TargetSide(ABC):
-    """The target model's part of the step, for the engine: a request's cache (prefilled, forked, released), and
-    the one verify pass over every sequence's block with the acceptance rule. ``specdec.verifier.ModelTarget``
-    runs a ``ModelRunner``; the simulator's verifies against a hidden continuation (``specdec.simulate.pair``).
-
-    A cache holds ``context[:-1]`` between steps; ``verify`` appends each sequence's block ``[context[-1],
-    ŷ1..ŷτ]`` to it and the engine crops it back to what stands (``cache.crop``, as a ``KVCache``).
-    """
-
-    vocab_size: int
-    max_context: int
-    eos_token_ids: frozenset[int]  # the ids that end a request (the model's and its tokenizer's)
-
-    @abstractmethod
-    def mode(self) -> AbstractContextManager[Any]:
-        """The context the step and the prefill run in (models: torch's inference mode, drafter included)."""
-
-    @abstractmethod
-    def generator(self, params: SamplingParams) -> Any:
-        """The request's random generator (``DraftAsk.generator``, the acceptance rule's draws)."""
-
-    @abstractmethod
-    def rules_state(self, rules: LogitsRules, prompt_ids: list[int], eos_ids: frozenset[int]) -> RulesState:
-        """The counts of a request whose logit rules are active (``LogitsRules.active``)."""
-
-    @abstractmethod
-    def prefill(self, prompt_ids: list[int]) -> Cache:
-        """A new cache holding ``prompt_ids[:-1]`` (the last prompt token opens the first step's block)."""
-
-    @abstractmethod
-    def fork(self, cache: Cache, prompt_ids: list[int]) -> Cache:
-        """A copy of an unstepped request's cache of the same prompt (``Engine.start_many``)."""
-
-    @abstractmethod
-    def release(self, cache: Cache) -> None:
-        """A finished request's cache, which the side may reuse."""
-
-    @abstractmethod
-    def verify(
-        self, live: Sequence[Generation], drafts: Sequence[Draft]
-    ) -> tuple[list[Verdict], list[list[TokenLogprob] | None]]:
-        """ONE target pass over every sequence's ``[context[-1], *draft.tokens]``, then each verified with its own
-        settings: the verdicts, and the emitted tokens' log probabilities (for requests that asked for them)."""
 
 
 @dataclass

@@ -7,20 +7,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 
 from specdec.drafters.base import Draft
-from specdec.engine import Cache, TargetSide
 from specdec.logits_rules import LogitsRules, RulesState
 from specdec.records import Verdict
 from specdec.runtime.base import KVCache, ModelRunner, eos_ids_of
 from specdec.sampling import SamplingParams, TokenLogprob, logits_to_probs, token_logprobs
+from specdec.target_side import Cache, TargetSide, Verifying
 from specdec.verify import verify_greedy, verify_sampling
-
-if TYPE_CHECKING:
-    from specdec.engine import Generation
 
 
 class ModelTarget(TargetSide):
@@ -55,7 +52,7 @@ class ModelTarget(TargetSide):
         self.runner.release(cast(KVCache, cache))
 
     def verify(
-        self, live: Sequence[Generation], drafts: Sequence[Draft]
+        self, live: Sequence[Verifying], drafts: Sequence[Draft]
     ) -> tuple[list[Verdict], list[list[TokenLogprob] | None]]:
         device = self.runner.device
         blocks = [
@@ -77,7 +74,7 @@ class ModelTarget(TargetSide):
         return verdicts, logprobs
 
 
-def _verify(gen: Generation, draft: Draft, target_logits: torch.Tensor) -> Verdict:
+def _verify(gen: Verifying, draft: Draft, target_logits: torch.Tensor) -> Verdict:
     device = target_logits.device
     draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=device)
     if gen.params.greedy:
@@ -85,9 +82,7 @@ def _verify(gen: Generation, draft: Draft, target_logits: torch.Tensor) -> Verdi
     target_probs = logits_to_probs(target_logits, gen.params)
     if draft.probs is None:
         if draft.tokens:  # only greedy requests may be drafted without q
-            drafter = gen.engine.drafter
-            name = drafter.name if drafter else "?"
-            raise RuntimeError(f"drafter {name!r} gave no draft distributions for a sampled request")
+            raise RuntimeError("the drafter gave no draft distributions for a sampled request")
         draft_probs = torch.empty(0, target_probs.shape[-1], device=device)
     else:
         draft_probs = draft.probs.to(device)

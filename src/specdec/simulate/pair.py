@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from specdec.drafters.base import Draft, DraftAsk, Drafter, Pick, lockstep
-from specdec.engine import Cache, Generation, TargetSide
 from specdec.errors import InvalidRequestError
 from specdec.logits_rules import LogitsRules, RulesState
 from specdec.records import Verdict, correction_kind
 from specdec.sampling_params import SamplingParams, TokenLogprob
 from specdec.simulate.costs import CostModel
 from specdec.simulate.processes import AcceptanceProcess, SimRequest, draft_confidence
+from specdec.target_side import Cache, TargetSide, Verifying
 
 EOS = 0
 VOCAB = 1 << 30  # true tokens are even ids in [2, VOCAB); a wrong draft token is the true one + 1
@@ -161,7 +161,7 @@ class SimTarget(TargetSide):
         pass
 
     def verify(
-        self, live: Sequence[Generation], drafts: Sequence[Draft]
+        self, live: Sequence[Verifying], drafts: Sequence[Draft]
     ) -> tuple[list[Verdict], list[list[TokenLogprob] | None]]:
         verdicts, rows = [], 0
         for g, d in zip(live, drafts):
