@@ -424,3 +424,53 @@ def test_every_policy_keeps_greedy_output_identical_in_the_engine(tiny_models: d
         assert all(r.policy == name and r.reason for r in res.records)
     capped = engine.generate(prompt, max_new_tokens=24, policy="adaptive", max_verify_passes=3)
     assert capped.stats.target_passes <= 3 and capped.token_ids == plain[: len(capped.token_ids)]
+
+
+def test_draft_line_separates_the_cold_first_forward() -> None:
+    """Draft seconds by depth with a cold first forward (0.4 ms, then 0.07 ms per further forward): the fitted line
+    recovers both, where the mean per forward would price every further token at the first one's cost; one depth
+    alone gives the proportional line."""
+    from specdec.policy.estimates import DraftLine, StepCosts
+
+    line = DraftLine()
+    for _ in range(20):
+        for depth in (1, 2, 4, 7):
+            line.observe(depth, 0.4e-3 + 0.07e-3 * (depth - 1))
+    d0, d1 = line.line()
+    assert d0 == pytest.approx(0.4e-3, rel=0.05) and d1 == pytest.approx(0.07e-3, rel=0.1)
+    assert line(0) == 0.0 and line(5) == pytest.approx(0.4e-3 + 4 * 0.07e-3, rel=0.05)
+    alone = DraftLine()
+    for _ in range(10):
+        alone.observe(3, 0.9e-3)
+    assert alone(1) == pytest.approx(0.3e-3) and alone(6) == pytest.approx(1.8e-3)
+    # The solo step costs read it: going from 1 to 6 drafted tokens costs 5 further forwards, not 5 first ones.
+    costs = StepCosts()
+    for depth in (1, 2, 4, 7) * 10:
+        costs.observe(depth, depth, 0.4e-3 + 0.07e-3 * (depth - 1), 1e-3, 0.0)
+    times = costs.step_times(6)
+    assert times[6] - times[1] == pytest.approx(5 * 0.07e-3, abs=0.05e-3)
+
+
+def test_a_plain_batch_probes_one_deeper_whatever_its_costs_predict() -> None:
+    """Drafting priced far above its worth (costs learnt at a bad moment): the batch plan goes plain, but one step
+    in EXPLORE_EVERY drafts one token anyway, so the draft's cost gets measured again (a server at 4 clients had
+    stayed plain for good)."""
+    from specdec.policy.adaptive import EXPLORE_EVERY
+
+    policy = AdaptivePolicy()
+    for step in range(20):  # one-sequence steps where a drafted token cost 50 ms: drafting never pays
+        policy.observe(replace_times(record_for("warm", step, 2, 2), draft=0.1))
+    for i in range(4):
+        policy.begin(ctx_for(f"b{i}", 0, 0, 0))
+    taus = []
+    for step in range(3 * EXPLORE_EVERY):
+        plan = policy.plan([ctx_for(f"b{i}", step, step, step) for i in range(4)])
+        taus.append(max(d.tau for d in plan))
+    assert taus.count(0) >= 2 * EXPLORE_EVERY  # plain, as predicted ...
+    assert 2 <= sum(t > 0 for t in taus) <= 4  # ... but one step in EXPLORE_EVERY drafts
+
+
+def replace_times(record: StepRecord, *, draft: float) -> StepRecord:
+    from dataclasses import replace
+
+    return replace(record, draft_time=draft)
