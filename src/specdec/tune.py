@@ -226,7 +226,7 @@ def model_identity(engine: Any) -> dict[str, Any]:
 
     target, drafter = engine.target, engine.drafter
     draft_runner = getattr(drafter, "runner", None)
-    split = native_kernel._PASS_THREADS
+    split = native_kernel.threads_config()
     return {
         "threads": int(torch.get_num_threads()) if split is None else f"{split[0]}, {split[1]} from {split[2]} rows",
         "target": str(target.name),

@@ -90,6 +90,10 @@ class DraftLine:
     def seen(self) -> bool:
         return self._sums[0] > 0
 
+    def mean_depth(self) -> float:
+        """The observed steps' mean depth (weighted as the fit weighs them)."""
+        return self._sums[1] / self._sums[0] + 1.0
+
     def line(self) -> tuple[float, float]:
         n, sx, sy, sxx, sxy = self._sums
         mx, my = sx / n, sy / n
@@ -407,7 +411,7 @@ class BatchCosts:
         if depth and line is not None and line.seen:
             # The measured line's shape (its cold first forward), at the level of the smoothed curve by sequences.
             d0, slope = line.line()
-            mean_depth = line._sums[1] / line._sums[0] + 1.0
+            mean_depth = line.mean_depth()
             scale = per_forward * mean_depth / max(d0 + slope * (mean_depth - 1.0), 1e-12)
             draft = scale * (d0 + slope * (depth - 1))
         else:

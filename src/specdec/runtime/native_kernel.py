@@ -83,6 +83,11 @@ def configure_threads(small: int, large: int, wide_rows: int) -> None:
     _PASS_THREADS = (small, large, wide_rows)
 
 
+def threads_config() -> tuple[int, int, int] | None:
+    """What ``configure_threads`` set: (threads below wide_rows, threads from wide_rows on, wide_rows), or None."""
+    return _PASS_THREADS
+
+
 def pass_threads(rows: int) -> int:
     """Threads for a pass of ``rows`` rows."""
     if _PASS_THREADS is None:

@@ -332,7 +332,8 @@ def _compute_threads() -> dict[str, int]:
     from specdec.runtime import native_kernel
 
     out = {"threads": int(torch.get_num_threads())}
-    if native_kernel._PASS_THREADS is not None:
-        small, large, wide = native_kernel._PASS_THREADS
+    split = native_kernel.threads_config()
+    if split is not None:
+        small, large, wide = split
         out.update(threads=small, wide_pass_threads=large, wide_pass_rows=wide)
     return out
