@@ -52,39 +52,17 @@ class Stack:
 The quick brown fox jumps over the lazy dog. The lazy dog sleeps in the sun.
 print("hello, world!")
 """
-EOS = "<|endoftext|>"
 PROMPTS = ["def fibonacci(n):", "class Stack:\n", "The quick brown", "print(", "Hello there, my friend"]
-
-
-def _tokenizer(out: Path, vocab_size: int) -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS, clean_up_tokenization_spaces=False
-    )
-    fast.save_pretrained(str(out))
-    return fast
 
 
 def _trained(out: Path, vocab_size: int, layers: int, hidden: int, steps: int, seed: int) -> Path:
     """A tiny Llama with its own tokenizer, trained ``steps`` AdamW steps on the corpus (seconds on CPU)."""
     from transformers import AutoModelForCausalLM
 
-    from specdec.testing import tiny_config
+    from specdec.testing import tiny_config, tiny_tokenizer
 
     out.mkdir(parents=True, exist_ok=True)
-    tok = _tokenizer(out, vocab_size)
+    tok = tiny_tokenizer(out, vocab_size, text=CORPUS)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: one thread is faster, and kinder to a shared machine
     ids = torch.tensor(tok(CORPUS * 8)["input_ids"])

@@ -37,7 +37,8 @@ The quick brown fox jumps over the lazy dog. 0123456789 !@#$%^&*()[]{}<>?/\\|~`'
 """
 
 
-def tiny_tokenizer(out_dir: str | Path, vocab_size: int = 320) -> Any:
+def tiny_tokenizer(out_dir: str | Path, vocab_size: int = 320, text: str | None = None) -> Any:
+    """A byte-level BPE tokenizer trained on ``text`` (default: a small mix of code and prose), saved to ``out_dir``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -50,7 +51,7 @@ def tiny_tokenizer(out_dir: str | Path, vocab_size: int = 320) -> Any:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([_TEXT] * 4, trainer=trainer)
+    tok.train_from_iterator([_TEXT if text is None else text] * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=EOS, clean_up_tokenization_spaces=False
     )
