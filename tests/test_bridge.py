@@ -31,27 +31,14 @@ from specdec.drafters.bridge import (
 )
 from specdec.errors import InvalidRequestError, VocabMismatchError
 from specdec.sampling import SamplingParams
+from specdec.testing import SAMPLE_CODE
 
-CORPUS = """
-def fibonacci(n):
-    a, b = 0, 1
-    for _ in range(n):
-        a, b = b, a + b
-    return a
-
-class Stack:
-    def __init__(self):
-        self.items = []
-
-    def push(self, item):
-        self.items.append(item)
-
-    def pop(self):
-        return self.items.pop()
-
-The quick brown fox jumps over the lazy dog. The lazy dog sleeps in the sun.
+CORPUS = (
+    SAMPLE_CODE
+    + """The quick brown fox jumps over the lazy dog. The lazy dog sleeps in the sun.
 print("hello, world!")
 """
+)
 PROMPTS = ["def fibonacci(n):", "class Stack:\n", "The quick brown", "print(", "Hello there, my friend"]
 
 

@@ -14,7 +14,8 @@ import torch
 
 EOS = "<|endoftext|>"
 
-_TEXT = """
+# A few lines of code every tiny tokenizer here is trained on (tests add text of their own after it).
+SAMPLE_CODE = """
 def fibonacci(n):
     a, b = 0, 1
     for _ in range(n):
@@ -31,10 +32,14 @@ class Stack:
     def pop(self):
         return self.items.pop()
 
-import os, sys, json
+"""
+_TEXT = (
+    SAMPLE_CODE
+    + """import os, sys, json
 print("hello, world!", sys.argv, os.getcwd(), json.dumps({"a": 1}))
 The quick brown fox jumps over the lazy dog. 0123456789 !@#$%^&*()[]{}<>?/\\|~`'";:
 """
+)
 
 
 def tiny_tokenizer(out_dir: str | Path, vocab_size: int = 320, text: str | None = None) -> Any:
