@@ -60,7 +60,7 @@ class ModelDrafter(Drafter):
         # draft is made by one kernel call in ``first`` (the loop's stop rules evaluated there too), and ``feed``
         # hands the loop the tokens already drafted, so the loop's decisions are the same, without a Python round
         # trip per token.
-        native = bool(getattr(self.runner, "drafts_natively", False))
+        native = self.runner.drafts_natively
         ahead: dict[int, list[Pick]] = {}
 
         def catch_up(i: int) -> tuple[list[int], KVCache]:
@@ -72,7 +72,8 @@ class ModelDrafter(Drafter):
 
         def first(rows: list[int]) -> list[Pick]:
             fast = [i for i in rows if native and asks[i].params.greedy and asks[i].logit_rules is None]
-            slow = [i for i in rows if i not in set(fast)]
+            in_kernel = set(fast)
+            slow = [i for i in rows if i not in in_kernel]
             picks: dict[int, Pick] = {}
             if fast:
                 pending = [catch_up(i) for i in fast]
