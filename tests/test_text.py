@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from specdec.api import default_target, load_tokenizer
-from specdec.text import TextDecoder
+from specdec.text import TextDecoder, fast_decoder
 
 
 def tokenizers(tiny_models: dict[str, Path]) -> list[Any]:
@@ -64,3 +64,28 @@ def test_a_sequence_that_does_not_extend_the_cached_one_is_decoded_whole(tiny_mo
     other = ids[:3] + tok.encode(" something else", add_special_tokens=False)
     assert dec.text_for(other, final=False) == whole(tok, other, False)
     assert dec.text_for(ids[:2], final=True) == whole(tok, ids[:2], True)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_fast_decode_path_gives_the_wrapper_s_text(tiny_models: dict[str, Path], seed: int) -> None:
+    """TextDecoder calls the ``tokenizers`` library directly where the transformers wrapper would return the same
+    text (no clean-up of tokenization spaces); step by step, its text is the wrapper's, special tokens included."""
+    rng = random.Random(seed)  # deterministic: no false failures
+    for tok in tokenizers(tiny_models):
+        assert fast_decoder(tok) is not None, tok.name_or_path  # the tokenizers these tests ship run the fast path
+        specials = sorted(set(tok.all_special_ids))
+        ids = tok.encode("class A:\n    x = 'ünïcode ✓'\n", add_special_tokens=False)
+        ids += [rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tok)) for _ in range(120)]
+        dec, pos = TextDecoder(tok), 0
+        while pos < len(ids):
+            pos = min(len(ids), pos + rng.randint(1, 4))
+            final = pos == len(ids)
+            assert dec.text_for(ids[:pos], final) == whole(tok, ids[:pos], final), (seed, pos)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_the_wrapper(tiny_models: dict[str, Path]) -> None:
+    tok = load_tokenizer(tiny_models["llama"])
+    tok.clean_up_tokenization_spaces = True
+    assert fast_decoder(tok) is None
+    ids = tok.encode("a , b . c", add_special_tokens=False)
+    assert TextDecoder(tok).text_for(ids, final=True) == tok.decode(ids, skip_special_tokens=True)

@@ -17,7 +17,7 @@ from specdec.records import Verdict
 from specdec.runtime.base import KVCache, ModelRunner, eos_ids_of
 from specdec.sampling import SamplingParams, TokenLogprob, logits_to_probs, token_logprobs
 from specdec.target_side import Cache, TargetSide, Verifying
-from specdec.verify import verify_greedy, verify_sampling
+from specdec.verify import verdict_greedy, verify_sampling
 
 
 class ModelTarget(TargetSide):
@@ -75,10 +75,10 @@ class ModelTarget(TargetSide):
 
 
 def _verify(gen: Verifying, draft: Draft, target_logits: torch.Tensor) -> Verdict:
+    if gen.params.greedy:  # the argmax of each row, then plain comparisons
+        return verdict_greedy(draft.tokens, target_logits.argmax(dim=-1).tolist())
     device = target_logits.device
     draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=device)
-    if gen.params.greedy:
-        return verify_greedy(draft_tokens, target_logits)
     target_probs = logits_to_probs(target_logits, gen.params)
     if draft.probs is None:
         if draft.tokens:  # only greedy requests may be drafted without q

@@ -14,6 +14,8 @@ A step's outcome is a ``Verdict`` (plain data in ``specdec.records``, re-exporte
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from specdec.records import Verdict, correction_kind
@@ -24,6 +26,7 @@ __all__ = [
     "accept_mask",
     "first_rejection",
     "residual",
+    "verdict_greedy",
     "verify_greedy",
     "verify_sampling",
     "verify_with_uniforms",
@@ -90,18 +93,25 @@ def verify_with_uniforms(
 
 
 def verify_greedy(
-    draft_tokens: torch.Tensor,  # [τ]
+    draft_tokens: torch.Tensor | Sequence[int],  # [τ]
     target_logits: torch.Tensor,  # [τ+1, V]
 ) -> Verdict:
     """Temperature 0: a draft token is accepted iff it is the target's argmax there."""
-    tau = draft_tokens.shape[0]
-    best = target_logits.argmax(dim=-1)  # [τ+1]
-    flags = draft_tokens == best[:tau]
-    n = first_rejection(flags)
+    best = target_logits.argmax(dim=-1).tolist()  # [τ+1]
+    tokens = draft_tokens.tolist() if isinstance(draft_tokens, torch.Tensor) else list(draft_tokens)
+    return verdict_greedy(tokens, best)
+
+
+def verdict_greedy(draft_tokens: Sequence[int], best: Sequence[int]) -> Verdict:
+    """The greedy verdict from the target's argmax at each of the τ+1 rows (``best``): the draft's longest prefix
+    that agrees with it, then the target's token at the first disagreement (or the bonus token)."""
+    tau = len(draft_tokens)
+    flags = [int(d) == int(b) for d, b in zip(draft_tokens, best[:tau])]
+    n = flags.index(False) if False in flags else tau
     return Verdict(
-        accept_flags=flags.tolist(),
+        accept_flags=flags,
         n_accepted=n,
-        tokens=draft_tokens[:n].tolist() + [int(best[n].item())],
+        tokens=[int(t) for t in draft_tokens[:n]] + [int(best[n])],
         correction=correction_kind(tau, n),
         target_token_probs=[],
         draft_token_probs=[],

@@ -228,8 +228,12 @@ class NativeRunner(ModelRunner):
     ) -> list[torch.Tensor]:
         if self._fused is None or len(blocks) == 1:
             return [self.forward(ids, cache, last_only) for ids, cache in blocks]
-        ids_l, pos_l, kv_l, out_l = [], [], [], []
-        row = 0
+        # Row indices as Python lists, four tensors at the end: per-block tensors cost ~1.5 µs each, 16 blocks a step.
+        ids_l: list[torch.Tensor] = []
+        pos_l: list[int] = []
+        kv_l: list[int] = []
+        out_l: list[int] = []
+        sizes: list[int] = []
         for ids, cache in blocks:
             if not isinstance(cache, NativeCache):
                 raise TypeError(f"NativeRunner needs caches from its own new_cache(), got {type(cache).__name__}")
@@ -241,17 +245,20 @@ class NativeRunner(ModelRunner):
                 raise ContextLengthError(
                     f"{self.name}: {pos + k} tokens do not fit the context window of {self.max_context}", "max_tokens"
                 )
+            row = len(pos_l)
             ids_l.append(ids)
-            pos_l.append(torch.arange(pos, pos + k, dtype=torch.int64))
-            kv_l.append(torch.full((k,), cache.kv.data_ptr(), dtype=torch.int64))
-            out_l.append(torch.arange(row + k - 1 if last_only else row, row + k, dtype=torch.int64))
-            row += k
-        logits = self._fused.forward_rows(torch.cat(ids_l), torch.cat(pos_l), torch.cat(kv_l), torch.cat(out_l))
+            pos_l.extend(range(pos, pos + k))
+            kv_l.extend([cache.kv.data_ptr()] * k)
+            out_l.extend(range(row + k - 1 if last_only else row, row + k))
+            sizes.append(1 if last_only else k)
+        logits = self._fused.forward_rows(
+            torch.cat(ids_l), torch.tensor(pos_l), torch.tensor(kv_l), torch.tensor(out_l)
+        )
         out, first = [], 0
-        for (ids, cache), o in zip(blocks, out_l):
+        for (ids, cache), size in zip(blocks, sizes):
             cache._length += int(ids.reshape(-1).shape[0])  # type: ignore[attr-defined]
-            out.append(logits[first : first + o.shape[0]])
-            first += int(o.shape[0])
+            out.append(logits[first : first + size])
+            first += size
         return out
 
     @property
