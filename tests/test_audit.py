@@ -27,10 +27,10 @@ def engine(tiny_models: dict[str, Path]) -> Engine:
     return specdec.load(tiny_models["llama"], tiny_models["draft"], tau=3)
 
 
-def _accept_all_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
-    tau = draft_tokens.shape[0]
-    bonus = int(target_logits[tau].argmax().item())
-    return Verdict([True] * tau, tau, draft_tokens.tolist() + [bonus], "bonus" if tau else "plain", [], [])
+def _accept_all_greedy(draft_tokens: list[int], best: list[int]) -> Verdict:
+    """In place of ``verdict_greedy`` (the draft tokens, the target's argmax at each row): accepts every token."""
+    tau = len(draft_tokens)
+    return Verdict([True] * tau, tau, [*draft_tokens, best[tau]], "bonus" if tau else "plain", [], [])
 
 
 def _accept_all_sampling(draft_tokens, draft_probs, target_probs, generator):  # type: ignore[no-untyped-def]
@@ -40,7 +40,7 @@ def _accept_all_sampling(draft_tokens, draft_probs, target_probs, generator):  #
 
 @pytest.fixture
 def broken(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(verifier_mod, "verify_greedy", _accept_all_greedy)
+    monkeypatch.setattr(verifier_mod, "verdict_greedy", _accept_all_greedy)
     monkeypatch.setattr(verifier_mod, "verify_sampling", _accept_all_sampling)
 
 
