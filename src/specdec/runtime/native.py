@@ -233,7 +233,7 @@ class NativeRunner(ModelRunner):
         pos_l: list[int] = []
         kv_l: list[int] = []
         out_l: list[int] = []
-        sizes: list[int] = []
+        lengths: list[int] = []
         for ids, cache in blocks:
             if not isinstance(cache, NativeCache):
                 raise TypeError(f"NativeRunner needs caches from its own new_cache(), got {type(cache).__name__}")
@@ -250,13 +250,14 @@ class NativeRunner(ModelRunner):
             pos_l.extend(range(pos, pos + k))
             kv_l.extend([cache.kv.data_ptr()] * k)
             out_l.extend(range(row + k - 1 if last_only else row, row + k))
-            sizes.append(1 if last_only else k)
+            lengths.append(k)
         logits = self._fused.forward_rows(
             torch.cat(ids_l), torch.tensor(pos_l), torch.tensor(kv_l), torch.tensor(out_l)
         )
         out, first = [], 0
-        for (ids, cache), size in zip(blocks, sizes):
-            cache._length += int(ids.reshape(-1).shape[0])  # type: ignore[attr-defined]
+        for (_, cache), k in zip(blocks, lengths):
+            cache._length += k  # type: ignore[attr-defined]
+            size = 1 if last_only else k
             out.append(logits[first : first + size])
             first += size
         return out
