@@ -4,6 +4,7 @@ side by side in one run.
 
     python benchmarks/load_test.py --spawn --concurrency 1 4 16 32 --requests 32 --json load.json
     python benchmarks/load_test.py --url http://127.0.0.1:8000 --modes plain spec   # a server you started
+    python benchmarks/load_test.py --from-json load.json --plot load.png             # re-draw a report
 
 ``--spawn`` starts two servers on loopback with the same models (``--serve-args``): one with the default
 ``--max-batch`` and one with ``--max-batch 1``; mode ``unbatched`` is the policy on the second, every
@@ -281,6 +282,36 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def plot(report: dict[str, Any], path: str) -> None:
+    """Output tok/s and p95 latency against clients, one line per mode (PNG; matplotlib, checked by parse_args)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, (ax_tok, ax_p95) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode in modes:
+        mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["concurrency"])
+        clients = [r["concurrency"] for r in mine]
+        style = {"linewidth": 2.5} if mode == "spec" else {"linewidth": 1.2}
+        ax_tok.plot(clients, [r["tokens_per_s"] for r in mine], marker="o", label=mode, **style)
+        ax_p95.plot(clients, [r["p95_latency_s"] for r in mine], marker="o", label=mode, **style)
+    for ax, title in ((ax_tok, "output tokens/s (all clients)"), (ax_p95, "p95 request latency, s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(
+            sorted({r["concurrency"] for r in rows}), [str(c) for c in sorted({r["concurrency"] for r in rows})]
+        )
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    ax_tok.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000", help="a running batched server (without --spawn)")
@@ -304,7 +335,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", default=None, metavar="FILE", help="prompts, one JSON string per line (JSONL)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", default=None, metavar="FILE", help="also write the full report as JSON")
+    p.add_argument("--plot", default=None, metavar="FILE", help="also draw tok/s and p95 against clients (PNG)")
+    p.add_argument(
+        "--from-json", default=None, metavar="FILE", help="no run: print (and --plot) a report written by --json"
+    )
     args = p.parse_args(argv)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            p.error("--plot needs matplotlib: pip install 'specdec[bench]'")
+    if args.from_json:  # a saved report: nothing is run
+        return args
     for mode in args.modes:
         if mode not in ("plain", "spec", "unbatched") and not (mode.startswith("tau") and mode[3:].isdigit()):
             p.error(f"unknown mode {mode!r}: plain, spec, unbatched or tauN")
@@ -321,6 +363,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        try:
+            with open(args.from_json) as f:
+                report = json.load(f)
+            text = render(report)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            print(f"load_test: error: {args.from_json}: not a report written by --json ({e})", file=sys.stderr)
+            return 2
+        print(text)
+        if args.plot:
+            plot(report, args.plot)
+        return 0
     try:
         if args.spawn:
             with spawned_servers(args) as urls:
@@ -338,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    if args.plot:
+        plot(report, args.plot)
     failed = any(r["errors"] for r in report["rows"])
     differ = report["greedy_identity"] is not None and report["greedy_identity"]["differing"] > 0
     return 1 if failed or differ else 0

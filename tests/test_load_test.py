@@ -1,0 +1,87 @@
+"""benchmarks/load_test.py's report side: the table, the plot of tok/s and p95 against clients, re-drawing a saved
+report (``--from-json``), and a clear one-line error for a file that is not one. The load run itself needs servers
+(tests/test_server.py runs real ones); these tests feed it a report by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "load_test.py"
+
+
+def _module() -> Any:
+    spec = importlib.util.spec_from_file_location("load_test_under_test", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up while being made
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(mode: str, clients: int, tok_s: float, p95: float) -> dict[str, Any]:
+    return {
+        "mode": mode,
+        "concurrency": clients,
+        "requests": 8,
+        "errors": 0,
+        "tokens_per_s": tok_s,
+        "requests_per_s": tok_s / 50,
+        "p50_latency_s": p95 / 2,
+        "p95_latency_s": p95,
+        "p50_ttft_s": 0.01,
+        "mean_tokens": 50.0,
+        "identical_prompts": "3/3",
+    }
+
+
+REPORT = {
+    "rows": [
+        _row("plain", 1, 500.0, 0.12),
+        _row("spec", 1, 1000.0, 0.08),
+        _row("plain", 16, 2000.0, 0.50),
+        _row("spec", 16, 3000.0, 0.40),
+    ],
+    "greedy_identity": {"prompt_mode_levels": 12, "differing": 0},
+}
+
+
+def test_the_table_gives_each_mode_against_plain_at_its_level() -> None:
+    text = _module().render(REPORT)
+    spec16 = next(line for line in text.splitlines() if line.startswith("| spec | 16 |"))
+    assert "| 3000.0 | 1.50× |" in spec16 and "| 0.400 |" in spec16
+    assert "| spec | 1 |" in text and "| 2.00× |" in text
+    assert "differing from the solo target-only run: 0 of 12" in text
+
+
+def test_a_saved_report_is_redrawn_as_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    saved, png = tmp_path / "load.json", tmp_path / "load.png"
+    saved.write_text(json.dumps(REPORT))
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--from-json", str(saved), "--plot", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "| plain | 16 |" in run.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_a_file_that_is_not_a_report_is_one_line_of_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"rows": [{"mode": "plain"}]}')
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--from-json", str(bad)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 2
+    assert run.stderr.startswith(f"load_test: error: {bad}: not a report written by --json")
+    assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr
