@@ -140,13 +140,18 @@ def test_step_records_carry_the_batch_and_the_budget(engine: Engine) -> None:
         ),
         min_size=1,
         max_size=7,
-    )
+    ),
+    st.sampled_from([0, 12, 1000]),  # prompts up to this long are prefilled by their first step
 )
 def test_random_schedules_keep_every_greedy_output_identical_to_its_solo_run(
-    engine: Engine, schedule: list[tuple[int, int, int, int]]
+    engine: Engine, schedule: list[tuple[int, int, int, int]], prefill_in_step: int
 ) -> None:
     arrivals = [(at, dict(prompt=PROMPTS[p], max_new_tokens=n, tau=tau)) for at, p, tau, n in schedule]
-    gens = run_schedule(engine, arrivals)
+    engine.prefill_in_step = prefill_in_step
+    try:
+        gens = run_schedule(engine, arrivals)
+    finally:
+        engine.prefill_in_step = 0
     for (_, p, _, n), g in zip(schedule, gens):
         assert g.new_tokens == solo(engine, p, n)
 
@@ -236,3 +241,88 @@ def test_a_batched_pass_gives_each_row_the_logits_it_gets_alone(engine: Engine) 
     together = target.forward_batch(list(zip(blocks, caches)))
     for a, t, c, p, b in zip(alone, together, caches, prompts, blocks):
         assert torch.equal(a, t) and c.length == len(p) + len(b)
+
+
+def test_a_block_can_bring_its_prompt_into_the_pass(engine: Engine) -> None:
+    """A request whose prefill joins a step: its block is [prompt..., draft...] in the shared pass, and only
+    its last rows' logits are kept; they and the cache it leaves are bit for bit those of a prefill pass of
+    its own followed by the block."""
+    target = engine.target
+    torch.manual_seed(1)
+    prompt = torch.randint(1, target.vocab_size, (23,))
+    block = torch.randint(1, target.vocab_size, (4,))
+    other_prompt, other_block = torch.randint(1, target.vocab_size, (9,)), torch.randint(1, target.vocab_size, (3,))
+    alone = target.new_cache()
+    target.forward(prompt, alone)
+    want = target.forward(block, alone)
+    other = target.new_cache()
+    target.forward(other_prompt, other)
+    other_want = target.forward_batch([(other_block, other)])[0]
+    other.crop(len(other_prompt))
+    joined = target.new_cache()
+    got, other_got = target.forward_batch(
+        [(torch.cat([prompt, block]), joined), (other_block, other)], keep=[len(block), len(other_block)]
+    )
+    assert torch.equal(got, want) and torch.equal(other_got, other_want)
+    assert joined.length == len(prompt) + len(block)
+    # The cache it leaves behind serves the next block as a prefilled one does.
+    nxt = torch.randint(1, target.vocab_size, (2,))
+    joined.crop(len(prompt) + 1)
+    alone.crop(len(prompt) + 1)
+    assert torch.equal(target.forward(nxt, joined), target.forward(nxt, alone))
+    with pytest.raises(ValueError, match="keep"):
+        target.forward_batch([(block, target.new_cache()), (block, target.new_cache())], keep=[1])
+
+
+@pytest.fixture
+def prefill_in_step(engine: Engine) -> Any:
+    """The engine with prompts of up to 1,000 tokens prefilled by their first step (put back afterwards)."""
+    engine.prefill_in_step = 1000
+    yield engine
+    engine.prefill_in_step = 0
+
+
+def test_prompts_prefilled_in_their_first_step_keep_every_output(prefill_in_step: Engine) -> None:
+    engine = prefill_in_step
+    arrivals = [
+        (0, dict(prompt=PROMPTS[2], max_new_tokens=30, tau=3)),
+        (0, dict(prompt=PROMPTS[1], max_new_tokens=20, tau=0)),
+        (1, dict(prompt=PROMPTS[3], max_new_tokens=25, policy="adaptive")),  # joins a running batch
+        (1, dict(prompt=PROMPTS[0], max_new_tokens=25, tau=5, stop="\n")),
+        (3, dict(prompt=PROMPTS[5], max_new_tokens=20, tau=2, max_verify_passes=3)),
+        (2, dict(prompt=PROMPTS[4], max_new_tokens=30, tau=4)),  # cancelled before its first step
+    ]
+    gens = run_schedule(engine, arrivals, cancel={5: 2})
+    for j, ((_, kw), g) in enumerate(zip(arrivals, gens)):
+        want = solo(engine, PROMPTS.index(kw["prompt"]), kw["max_new_tokens"], kw.get("stop"))
+        if j == 5:
+            assert g.stats.finish_reason == "cancelled" and g.new_tokens == [] and not g.records
+            continue
+        assert g.new_tokens == (want if j != 4 else want[: len(g.new_tokens)]), (j, kw)
+        first = g.records[0]
+        # Its prompt came into the first step's pass: the rows say so, and no pass of its own ran at start.
+        assert first.rows >= len(g.prompt_ids) + first.tau
+        assert g.stats.prefill_time < 0.05
+        if first.tau:
+            assert first.draft_fed >= len(g.prompt_ids)  # the drafter took the prompt in at its first forward
+    assert gens[4].stats.target_passes <= 3
+    # A long prompt is still prefilled at start; n samples of one prompt share one prefill.
+    engine.prefill_in_step = 5
+    g = engine.start(PROMPTS[2], max_new_tokens=4, tau=2)
+    assert g.cache.length == len(g.prompt_ids) - 1
+    g.cancel()
+    engine.prefill_in_step = 1000
+    samples = engine.start_many(PROMPTS[0], 3, max_new_tokens=6, tau=2)
+    assert all(s.cache.length == len(s.prompt_ids) - 1 for s in samples)
+    while any(not s.done for s in samples):
+        engine.step(samples)
+    assert all(s.new_tokens == solo(engine, 0, 6) for s in samples)
+
+
+def test_a_seeded_sampled_request_is_the_same_with_its_prefill_in_the_step(prefill_in_step: Engine) -> None:
+    engine = prefill_in_step
+    kw = dict(prompt=PROMPTS[3], max_new_tokens=20, tau=3, temperature=1.0, top_k=20, seed=5)
+    deferred = engine.generate(**kw)
+    assert deferred.records[0].rows > 4
+    engine.prefill_in_step = 0
+    assert engine.generate(**kw).token_ids == deferred.token_ids

@@ -268,6 +268,7 @@ def test_models_health_metrics_and_auth(server: str, client: Any) -> None:
     assert h["threads"] == max(1, cpus - 1)
     if cpus > 1:
         assert h["wide_pass_threads"] == cpus and h["wide_pass_rows"] == 12
+    assert h["prefill_in_step"] == 256  # batching: short prompts join the step's pass
     assert "specdec_spec_decode_num_draft_tokens_total" in httpx.get(f"{server}/metrics", timeout=5).text
     denied = httpx.post(f"{server}/v1/completions", json={"prompt": "x"}, timeout=5)
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"

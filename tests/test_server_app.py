@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
+from specdec.errors import InvalidRequestError  # noqa: E402
 from specdec.server import ServerSettings, create_app  # noqa: E402
 
 pytestmark = pytest.mark.server
@@ -211,6 +212,14 @@ def test_api_key(engine: Any) -> None:
     assert right.status_code == 200 and health.status_code == 200
     info = health.json()  # /health needs no key, and says what is served and where its batch costs come from
     assert info["drafter"] == engine.drafter.name and info["costs"] == engine.costs_note
+
+
+def test_prefill_in_step_setting() -> None:
+    assert ServerSettings().prefill_tokens_in_step == 256
+    assert ServerSettings(max_batch=1).prefill_tokens_in_step == 0  # one request per pass: today's behaviour
+    assert ServerSettings(max_batch=1, prefill_in_step=64).prefill_tokens_in_step == 64
+    with pytest.raises(InvalidRequestError, match="prefill_in_step=-1"):
+        ServerSettings(prefill_in_step=-1)
 
 
 def test_full_queue_answers_429_with_retry_after(engine: Any) -> None:

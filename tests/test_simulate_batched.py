@@ -211,3 +211,30 @@ def test_a_batched_goal_heavy_load() -> None:
     assert heavy.passed, heavy.detail
     assert next(g for n, g in by_name.items() if "fixed tau=4 slower" in n).passed
     assert all(g.passed for g in goals), [g.line() for g in goals if not g.passed]
+
+
+def test_a_switch_from_plain_steps_does_not_teach_the_cost_of_a_draft_depth() -> None:
+    """After plain steps a draft model first takes in their tokens (``draft_fed``): that step's draft seconds are
+    a switch's price, not what drafting one token costs while drafting goes on. Learnt as a depth's, a batch
+    that explored one token after 8 plain steps found drafting dear and stayed plain (issue 15's server at 16
+    clients, 0.84x of fixed tau = 3 in process)."""
+    base = StepRecord("r", 0, 10, 10, "p", "", 1, [5], [True], 1, "bonus", [5, 6], 0.0, 9.5e-3, 3e-3)
+    switch = replace(base, draft_time=4e-3, batch_size=16, rows=32, drafting=16, draft_passes=1, draft_fed=144)
+    steady = replace(base, draft_time=0.5e-3, batch_size=16, rows=32, drafting=16, draft_passes=1, draft_fed=24)
+    costs = BatchCosts()
+    costs.observe(switch)
+    assert not costs.draft_forward.seen and not costs.draft_lines
+    costs.observe(steady)
+    assert costs.draft_forward(16, 1.0) == pytest.approx(0.5e-3)
+    # The one-sequence costs of the adaptive policy skip it the same way (and a first step whose prompt joined
+    # the pass teaches no block cost either).
+    policy = make_policy("adaptive")
+    policy.observe(replace(base, draft_time=4e-3, drafting=1, draft_passes=1, draft_fed=9))
+    assert policy.costs.draft_per_token is None  # type: ignore[attr-defined]
+    line = policy.costs.line()  # type: ignore[attr-defined]
+    policy.observe(
+        replace(base, draft_time=0.4e-3, verify_time=40e-3, drafting=1, draft_passes=1, draft_fed=2, rows=30)
+    )
+    assert policy.costs.draft_per_token is None and policy.costs.line() == line  # type: ignore[attr-defined]
+    policy.observe(replace(base, draft_time=0.4e-3, drafting=1, draft_passes=1, draft_fed=2, rows=2))
+    assert policy.costs.draft_per_token == pytest.approx(0.4e-3)  # type: ignore[attr-defined]

@@ -118,6 +118,10 @@ class Engine:
         # Seconds of every request's prefill so far: a request's step record leaves out the prefills that ran
         # between its steps (requests admitted meanwhile: their passes, not this step's overhead).
         self.prefill_seconds = 0.0
+        # Prompts of up to this many tokens skip a prefill pass of their own: the request's first step takes the
+        # prompt in, in the pass it shares with the other sequences (one stream of the weights, not two). The
+        # server sets it when it batches; 0: every prompt is prefilled at ``start``.
+        self.prefill_in_step = 0
         self.costs_note = "batch costs learnt from steps"  # where the policies' batch cost curves start from
 
     def prime(self, pass_seconds: dict[int, float], draft_forward_seconds: dict[int, float]) -> None:
@@ -150,12 +154,15 @@ class Engine:
         ignore_eos: bool = False,
         logprobs: int | None = None,
         fork_of: Generation | None = None,
+        defer_prefill: bool | None = None,
     ) -> Generation:
         """Validate a request and prefill it; advance it with ``Generation.step()`` or ``Engine.step``.
 
         ``tau=N`` is the fixed policy ``fixed:tau=N`` (an error with any other ``policy``). ``fork_of`` (used by
         ``start_many``): a Generation of the same prompt that has not stepped yet, whose caches are copied
-        instead of prefilling the prompt again.
+        instead of prefilling the prompt again. ``defer_prefill``: the prompt is taken in by the request's first step
+        (its pass shared with the other sequences of that step) rather than by a pass of its own now; None: when
+        it has at most ``Engine.prefill_in_step`` tokens.
         Penalties, ``logit_bias``, ``min_tokens`` and ``ignore_eos``: see ``specdec.logits_rules`` (each
         position of a verify block is processed with its own context, so the output is target-only decoding
         with the same rules). ``logprobs=k``: each emitted token's log probability under the target's processed
@@ -213,6 +220,11 @@ class Engine:
             rules,
             logprobs,
             fork_of=fork_of,
+            defer_prefill=(
+                fork_of is None and len(prompt_ids) <= self.prefill_in_step
+                if defer_prefill is None
+                else defer_prefill and fork_of is None
+            ),
         )
 
     def start_many(
@@ -237,7 +249,7 @@ class Engine:
         rid = request_id or uuid.uuid4().hex[:16]
         if n == 1:
             return [self.start(prompt, seed=seed, request_id=rid, **kwargs)]
-        first = self.start(prompt, seed=seed, request_id=f"{rid}-0", **kwargs)
+        first = self.start(prompt, seed=seed, request_id=f"{rid}-0", defer_prefill=False, **kwargs)  # forked below
         gens = [first]
         try:
             for j in range(1, n):
@@ -319,6 +331,9 @@ class Engine:
         drafts = self._draft(live, taus, decisions)
 
         t2 = self.clock()
+        # Rows each sequence brings to the pass besides its draft: 1 (its last token) once stepped, the prompt's
+        # tokens at the first step of a deferred prefill.
+        behind = sum(len(g.context) - g.cache.length for g in live)
         try:
             verdicts, logprobs = self.side.verify(live, drafts)  # ONE pass over every sequence's [last, ŷ1..ŷτ]
         except BaseException:
@@ -328,9 +343,10 @@ class Engine:
 
         shape = _StepShape(
             sequences=len(live),
-            rows=sum(len(d.tokens) + 1 for d in drafts),
+            rows=behind + sum(len(d.tokens) for d in drafts),
             drafting=sum(1 for d in drafts if d.tokens),
             draft_passes=max(len(d.tokens) for d in drafts),
+            draft_fed=sum(d.fed for d in drafts),
         )
         pending = [
             g.commit_step(d, v, decision, t_plan=t1, t_draft=t2 - t1, t_verify=t3 - t2, shape=shape, logprobs=lp)
@@ -385,6 +401,7 @@ class _StepShape:
     rows: int  # of the target pass
     drafting: int  # sequences that drafted
     draft_passes: int  # lockstep draft forwards
+    draft_fed: int  # context tokens the drafter took in before drafting, over all sequences (its catch-up)
 
 
 @dataclass
@@ -411,6 +428,7 @@ class Generation:
         logprobs: int | None = None,
         *,
         fork_of: Generation | None = None,
+        defer_prefill: bool = False,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
@@ -446,10 +464,11 @@ class Generation:
         else:
             self.draft_state = drafter.new_state() if drafter else None
             # Prefill, in a pass of its own: the target's cache holds context[:-1]; each step feeds
-            # [context[-1], ŷ_1..ŷ_τ]. The drafter takes the prompt in the same way.
+            # [context[-1], ŷ_1..ŷ_τ]. The drafter takes the prompt in the same way. Deferred: both caches start
+            # empty, and the first step's passes take the prompt in with the other sequences' rows.
             with side.mode():
-                self.cache = side.prefill(prompt_ids)
-                if drafter is not None:
+                self.cache = side.prefill(prompt_ids, defer=defer_prefill)
+                if drafter is not None and not (defer_prefill and drafter.catches_up):
                     drafter.prefill(self.draft_state, prompt_ids)
         self.stats.prefill_time = engine.clock() - self._t_start
         engine.prefill_seconds += self.stats.prefill_time
@@ -550,6 +569,7 @@ class Generation:
             rows=shape.rows,
             drafting=shape.drafting,
             draft_passes=shape.draft_passes,
+            draft_fed=shape.draft_fed,
             verify_passes=self.stats.target_passes + 1,
             max_verify_passes=self.max_verify_passes,
         )

@@ -69,9 +69,14 @@ class StepRecord:
     draft_confidence: list[float] = field(default_factory=list)  # the draft's top probability at each position
     tau_planned: int | None = None  # τ the policy asked for, before the engine's clamp and the draft rule
     batch_size: int = 1  # sequences that shared this step's draft and target passes
-    rows: int = 0  # rows of the step's target pass over all its sequences (this one's: tau + 1)
+    # Rows of the step's target pass over all its sequences (this one's: tau + 1, and its prompt's tokens at the first
+    # step of a request whose prefill joined the step's pass).
+    rows: int = 0
     drafting: int = 0  # sequences of the step that drafted (each lockstep draft forward runs over those left)
     draft_passes: int = 0  # lockstep draft forwards the step ran (its deepest draft)
+    # Context tokens the step's drafter took in before drafting, over all its sequences (a draft model's catch-up:
+    # 1-2 per sequence that drafted its previous step, one more per plain step since; 0 without a draft model).
+    draft_fed: int = 0
     verify_passes: int = 0  # target passes this request has used, this step's included
     max_verify_passes: int | None = None  # the request's cap (its own, or the policy's allowance if smaller)
 

@@ -35,7 +35,7 @@ class Verifying(Protocol):
 
     prompt_ids: list[int]
     context: list[int]  # the verified sequence so far
-    cache: Cache  # holds context[:-1]
+    cache: Cache  # holds context[:-1] (a prefix of it before the first step of a deferred prefill)
     params: SamplingParams
     generator: Any  # the request's generator (``TargetSide.generator``)
     rules_state: RulesState | None  # the request's logit-rule counts, when a rule is active
@@ -48,7 +48,9 @@ class TargetSide(ABC):
     runs a ``ModelRunner``; the simulator's verifies against a hidden continuation (``specdec.simulate.pair``).
 
     A cache holds ``context[:-1]`` between steps; ``verify`` appends each sequence's block ``[context[-1],
-    ŷ1..ŷτ]`` to it and the engine crops it back to what stands (``cache.crop``, as a ``KVCache``).
+    ŷ1..ŷτ]`` to it and the engine crops it back to what stands (``cache.crop``, as a ``KVCache``). A request
+    whose prefill was deferred (``prefill(..., defer=True)``) starts with less: its first block is
+    ``[*context[cache.length:], ŷ1..ŷτ]``, the prompt taken in by the step's one pass.
     """
 
     vocab_size: int
@@ -68,8 +70,10 @@ class TargetSide(ABC):
         """The counts of a request whose logit rules are active (``LogitsRules.active``)."""
 
     @abstractmethod
-    def prefill(self, prompt_ids: list[int]) -> Cache:
-        """A new cache holding ``prompt_ids[:-1]`` (the last prompt token opens the first step's block)."""
+    def prefill(self, prompt_ids: list[int], defer: bool = False) -> Cache:
+        """A new cache holding ``prompt_ids[:-1]`` (the last prompt token opens the first step's block). ``defer``:
+        an empty cache, when the side's ``verify`` takes in what a cache lacks (the prompt then joins the first
+        step's pass); a side that cannot defer prefills now."""
 
     @abstractmethod
     def fork(self, cache: Cache, prompt_ids: list[int]) -> Cache:
@@ -83,5 +87,6 @@ class TargetSide(ABC):
     def verify(
         self, live: Sequence[Verifying], drafts: Sequence[Draft]
     ) -> tuple[list[Verdict], list[list[TokenLogprob] | None]]:
-        """ONE target pass over every sequence's ``[context[-1], *draft.tokens]``, then each verified with its own
-        settings: the verdicts, and the emitted tokens' log probabilities (for requests that asked for them)."""
+        """ONE target pass over every sequence's ``[*context[cache.length:], *draft.tokens]``, then each verified
+        with its own settings: the verdicts, and the emitted tokens' log probabilities (for requests that asked for
+        them)."""

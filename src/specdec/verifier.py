@@ -38,9 +38,9 @@ class ModelTarget(TargetSide):
     def rules_state(self, rules: LogitsRules, prompt_ids: list[int], eos_ids: frozenset[int]) -> RulesState:
         return RulesState(rules, prompt_ids, self.vocab_size, eos_ids, self.runner.device)
 
-    def prefill(self, prompt_ids: list[int]) -> Cache:
+    def prefill(self, prompt_ids: list[int], defer: bool = False) -> Cache:
         cache = self.runner.new_cache()
-        if len(prompt_ids) > 1:
+        if len(prompt_ids) > 1 and not defer:
             ids = torch.tensor(prompt_ids[:-1], dtype=torch.long, device=self.runner.device)
             self.runner.forward(ids, cache, last_only=True)
         return cache
@@ -55,11 +55,19 @@ class ModelTarget(TargetSide):
         self, live: Sequence[Verifying], drafts: Sequence[Draft]
     ) -> tuple[list[Verdict], list[list[TokenLogprob] | None]]:
         device = self.runner.device
+        # Each block is what the sequence's cache lacks, then its draft: [context[-1], ŷ1..ŷτ] once it has stepped;
+        # a request whose prefill was deferred brings its prompt into the same pass.
         blocks = [
-            (torch.tensor([g.context[-1], *d.tokens], dtype=torch.long, device=device), cast(KVCache, g.cache))
+            (
+                torch.tensor([*g.context[g.cache.length :], *d.tokens], dtype=torch.long, device=device),
+                cast(KVCache, g.cache),
+            )
             for g, d in zip(live, drafts)
         ]
-        target_logits = self.runner.forward_batch(blocks)  # ONE pass over every sequence's [last, ŷ1..ŷτ]
+        if all(g.cache.length + 1 == len(g.context) for g in live):
+            target_logits = self.runner.forward_batch(blocks)  # ONE pass over every sequence's [last, ŷ1..ŷτ]
+        else:
+            target_logits = self.runner.forward_batch(blocks, keep=[len(d.tokens) + 1 for d in drafts])
         # Each row processed by the request's logit rules with its own context (context + the block before it).
         target_logits = [
             g.rules_state.apply(logits, d.tokens) if g.rules_state is not None else logits

@@ -53,6 +53,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-queue", type=int, default=64, help="requests waiting beyond those; more get 429 (default: 64)"
     )
     g.add_argument(
+        "--prefill-in-step",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="prompts of up to this many tokens are prefilled by the request's first step, in the pass it shares "
+        "with the batch, instead of a pass of their own between steps; 0: every prompt alone "
+        "(default: 256 with --max-batch > 1, else 0)",
+    )
+    g.add_argument(
         "--request-timeout",
         type=float,
         default=600.0,
@@ -146,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         max_active=args.max_active,
         max_batch=args.max_batch,
         max_queue=args.max_queue,
+        prefill_in_step=args.prefill_in_step,
         request_timeout=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
     )

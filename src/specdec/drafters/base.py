@@ -24,6 +24,10 @@ __all__ = ["Draft", "DraftAsk", "Drafter", "Pick", "lockstep", "one_hot"]
 class Drafter(ABC):
     name: str
     vocab_size: int
+    # Whether ``propose`` takes in whatever of the context the state has not seen (a draft model's catch-up): then a
+    # request whose prefill is deferred into its first step skips ``prefill``, and its first draft forward takes
+    # the prompt in.
+    catches_up: bool = False
 
     @abstractmethod
     def new_state(self) -> Any:

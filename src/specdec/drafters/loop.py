@@ -41,6 +41,9 @@ class Draft:
     probs: torch.Tensor | None = None
     token_probs: list[float] = field(default_factory=list)  # q(ŷ_t): the draft's probability of its token
     tops: list[float] = field(default_factory=list)  # the draft's top probability at each position
+    # Tokens of the context the drafter took in before its first token (a draft model's catch-up rows): 1-2 for a
+    # sequence that drafted its previous step, one more per plain step since. 0 for drafters without a model.
+    fed: int = 0
 
 
 @dataclass

@@ -19,6 +19,7 @@ class DraftModelState:
 
 class ModelDrafter(Drafter):
     name = "model"
+    catches_up = True
 
     def __init__(self, runner: ModelRunner, vocab_size: int) -> None:
         self.runner = runner
@@ -62,12 +63,14 @@ class ModelDrafter(Drafter):
         # trip per token.
         native = self.runner.drafts_natively
         ahead: dict[int, list[Pick]] = {}
+        fed: dict[int, int] = {}
 
         def catch_up(i: int) -> tuple[list[int], KVCache]:
             drafted[i] = []
             ask, cache = asks[i], asks[i].state.cache
             if cache.length >= len(ask.context):  # at least one token must be fed to get the next distribution
                 cache.crop(len(ask.context) - 1)
+            fed[i] = len(ask.context) - cache.length
             return ask.context[cache.length :], cache
 
         def first(rows: list[int]) -> list[Pick]:
@@ -105,7 +108,10 @@ class ModelDrafter(Drafter):
                 )
             return [picks[i] for i in rows]
 
-        return lockstep(asks, first, feed)
+        drafts = lockstep(asks, first, feed)
+        for i, n in fed.items():
+            drafts[i].fed = n
+        return drafts
 
     def _pick(
         self,

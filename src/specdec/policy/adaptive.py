@@ -29,12 +29,14 @@ from specdec.policy.estimates import (
     StepCosts,
     expected_emitted_all,
     reach_weighted_mean,
+    steady_draft,
 )
 from specdec.records import GenerationStats, StepRecord
 
 BUDGET_SAFETY = 1.3
 REQUEST_DECAY = 0.95  # per observation of a position: a request remembers its last ~20 outcomes there
 SHIFT = 2.0  # the CUSUMs test for a shift of this much in log-odds (0.9 -> 0.55, 0.4 -> 0.83)
+_EXP_SHIFT_UP, _EXP_SHIFT_DOWN = math.expm1(SHIFT), math.expm1(-SHIFT)
 CUSUM_H = 3.5  # evidence (nats) that declares a shift; the request then forgets what came before
 # Pseudo-observations of the bucket's rates in a request's own: requests are shrunk hard toward their bucket
 # (5-12 did alike in simulation), until a shift is detected in one, which is then no longer like the bucket.
@@ -417,6 +419,9 @@ class AdaptivePolicy(Policy):
             self._explored = self._batch_steps
         self._batch_depth = depth
         best = list(by_depth[depth])
+        _r, _s = goodput(best)
+        self._pred = (_r * _s, _s, sum(t + 1 for t in best) + other_rows)
+        self._rates = [(rates[i], goodput(by_depth[i])[1]) for i in range(len(rates))]
         out: list[Decision] = []
         for req, kept, tau in zip(reqs, own, best):
             if kept is not None and tau == kept.tau:
@@ -468,9 +473,10 @@ class AdaptivePolicy(Policy):
     def observe(self, record: StepRecord) -> None:
         req = self._requests.get(record.request_id)
         self.batch_costs.observe(record)  # one-sequence steps too: the low end of the cost curves
-        if record.batch_size == 1:
+        if record.batch_size == 1 and (record.rows or record.tau + 1) == record.tau + 1:  # not a prompt's first step
             # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.
-            self.costs.observe(record.tau, record.tau, record.draft_time, record.verify_time, record.other_time)
+            forwards = record.tau if steady_draft(record) else 0  # a switch's catch-up is not a depth's cost
+            self.costs.observe(record.tau, forwards, record.draft_time, record.verify_time, record.other_time)
         if req is not None and req.arm is not None and record.tau:
             seconds = record.draft_time + record.verify_time + record.other_time
             self.arms.observe(req.arm, len(record.emitted), seconds)
@@ -503,16 +509,17 @@ class AdaptivePolicy(Policy):
         """Two-sided Bernoulli CUSUM on the positions this step tested, against the rates it was planned
         with: a stretch where the draft does much better or worse (code <-> prose) is flagged within 2-3
         outcomes, and the request's own statistics restart from the steps since the shift began."""
+        # The alternative q = σ(logit p ± SHIFT) = p·e^±S / (1 − p + p·e^±S), so the log-likelihood ratios are
+        # log(q/p) = ±S − L± for a pass and log((1 − q)/(1 − p)) = −L± for a failure, L± = log(1 + p·(e^±S − 1)).
+        up, down = req.cusum_up, req.cusum_down
         for k, rate in enumerate(predicted):
             p = min(max(rate, 0.02), 0.98)
-            lp, passed = _logit(p), k < record.n_accepted
-            for sign in (1.0, -1.0):
-                q = _sigmoid(lp + sign * SHIFT)
-                llr = math.log(q / p) if passed else math.log((1 - q) / (1 - p))
-                if sign > 0:
-                    req.cusum_up = max(0.0, req.cusum_up + llr)
-                else:
-                    req.cusum_down = max(0.0, req.cusum_down + llr)
+            l_up, l_down = math.log1p(p * _EXP_SHIFT_UP), math.log1p(p * _EXP_SHIFT_DOWN)
+            if k < record.n_accepted:
+                up, down = max(0.0, up + SHIFT - l_up), max(0.0, down - SHIFT - l_down)
+            else:
+                up, down = max(0.0, up - l_up), max(0.0, down - l_down)
+        req.cusum_up, req.cusum_down = up, down
         step = (record.tau, record.n_accepted)
         for cusum, recent in ((req.cusum_up, req.recent_up), (req.cusum_down, req.recent_down)):
             if cusum > 0:

@@ -362,6 +362,14 @@ class CurveEWMA:
 DRAFT_ROW_GROWTH = 0.05  # until measured: a lockstep draft forward costs 5% more per further sequence
 
 
+def steady_draft(record: StepRecord) -> bool:
+    """Did the step's draft cost what its depth costs while drafting goes on? A draft model that sat out plain steps
+    first takes in their tokens (``draft_fed`` beyond 2 per drafting sequence): that is the price of switching from
+    plain decoding, paid once, and learnt as a depth's it priced drafting out for good (a batch that explored one
+    token after 8 plain steps paid 16 sequences × 9 tokens of draft catch-up and concluded that drafting is dear)."""
+    return record.draft_fed <= 2 * max(1, record.drafting)
+
+
 @dataclass
 class BatchCosts:
     """What a step shared by many sequences costs: the target pass by its rows, a lockstep draft forward by
@@ -387,7 +395,7 @@ class BatchCosts:
             self._last_pass = this_pass
             self.verify.observe(rows, record.verify_time)
             passes = record.draft_passes or record.tau
-            if passes and record.draft_time > 0:
+            if passes and record.draft_time > 0 and steady_draft(record):
                 drafting = max(1, record.drafting or 1)
                 self.draft_forward.observe(drafting, record.draft_time / passes)
                 self.draft_lines.setdefault(drafting, DraftLine()).observe(passes, record.draft_time)

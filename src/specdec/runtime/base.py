@@ -53,13 +53,20 @@ class ModelRunner(ABC):
         """
 
     def forward_batch(
-        self, blocks: Sequence[tuple[torch.Tensor, KVCache]], last_only: bool = False
+        self,
+        blocks: Sequence[tuple[torch.Tensor, KVCache]],
+        last_only: bool = False,
+        keep: Sequence[int] | None = None,
     ) -> list[torch.Tensor]:
         """Run several sequences' blocks (each ``ids [k_i]`` with its own cache, at that cache's positions);
-        returns each block's logits as ``forward`` would. A block's logits do not depend on the other
-        blocks. This default runs one pass per block; runtimes that batch (``batches``) run one pass in all.
+        returns each block's logits as ``forward`` would: all its rows, its last (``last_only``), or its last
+        ``keep[i]`` (a block that also takes in the tokens before the ones that matter: a prompt joining a
+        step). A block's logits do not depend on the other blocks. This default runs one pass per block;
+        runtimes that batch (``batches``) run one pass in all.
         """
-        return [self.forward(ids, cache, last_only) for ids, cache in blocks]
+        if keep is None:
+            return [self.forward(ids, cache, last_only) for ids, cache in blocks]
+        return [self.forward(ids, cache)[-k:] for (ids, cache), k in zip(blocks, keep)]
 
     # Whether ``draft_greedy`` runs a whole greedy draft in one call (the native runtime's CPU kernel).
     drafts_natively: bool = False

@@ -224,17 +224,23 @@ class NativeRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward_batch(
-        self, blocks: Sequence[tuple[torch.Tensor, KVCache]], last_only: bool = False
+        self,
+        blocks: Sequence[tuple[torch.Tensor, KVCache]],
+        last_only: bool = False,
+        keep: Sequence[int] | None = None,
     ) -> list[torch.Tensor]:
-        if self._fused is None or len(blocks) == 1:
+        if self._fused is None or (len(blocks) == 1 and keep is None):
             return [self.forward(ids, cache, last_only) for ids, cache in blocks]
+        if keep is not None and len(keep) != len(blocks):
+            raise ValueError(f"forward_batch: {len(keep)} keep counts for {len(blocks)} blocks")
         # Row indices as Python lists, four tensors at the end: per-block tensors cost ~1.5 µs each, 16 blocks a step.
         ids_l: list[torch.Tensor] = []
         pos_l: list[int] = []
         kv_l: list[int] = []
         out_l: list[int] = []
         lengths: list[int] = []
-        for ids, cache in blocks:
+        sizes: list[int] = []  # logit rows kept per block
+        for b, (ids, cache) in enumerate(blocks):
             if not isinstance(cache, NativeCache):
                 raise TypeError(f"NativeRunner needs caches from its own new_cache(), got {type(cache).__name__}")
             ids = check_batch_one(ids)
@@ -249,15 +255,16 @@ class NativeRunner(ModelRunner):
             ids_l.append(ids)
             pos_l.extend(range(pos, pos + k))
             kv_l.extend([cache.kv.data_ptr()] * k)
-            out_l.extend(range(row + k - 1 if last_only else row, row + k))
+            size = min(keep[b], k) if keep is not None else 1 if last_only else k
+            out_l.extend(range(row + k - size, row + k))
             lengths.append(k)
+            sizes.append(size)
         logits = self._fused.forward_rows(
             torch.cat(ids_l), torch.tensor(pos_l), torch.tensor(kv_l), torch.tensor(out_l)
         )
         out, first = [], 0
-        for (_, cache), k in zip(blocks, lengths):
+        for (_, cache), k, size in zip(blocks, lengths, sizes):
             cache._length += k  # type: ignore[attr-defined]
-            size = 1 if last_only else k
             out.append(logits[first : first + size])
             first += size
         return out

@@ -42,6 +42,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     scheduler = Scheduler(
         engine, max_active=settings.max_active, max_queue=settings.max_queue, max_batch=settings.max_batch
     )
+    engine.prefill_in_step = settings.prefill_tokens_in_step
     metrics = ServerMetrics(engine, scheduler)
     scheduler.on_step = metrics.observe_pass
 
@@ -118,6 +119,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             "batched_passes": engine.target.batches,
             "drafter": engine.drafter.name if engine.drafter is not None else None,  # "model", "bridge", ...
             "costs": engine.costs_note,
+            "prefill_in_step": engine.prefill_in_step,  # prompts up to this many tokens join a step's pass
             "runtime": getattr(engine.target, "backend", type(engine.target).__name__),
             **_compute_threads(),
             **scheduler.snapshot(),

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
+# A prompt this long adds about a 16-sequence batch's rows to the step it joins; longer ones are prefilled alone.
+DEFAULT_PREFILL_IN_STEP = 256
 
 
 @dataclass
@@ -15,6 +17,9 @@ class ServerSettings:
     max_active: int = 16  # requests in flight at once (each holds a cache slot)
     max_batch: int = 16  # requests sharing one step's draft and target passes (1: one request per pass)
     max_queue: int = 64  # requests waiting beyond those; more get 429
+    # Prompts of up to this many tokens are prefilled by the request's first step, in the pass it shares with the
+    # batch, not in a pass of their own (None: 256 when max_batch > 1, else 0; 0: every prompt in its own pass).
+    prefill_in_step: int | None = None
     request_timeout: float = 600.0  # seconds from arrival; then the request is cancelled (408)
     max_body_bytes: int = 2 * 1024 * 1024
     static_dir: Path | None = field(default=STATIC_DIR)  # the web playground, served at / when present
@@ -26,6 +31,7 @@ class ServerSettings:
             "max_active": self.max_active >= 1,
             "max_batch": self.max_batch >= 1,
             "max_queue": self.max_queue >= 0,
+            "prefill_in_step": self.prefill_in_step is None or self.prefill_in_step >= 0,
             "request_timeout": self.request_timeout > 0,
             "max_body_bytes": self.max_body_bytes > 0,
             "model_name": bool(self.model_name),
@@ -33,3 +39,10 @@ class ServerSettings:
         for name, ok in checks.items():
             if not ok:
                 raise InvalidRequestError(f"invalid server setting {name}={getattr(self, name)!r}", name)
+
+    @property
+    def prefill_tokens_in_step(self) -> int:
+        """``prefill_in_step`` resolved: 256 tokens when batching, 0 for one request per pass."""
+        if self.prefill_in_step is not None:
+            return self.prefill_in_step
+        return DEFAULT_PREFILL_IN_STEP if self.max_batch > 1 else 0

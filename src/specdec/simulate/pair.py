@@ -149,7 +149,7 @@ class SimTarget(TargetSide):
     def rules_state(self, rules: LogitsRules, prompt_ids: list[int], eos_ids: frozenset[int]) -> RulesState:
         raise InvalidRequestError("the simulator has no logits for logit rules to act on", "logit_bias")
 
-    def prefill(self, prompt_ids: list[int]) -> SimCache:
+    def prefill(self, prompt_ids: list[int], defer: bool = False) -> SimCache:  # prefills now: the clock charges it
         self.clock.prefill(len(prompt_ids))
         return SimCache(self.world.request_of(prompt_ids), len(prompt_ids) - 1)
 
