@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from specdec.api import default_target, load_tokenizer
-from specdec.text import TextDecoder, fast_decoder
+from specdec.text import TextDecoder, fast_decoder, fast_encoder
 
 
 def tokenizers(tiny_models: dict[str, Path]) -> list[Any]:
@@ -89,3 +89,24 @@ def test_a_tokenizer_that_cleans_up_spaces_keeps_the_wrapper(tiny_models: dict[s
     assert fast_decoder(tok) is None
     ids = tok.encode("a , b . c", add_special_tokens=False)
     assert TextDecoder(tok).text_for(ids, final=True) == tok.decode(ids, skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_fast_encode_path_gives_the_wrapper_s_ids(tiny_models: dict[str, Path], seed: int) -> None:
+    """Engine.encode calls the ``tokenizers`` library directly (no thread pool) where it gives the wrapper's ids:
+    on random texts of code, spaces, special-token text and non-ASCII, its ids are the wrapper's."""
+    rng = random.Random(seed)  # deterministic: no false failures
+    pieces = ["def", " ", "  ", "\n", "\t", "x", "(", "):", "ü", "漢", "🙂", "0", "'", "return", "</s>", "<s>", "é"]
+    for tok in tokenizers(tiny_models):
+        encode = fast_encoder(tok)
+        assert encode is not None, tok.name_or_path
+        for _ in range(40):
+            text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 30)))
+            assert encode(text) == list(tok(text)["input_ids"]), (tok.name_or_path, text)
+
+
+def test_a_tokenizer_that_truncates_keeps_the_wrapper(tiny_models: dict[str, Path]) -> None:
+    tok = load_tokenizer(tiny_models["llama"])
+    tok.backend_tokenizer.enable_truncation(4)
+    assert fast_encoder(tok) is None
+    assert fast_encoder(object()) is None

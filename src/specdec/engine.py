@@ -30,7 +30,7 @@ from specdec.policy import Decision, Policy, StepContext, make_policy, request_p
 from specdec.records import FinishReason, GenerationStats, RequestSummary, StepRecord, Verdict
 from specdec.sampling_params import SamplingParams, TokenLogprob
 from specdec.target_side import Cache, TargetSide
-from specdec.text import StopMatcher, TextDecoder
+from specdec.text import StopMatcher, TextDecoder, fast_encoder
 
 if TYPE_CHECKING:
     import torch
@@ -107,6 +107,7 @@ class Engine:
         # has no model, and there this is that side.
         self.target = cast("ModelRunner", target)
         self.tokenizer = tokenizer
+        self._encode = fast_encoder(tokenizer)  # the tokenizers library's encode, where it gives the wrapper's ids
         self.drafter = drafter
         self.policy = policy or make_policy("fixed")
         self.observers: list[Observer] = list(observers)
@@ -280,7 +281,7 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt is empty", "prompt")
-            ids = list(self.tokenizer(prompt)["input_ids"])
+            ids = self._encode(prompt) if self._encode is not None else list(self.tokenizer(prompt)["input_ids"])
         elif _is_tensor(prompt):
             if prompt.dim() == 2 and prompt.shape[0] != 1:
                 raise InvalidRequestError(

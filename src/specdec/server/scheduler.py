@@ -81,10 +81,7 @@ class Job:
 
     def post(self, msg: Message) -> None:
         """Hand a message to the request's event loop (called from the worker thread)."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, msg)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            self.cancelled = True
+        post_all([(self, msg)])
 
     async def messages(self) -> AsyncIterator[Message]:
         """Messages until all ``n`` samples are done, or the request failed."""
@@ -282,20 +279,24 @@ class Scheduler:
             if records:
                 self.on_step(records[0].batch_size, records[0].rows)
         first = 0
+        outbox: list[tuple[Job, Message]] = []  # the step's messages, handed to their loops at once below
         for job in batch:
             size = len(job.gens)  # before delivering: a job that ends drops its Generations
             try:
-                self._deliver(job, events[first : first + size])
+                self._deliver(job, events[first : first + size], outbox)
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the worker
+                post_all(outbox)  # what came before the failure, first
+                outbox = []
                 self._end(job, Failed(_as_api_error(e)))
             first += size
+        post_all(outbox)
 
-    def _deliver(self, job: Job, events: list[StepEvent | None]) -> None:
+    def _deliver(self, job: Job, events: list[StepEvent | None], outbox: list[tuple[Job, Message]]) -> None:
         finished: list[Done] = []
         for j, (gen, event) in enumerate(zip(job.gens, events)):
             if event is not None:
                 detail = self._step_detail(event, j if job.n > 1 else None) if job.want_steps else None
-                job.post(Step(event, detail, j))
+                outbox.append((job, Step(event, detail, j)))
             if gen.done and j not in job.reported:
                 job.reported.add(j)
                 finished.append(Done(gen.result(), j))
@@ -303,8 +304,7 @@ class Scheduler:
             latency = max(gen.stats.latency for gen in job.gens)
             self._mean_latency = 0.8 * self._mean_latency + 0.2 * latency
             self._end(job, None)  # out of the running set before the client hears of its last sample
-        for msg in finished:
-            job.post(msg)
+        outbox.extend((job, msg) for msg in finished)
 
     def _end(self, job: Job, failure: Failed | None) -> None:
         """Remove a running job, free its caches and, if it failed, tell the client (its ``Done``s were sent)."""
@@ -336,6 +336,25 @@ class Scheduler:
         detail["draft_pieces"] = [tok.decode([t], skip_special_tokens=False) for t in rec.draft_tokens]
         detail["emitted_pieces"] = [tok.decode([t], skip_special_tokens=False) for t in rec.emitted]
         return detail
+
+
+def post_all(outbox: list[tuple[Job, Message]]) -> None:
+    """Hand messages to their requests' event loops, in order, with one wake-up per loop: a step's 16 messages
+    woke the server's loop 16 times, on cores the model's passes were using."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Message]]] = {}
+    for job, msg in outbox:
+        by_loop.setdefault(job.loop, []).append((job, msg))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            for job, _ in items:
+                job.cancelled = True
+
+
+def _put_all(items: list[tuple[Job, Message]]) -> None:
+    for job, msg in items:
+        job.queue.put_nowait(msg)
 
 
 def _sequences(jobs: Iterable[Job]) -> int:
