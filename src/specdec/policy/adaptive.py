@@ -385,10 +385,12 @@ class AdaptivePolicy(Policy):
             caps.append(cap)
             floors.append(floor)
 
+        price = self.batch_costs.pricer(n, self.costs)
+
         def goodput(taus: list[int]) -> tuple[float, float]:
-            rows = other_rows + sum(t + 1 for t in taus)
+            rows = other_rows + sum(taus) + len(taus)
             depth = max(taus, default=0)
-            seconds = self.batch_costs.step_time(rows, depth, sum(t > 0 for t in taus), n, self.costs)
+            seconds = price(rows, depth, len(taus) - taus.count(0))
             return sum(g[t] for g, t in zip(gains, taus)) / seconds, seconds
 
         # Depths in turn, until DEPTH_PATIENCE past the best so far (goodput rises to one peak and falls, up to
@@ -419,19 +421,20 @@ class AdaptivePolicy(Policy):
             self._explored = self._batch_steps
         self._batch_depth = depth
         best = list(by_depth[depth])
-        _r, _s = goodput(best)
-        self._pred = (_r * _s, _s, sum(t + 1 for t in best) + other_rows)
-        self._rates = [(rates[i], goodput(by_depth[i])[1]) for i in range(len(rates))]
         out: list[Decision] = []
         for req, kept, tau in zip(reqs, own, best):
             if kept is not None and tau == kept.tau:
                 out.append(kept)
-            elif tau == 0:
+                continue
+            # No stop rule in a batch: its thresholds price a token at a lone step's costs (a draft forward of
+            # its own and a verify slot), but here the lockstep forward runs for the others anyway and a row of
+            # a big pass costs little, so it stopped drafts that would have paid.
+            req.arm = None
+            if tau == 0:
                 out.append(Decision(0, f"batch of {n}: plain (depth {depth} for the batch's goodput)"))
             else:
                 reason = f"batch of {n}: tau={tau} for the batch's goodput" + (" (explore)" if explore else "")
-                rule = self._decide(req, tau, reason, req.plan).rule if req.plan is not None else None
-                out.append(Decision(tau, reason, rule))
+                out.append(Decision(tau, reason))
         # A batch of REPLAN_MIN or more keeps this plan for the next REPLAN_EVERY - 1 steps (an exploring one
         # does not): its inputs move slowly, and re-deriving them costs tens of microseconds per request.
         self._reuse = {ctx.request_id: d for ctx, d in zip(ctxs, out)}

@@ -10,7 +10,9 @@ per-position rates):
 
 from __future__ import annotations
 
+import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec.records import StepRecord
@@ -320,8 +322,11 @@ class CurveEWMA:
     growth: float = 1.0
     spread: float = 4.0  # the prior slope weighs as much as sizes spread by this much
     _at: dict[int, list[float]] = field(default_factory=dict)  # size -> [weight, mean]
+    _sizes: list[int] = field(default_factory=list, repr=False, compare=False)  # sorted(_at), kept as sizes come
 
     def observe(self, size: int, seconds: float, weight: float = 1.0) -> None:
+        if size not in self._at:
+            bisect.insort(self._sizes, size)
         w_mean = self._at.setdefault(size, [0.0, 0.0])
         w_mean[0] = self.decay**weight * w_mean[0] + weight
         w_mean[1] += weight * (seconds - w_mean[1]) / w_mean[0]
@@ -346,16 +351,17 @@ class CurveEWMA:
     def __call__(self, size: int, fallback: float) -> float:
         if not self._at:
             return fallback
-        if size in self._at:
-            return self._at[size][1]
-        sizes = sorted(self._at)
-        lo = max((s for s in sizes if s < size), default=None)
-        hi = min((s for s in sizes if s > size), default=None)
-        if lo is not None and hi is not None:
+        at = self._at.get(size)
+        if at is not None:
+            return at[1]
+        sizes = self._sizes
+        i = bisect.bisect_left(sizes, size)  # sizes[i - 1] < size < sizes[i]
+        if 0 < i < len(sizes):
+            lo, hi = sizes[i - 1], sizes[i]
             a, b = self._at[lo][1], self._at[hi][1]
             return a + (b - a) * (size - lo) / (hi - lo)
-        if hi is not None:  # below every seen size: flat
-            return self._at[hi][1]
+        if i == 0:  # below every seen size: flat
+            return self._at[sizes[0]][1]
         return max(1e-9, self._at[sizes[-1]][1] + self.slope() * (size - sizes[-1]))
 
 
@@ -409,20 +415,36 @@ class BatchCosts:
         floor once seen), 5% more per further sequence. (Mixing the solo priors' absolute seconds, a 1 s
         pass and a 0.1 s draft forward, with measured passes of milliseconds would price drafting out
         for good: a policy that never drafts never measures a draft forward.)"""
+        return self.pricer(sequences, solo)(rows, depth, drafting)
+
+    def pricer(self, sequences: int, solo: StepCosts) -> Callable[[int, int, int], float]:
+        """``step_time`` for one step's ``sequences``, as a function of (rows, depth, drafting): what does not
+        depend on those is read once (a batch plan prices a dozen shapes of the same step)."""
         v0, v1 = solo.line()
         one_row = self.verify(1, v0)  # measured: the pass curve's floor (flat below its smallest size)
-        verify = self.verify(rows, v0 + v1 * (rows - 1))
-        n = max(1, drafting)
         d1 = solo.draft_per_token if solo.draft_per_token is not None else solo.prior_draft_frac * one_row
-        per_forward = self.draft_forward(n, d1 * (1 + DRAFT_ROW_GROWTH * (n - 1)))
-        line = self.draft_lines.get(n)
-        if depth and line is not None and line.seen:
+        other = self.other(sequences, (solo.other or 0.0) * sequences)
+        drafts: dict[int, tuple[float, float, float]] = {}  # drafting -> (per forward, first, further), as below
+
+        def draft_line(n: int) -> tuple[float, float, float]:
+            per_forward = self.draft_forward(n, d1 * (1 + DRAFT_ROW_GROWTH * (n - 1)))
+            line = self.draft_lines.get(n)
+            if line is None or not line.seen:
+                return per_forward, per_forward, per_forward
             # The measured line's shape (its cold first forward), at the level of the smoothed curve by sequences.
             d0, slope = line.line()
             mean_depth = line.mean_depth()
             scale = per_forward * mean_depth / max(d0 + slope * (mean_depth - 1.0), 1e-12)
-            draft = scale * (d0 + slope * (depth - 1))
-        else:
-            draft = depth * per_forward
-        other = self.other(sequences, (solo.other or 0.0) * sequences)
-        return verify + draft + other
+            return per_forward, scale * d0, scale * slope
+
+        def price(rows: int, depth: int, drafting: int) -> float:
+            verify = self.verify(rows, v0 + v1 * (rows - 1))
+            if not depth:
+                return verify + other
+            n = max(1, drafting)
+            shape = drafts.get(n)
+            if shape is None:
+                shape = drafts[n] = draft_line(n)
+            return verify + shape[1] + shape[2] * (depth - 1) + other
+
+        return price
