@@ -205,17 +205,17 @@ def test_a_failing_step_leaves_the_other_requests_intact(engine: Engine) -> None
     """A step that raises (here: the target pass) puts every sequence back; stepped again they go on exactly."""
     gens = [engine.start(PROMPTS[p], max_new_tokens=20, tau=3) for p in (0, 3)]
     engine.step(gens)
-    forward_batch = engine.target.forward_batch
+    forward_blocks = engine.target.forward_blocks
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("injected failure")
 
-    engine.target.forward_batch = broken  # type: ignore[method-assign]
+    engine.target.forward_blocks = broken  # type: ignore[method-assign]
     try:
         with pytest.raises(RuntimeError, match="injected"):
             engine.step(gens)
     finally:
-        engine.target.forward_batch = forward_batch  # type: ignore[method-assign]
+        engine.target.forward_blocks = forward_blocks  # type: ignore[method-assign]
     while any(not g.done for g in gens):
         engine.step(gens)
     assert [g.new_tokens for g in gens] == [solo(engine, 0, 20), solo(engine, 3, 20)]

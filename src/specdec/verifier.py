@@ -5,6 +5,7 @@ step: ``specdec.engine`` plans, drafts, commits and records without torch, so th
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, cast
@@ -54,26 +55,23 @@ class ModelTarget(TargetSide):
     def verify(
         self, live: Sequence[Verifying], drafts: Sequence[Draft]
     ) -> tuple[list[Verdict], list[list[TokenLogprob] | None]]:
-        device = self.runner.device
         # Each block is what the sequence's cache lacks, then its draft: [context[-1], ŷ1..ŷτ] once it has stepped;
-        # a request whose prefill was deferred brings its prompt into the same pass.
-        blocks = [
-            (
-                torch.tensor([*g.context[g.cache.length :], *d.tokens], dtype=torch.long, device=device),
-                cast(KVCache, g.cache),
-            )
-            for g, d in zip(live, drafts)
-        ]
-        if all(g.cache.length + 1 == len(g.context) for g in live):
-            target_logits = self.runner.forward_batch(blocks)  # ONE pass over every sequence's [last, ŷ1..ŷτ]
-        else:
-            target_logits = self.runner.forward_batch(blocks, keep=[len(d.tokens) + 1 for d in drafts])
-        # Each row processed by the request's logit rules with its own context (context + the block before it).
-        target_logits = [
-            g.rules_state.apply(logits, d.tokens) if g.rules_state is not None else logits
-            for g, d, logits in zip(live, drafts, target_logits)
-        ]
-        verdicts = [_verify(g, d, logits) for g, d, logits in zip(live, drafts, target_logits)]
+        # a request whose prefill was deferred brings its prompt into the same pass. Its last τ+1 rows are verified.
+        blocks = [([*g.context[g.cache.length :], *d.tokens], cast(KVCache, g.cache)) for g, d in zip(live, drafts)]
+        keep = [len(d.tokens) + 1 for d in drafts]
+        flat = self.runner.forward_blocks(blocks, keep)  # ONE pass over every sequence's [last, ŷ1..ŷτ]
+        starts = list(itertools.accumulate(keep, initial=0))
+        plain = [g.params.greedy and g.rules_state is None for g in live]
+        # Greedy rows without logit rules: one argmax over the whole pass (a row's argmax is its own).
+        best = flat.argmax(dim=-1).tolist() if any(plain) else []
+        target_logits: list[torch.Tensor] = []
+        verdicts: list[Verdict] = []
+        for g, d, is_plain, lo, hi in zip(live, drafts, plain, starts, starts[1:]):
+            logits = flat[lo:hi]
+            if g.rules_state is not None:  # each row processed with its own context (context + the block before it)
+                logits = g.rules_state.apply(logits, d.tokens)
+            target_logits.append(logits)
+            verdicts.append(verdict_greedy(d.tokens, best[lo:hi]) if is_plain else _verify(g, d, logits))
         # Emitted token j comes from row j (the correction/bonus token too: p's log probability there).
         logprobs = [
             token_logprobs(logits, v.tokens, g.params, g.logprobs) if g.logprobs is not None else None

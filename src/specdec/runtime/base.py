@@ -68,6 +68,16 @@ class ModelRunner(ABC):
             return [self.forward(ids, cache, last_only) for ids, cache in blocks]
         return [self.forward(ids, cache)[-k:] for (ids, cache), k in zip(blocks, keep)]
 
+    def forward_blocks(self, blocks: Sequence[tuple[Sequence[int], KVCache]], keep: Sequence[int]) -> torch.Tensor:
+        """``forward_batch`` for blocks given as token lists, keeping the last ``keep[i]`` rows of block i: their
+        logits as ONE tensor ``[sum of rows kept, vocab]``, block after block (one argmax serves a whole verify
+        pass). Runtimes that batch build the pass's rows without a tensor per block."""
+        if len(keep) != len(blocks):
+            raise ValueError(f"forward_blocks: {len(keep)} keep counts for {len(blocks)} blocks")
+        device = self.device
+        tensors = [(torch.tensor(list(ids), dtype=torch.long, device=device), cache) for ids, cache in blocks]
+        return torch.cat(self.forward_batch(tensors, keep=keep))
+
     # Whether ``draft_greedy`` runs a whole greedy draft in one call (the native runtime's CPU kernel).
     drafts_natively: bool = False
 
