@@ -18,6 +18,7 @@ safetensors) without its model classes. What keeps a decode step cheap (see docs
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -53,15 +54,26 @@ SPARE_CACHE_BYTES = 2 << 30  # released cache tensors kept for reuse, at most th
 class NativeCache(KVCache):
     """Keys and values of one sequence: ``kv[layer, 0=key/1=value, kv_head, position, :]``.
 
-    Per-layer views (keys transposed for the score product) are made once here, not per step.
+    The operator path's per-layer views (keys transposed for the score product) are made once, at its first step,
+    not per step; the CPU kernel reads the tensor by address and never needs them (a server makes two caches per
+    request: a dozen views each cost more than the rest of a request's admission).
     """
 
     def __init__(self, kv: torch.Tensor) -> None:
         self.kv = kv  # [layers, 2, kv_heads, max_context, head_dim]; positions at or beyond ``length`` are never read
         self._length = 0
-        self.layer_kv = list(self.kv.unbind(0))  # [2, KV, C, hd] each
-        self.keys_t = [lkv[0].transpose(1, 2) for lkv in self.layer_kv]  # [KV, hd, C]
-        self.values = [lkv[1] for lkv in self.layer_kv]  # [KV, C, hd]
+
+    @functools.cached_property
+    def layer_kv(self) -> list[torch.Tensor]:
+        return list(self.kv.unbind(0))  # [2, KV, C, hd] each
+
+    @functools.cached_property
+    def keys_t(self) -> list[torch.Tensor]:
+        return [lkv[0].transpose(1, 2) for lkv in self.layer_kv]  # [KV, hd, C]
+
+    @functools.cached_property
+    def values(self) -> list[torch.Tensor]:
+        return [lkv[1] for lkv in self.layer_kv]  # [KV, C, hd]
 
     @property
     def length(self) -> int:
