@@ -1,8 +1,10 @@
 """What a joining request's prefill costs the requests already running, in process (no HTTP): a closed loop of
 ``--sequences`` requests stepped together by ``Engine.step``, each finished one replaced by the next, with the
-prompt prefilled in a pass of its own at ``Engine.start`` (``prefill_in_step=0``) or taken in by the request's
-first step, in the pass it shares with the batch (``prefill_in_step=256``, the server's default when it
-batches). Both settings take turns in each round.
+prompt prefilled in a pass of its own at ``Engine.start`` (``prefill_in_step=0``) or taken in by the steps, in
+the passes shared with the batch, at most 256 prompt tokens per step (``prefill_in_step=256``, the server's
+default when it batches: a longer prompt comes in pieces). Both settings take turns in each round. Prompt sets:
+the load test's (8-23 tokens), held-out prompts of at most 256 tokens, and long ones (three held-out prompts
+joined, 500-900 tokens).
 
 Reports, per prompt set and setting: output tokens/s, and the gap between consecutive steps of the running
 requests (what each of them waits between two pieces of output) in steps where nobody joined and in steps
@@ -80,9 +82,13 @@ def main() -> None:
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
     engine = specdec.load()
-    held_out = [q for q in load_prompts(None, 40) if len(engine.encode(q)) <= 256][:12]
+    every = load_prompts(None, 40)
+    held_out = [q for q in every if len(engine.encode(q)) <= 256][:12]
+    long = ["\n".join(every[i : i + 3]) for i in range(0, len(every) - 2, 3)]
+    long = [q for q in long if len(engine.encode(q)) + 64 <= engine.max_context][:12]
     report: dict[str, Any] = {"sequences": args.sequences, "tau": args.tau, "sets": {}}
-    for name, prompts in (("load-test prompts", PROMPTS), ("held-out prompts <= 256 tokens", held_out)):
+    sets = (("load-test prompts", PROMPTS), ("held-out prompts <= 256 tokens", held_out), ("long prompts", long))
+    for name, prompts in sets:
         lengths = [len(engine.encode(q)) for q in prompts]
         print(f"{name}: {min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f})")
         runs = report["sets"][name] = []

@@ -306,11 +306,7 @@ def test_prompts_prefilled_in_their_first_step_keep_every_output(prefill_in_step
         if first.tau:
             assert first.draft_fed >= len(g.prompt_ids)  # the drafter took the prompt in at its first forward
     assert gens[4].stats.target_passes <= 3
-    # A long prompt is still prefilled at start; n samples of one prompt share one prefill.
-    engine.prefill_in_step = 5
-    g = engine.start(PROMPTS[2], max_new_tokens=4, tau=2)
-    assert g.cache.length == len(g.prompt_ids) - 1
-    g.cancel()
+    # n samples of one prompt share one prefill, at start.
     engine.prefill_in_step = 1000
     samples = engine.start_many(PROMPTS[0], 3, max_new_tokens=6, tau=2)
     assert all(s.cache.length == len(s.prompt_ids) - 1 for s in samples)
@@ -326,3 +322,40 @@ def test_a_seeded_sampled_request_is_the_same_with_its_prefill_in_the_step(prefi
     assert deferred.records[0].rows > 4
     engine.prefill_in_step = 0
     assert engine.generate(**kw).token_ids == deferred.token_ids
+
+
+def test_a_long_prompt_comes_in_pieces_within_each_step_s_budget(prefill_in_step: Engine) -> None:
+    """With a prompt budget of 24 tokens per step, a 76-token prompt is taken in over several steps (pieces with no
+    record, then its first step with the rest), first come first served, while the requests already running go
+    on stepping; every step's pass stays within the budget plus the running rows, and every output is its solo
+    output. Drafting requests' draft caches take the same pieces in (no long draft catch-up later)."""
+    engine = prefill_in_step
+    engine.prefill_in_step = 24
+    running = [engine.start(PROMPTS[p], max_new_tokens=30, tau=3) for p in (1, 4)]
+    assert sum(len(g.prompt_ids) - 1 for g in running) <= 24, [len(g.prompt_ids) for g in running]
+    engine.step(running)  # both short prompts fit the budget: they step at once
+    assert all(len(g.records) == 1 for g in running)
+    long_one = engine.start(PROMPTS[2], max_new_tokens=20, tau=4)  # 76 tokens
+    short_one = engine.start(PROMPTS[0], max_new_tokens=20, tau=2)  # waits behind it (first come first served)
+    gens = [*running, long_one, short_one]
+    pieces = 0
+    while not long_one.records:
+        before = long_one.cache.length
+        events = engine.step(gens)
+        if long_one.records:  # the rest of its prompt came with its first step
+            break
+        assert events[2] is None and events[3] is None and not short_one.records
+        assert long_one.cache.length - before == 24  # one piece: the whole budget
+        assert long_one.draft_state.cache.length == long_one.cache.length  # the draft took the piece in too
+        assert all(e is not None for e in events[:2])  # the running requests stepped meanwhile
+        assert events[0].record.rows <= 24 + 2 * 4
+        pieces += 1
+        if pieces > 10:
+            raise AssertionError("the long prompt never finished coming in")
+    assert pieces == (len(long_one.prompt_ids) - 2) // 24
+    first = long_one.records[0]
+    assert first.draft_fed <= 24 + 1 + first.batch_size * 2  # the rest of its prompt only, not all of it
+    while any(not g.done for g in gens):
+        engine.step(gens)
+    for g, p in zip(gens, (1, 4, 2, 0)):
+        assert g.new_tokens == solo(engine, p, g.max_new_tokens)

@@ -119,9 +119,10 @@ class Engine:
         # Seconds of every request's prefill so far: a request's step record leaves out the prefills that ran
         # between its steps (requests admitted meanwhile: their passes, not this step's overhead).
         self.prefill_seconds = 0.0
-        # Prompts of up to this many tokens skip a prefill pass of their own: the request's first step takes the
-        # prompt in, in the pass it shares with the other sequences (one stream of the weights, not two). The
-        # server sets it when it batches; 0: every prompt is prefilled at ``start``.
+        # Prompt tokens the steps take in, at most, each: with a budget, prompts skip a prefill pass of their own and
+        # the batch's steps take them in, in the passes they share with the other sequences (one stream of the
+        # weights for all, and a long prompt in pieces rather than one long stall). The server sets it when it
+        # batches; 0: every prompt is prefilled at ``start``.
         self.prefill_in_step = 0
         self.costs_note = "batch costs learnt from steps"  # where the policies' batch cost curves start from
 
@@ -161,9 +162,10 @@ class Engine:
 
         ``tau=N`` is the fixed policy ``fixed:tau=N`` (an error with any other ``policy``). ``fork_of`` (used by
         ``start_many``): a Generation of the same prompt that has not stepped yet, whose caches are copied
-        instead of prefilling the prompt again. ``defer_prefill``: the prompt is taken in by the request's first step
-        (its pass shared with the other sequences of that step) rather than by a pass of its own now; None: when
-        it has at most ``Engine.prefill_in_step`` tokens.
+        instead of prefilling the prompt again. ``defer_prefill``: the prompt is taken in by the steps (the passes
+        shared with the other sequences; up to ``Engine.prefill_in_step`` prompt tokens per step, a longer prompt in
+        pieces before the request's first step) rather than by a pass of its own now; None: when the engine has a
+        prompt budget (``prefill_in_step`` > 0).
         Penalties, ``logit_bias``, ``min_tokens`` and ``ignore_eos``: see ``specdec.logits_rules`` (each
         position of a verify block is processed with its own context, so the output is target-only decoding
         with the same rules). ``logprobs=k``: each emitted token's log probability under the target's processed
@@ -221,11 +223,7 @@ class Engine:
             rules,
             logprobs,
             fork_of=fork_of,
-            defer_prefill=(
-                fork_of is None and len(prompt_ids) <= self.prefill_in_step
-                if defer_prefill is None
-                else defer_prefill and fork_of is None
-            ),
+            defer_prefill=fork_of is None and (self.prefill_in_step > 0 if defer_prefill is None else defer_prefill),
         )
 
     def start_many(
@@ -324,23 +322,30 @@ class Engine:
         live = [g for g in generations if not g.done and not g.out_of_budget()]
         if not live:
             return [None] * len(generations)
+        # Deferred prompts longer than what is left of the step's prompt budget take in a piece of it and wait.
+        fills, held = self._prompt_pieces(live)
+        if held:
+            live = [g for g in live if id(g) not in held]
         ctxs = [g.context_for_policy(len(live)) for g in live]
         decisions = self._plan(live, ctxs)
         taus = [max(0, min(d.tau, ctx.max_tau)) if self.drafter is not None else 0 for d, ctx in zip(decisions, ctxs)]
 
         t1 = self.clock()
-        drafts = self._draft(live, taus, decisions)
+        drafts = self._draft(live, taus, decisions, fills)
 
         t2 = self.clock()
         # Rows each sequence brings to the pass besides its draft: 1 (its last token) once stepped, the prompt's
-        # tokens at the first step of a deferred prefill.
-        behind = sum(len(g.context) - g.cache.length for g in live)
+        # tokens at the first step of a deferred prefill, and the prompt pieces of those still taking theirs in.
+        behind = sum(len(g.context) - g.cache.length for g in live) + sum(n for _, n in fills)
         try:
-            verdicts, logprobs = self.side.verify(live, drafts)  # ONE pass over every sequence's [last, ŷ1..ŷτ]
+            # ONE pass over every sequence's [last, ŷ1..ŷτ] (and the prompt pieces)
+            verdicts, logprobs = self.side.verify(live, drafts, fills)
         except BaseException:
-            self._undo(live)
+            self._undo(live, fills)
             raise
         t3 = self.clock()
+        if not live:  # only prompt pieces this time
+            return [None] * len(generations)
 
         shape = _StepShape(
             sequences=len(live),
@@ -373,23 +378,64 @@ class Engine:
                 decisions[i] = d
         return [d for d in decisions if d is not None]
 
-    def _draft(self, live: list[Generation], taus: list[int], decisions: list[Decision]) -> list[Draft]:
-        if self.drafter is None or not any(taus):
+    def _prompt_pieces(self, live: list[Generation]) -> tuple[list[tuple[Generation, int]], set[int]]:
+        """The step's prompt budget (``prefill_in_step`` tokens), first come first served, over the sequences whose
+        deferred prompt is not all in their cache: one whose rest fits steps with it (its block is the rest, then
+        its draft); one whose rest does not takes in what is left of the budget (a piece: no draft, no verdict, no
+        record) or, with nothing left, waits. Returns the pieces and the ids of the sequences that do not step.
+        Without a budget (0) a deferred prompt always comes whole with its first step."""
+        pieces: list[tuple[Generation, int]] = []
+        held: set[int] = set()
+        budget = self.prefill_in_step
+        if budget <= 0:
+            return pieces, held
+        for g in live:
+            lag = len(g.context) - 1 - g.cache.length
+            if lag <= 0:
+                continue
+            if lag <= budget:
+                budget -= lag
+                continue
+            held.add(id(g))
+            if budget > 0:
+                pieces.append((g, budget))
+                budget = 0
+        return pieces, held
+
+    def _draft(
+        self,
+        live: list[Generation],
+        taus: list[int],
+        decisions: list[Decision],
+        fills: Sequence[tuple[Generation, int]] = (),
+    ) -> list[Draft]:
+        drafter = self.drafter
+        if drafter is not None and fills and drafter.catches_up:
+            # The draft model takes the same prompt pieces in, so no sequence's first draft has a long catch-up.
+            try:
+                drafter.take_in([(g.draft_state, g.context, g.cache.length, n) for g, n in fills])
+            except BaseException:
+                self._undo(live, fills)
+                raise
+        if drafter is None or not any(taus):
             return [Draft() for _ in live]
         asks = [
             DraftAsk(g.draft_state, g.context, tau, g.params, g.generator, d.rule, g.rules_state)
             for g, tau, d in zip(live, taus, decisions)
         ]
         try:
-            return self.drafter.propose(asks)
+            return drafter.propose(asks)
         except BaseException:
-            self._undo(live)
+            self._undo(live, fills)
             raise
 
-    def _undo(self, live: list[Generation]) -> None:
+    def _undo(self, live: list[Generation], fills: Sequence[tuple[Generation, int]] = ()) -> None:
         """A step failed half way: put every sequence back as it was before it, so each can be stepped again
-        (alone, to find the one at fault). The target's cache held exactly context[:-1]; the drafter may
+        (alone, to find the one at fault). The target's cache held at most context[:-1]; the drafter may
         have fed unverified tokens, so it starts over from the context."""
+        for g, _ in fills:  # a prompt piece's pass may not have finished: the piece is taken in again
+            if self.drafter is not None:
+                self.drafter.rollback(g.draft_state, 0)
         for g in live:
             g.cache.crop(min(g.cache.length, len(g.context) - 1))
             if self.drafter is not None:
@@ -486,7 +532,8 @@ class Generation:
                 yield event
 
     def step(self) -> StepEvent | None:
-        """One draft → verify → commit step of this request alone. Returns None once it is finished."""
+        """One draft → verify → commit step of this request alone. Returns None once it is finished (or when the
+        step only took in a piece of its deferred prompt)."""
         return self.engine.step([self])[0]
 
     @property

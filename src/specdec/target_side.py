@@ -85,8 +85,12 @@ class TargetSide(ABC):
 
     @abstractmethod
     def verify(
-        self, live: Sequence[Verifying], drafts: Sequence[Draft]
+        self,
+        live: Sequence[Verifying],
+        drafts: Sequence[Draft],
+        fills: Sequence[tuple[Verifying, int]] = (),
     ) -> tuple[list[Verdict], list[list[TokenLogprob] | None]]:
         """ONE target pass over every sequence's ``[*context[cache.length:], *draft.tokens]``, then each verified
         with its own settings: the verdicts, and the emitted tokens' log probabilities (for requests that asked for
-        them)."""
+        them). ``fills``: sequences still taking in a deferred prompt, each with the next ``n`` prompt tokens to put
+        in its cache in the same pass (nothing verified; only a side that defers prefills gets any)."""

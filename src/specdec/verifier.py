@@ -53,13 +53,18 @@ class ModelTarget(TargetSide):
         self.runner.release(cast(KVCache, cache))
 
     def verify(
-        self, live: Sequence[Verifying], drafts: Sequence[Draft]
+        self,
+        live: Sequence[Verifying],
+        drafts: Sequence[Draft],
+        fills: Sequence[tuple[Verifying, int]] = (),
     ) -> tuple[list[Verdict], list[list[TokenLogprob] | None]]:
         # Each block is what the sequence's cache lacks, then its draft: [context[-1], ŷ1..ŷτ] once it has stepped;
         # a request whose prefill was deferred brings its prompt into the same pass. Its last τ+1 rows are verified.
         blocks = [([*g.context[g.cache.length :], *d.tokens], cast(KVCache, g.cache)) for g, d in zip(live, drafts)]
         keep = [len(d.tokens) + 1 for d in drafts]
-        flat = self.runner.forward_blocks(blocks, keep)  # ONE pass over every sequence's [last, ŷ1..ŷτ]
+        # Prompt pieces of sequences not stepping yet: their rows fill their caches, no logits kept.
+        pieces = [(g.context[g.cache.length : g.cache.length + n], cast(KVCache, g.cache)) for g, n in fills]
+        flat = self.runner.forward_blocks(blocks + pieces, keep + [0] * len(pieces))  # ONE pass over all of them
         starts = list(itertools.accumulate(keep, initial=0))
         plain = [g.params.greedy and g.rules_state is None for g in live]
         # Greedy rows without logit rules: one argmax over the whole pass (a row's argmax is its own).

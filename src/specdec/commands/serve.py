@@ -57,9 +57,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="TOKENS",
-        help="prompts of up to this many tokens are prefilled by the request's first step, in the pass it shares "
-        "with the batch, instead of a pass of their own between steps; 0: every prompt alone "
-        "(default: 256 with --max-batch > 1, else 0)",
+        help="prompt tokens each batched step takes in, at most: joining prompts are prefilled by the steps, in the "
+        "passes they share with the batch (a longer prompt in pieces over several steps), instead of passes of "
+        "their own between steps; 0: every prompt in a pass of its own (default: 256 with --max-batch > 1, else 0)",
     )
     g.add_argument(
         "--request-timeout",

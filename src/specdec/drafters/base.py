@@ -43,6 +43,11 @@ class Drafter(ABC):
         self.prefill(new, prompt)
         return new
 
+    def take_in(self, items: Sequence[tuple[Any, list[int], int, int]]) -> None:  # noqa: B027 - optional hook
+        """Prompt pieces of sequences whose deferred prompt the steps take in: each ``(state, context, start, n)``
+        puts ``context[:start + n]`` in the state (what it lacks of it), all in one pass where the drafter has
+        one. Drafters that do not catch up (``catches_up`` false) were prefilled at start and ignore it."""
+
     def rollback(self, state: Any, length: int) -> None:  # noqa: B027 - optional hook
         """Only the first ``length`` tokens of what the drafter has seen stand (the rest were rejected)."""
 

@@ -34,6 +34,16 @@ class ModelDrafter(Drafter):
             ids = torch.tensor(prompt[:-1], dtype=torch.long, device=self.runner.device)
             self.runner.forward(ids, state.cache, last_only=True)
 
+    def take_in(self, items: Sequence[tuple[DraftModelState, list[int], int, int]]) -> None:
+        blocks = []
+        for state, context, start, n in items:
+            cache = state.cache
+            if cache.length < start + n:
+                ids = torch.tensor(context[cache.length : start + n], dtype=torch.long, device=self.runner.device)
+                blocks.append((ids, cache))
+        if blocks:
+            self.runner.forward_batch(blocks, last_only=True)
+
     def fork(self, state: DraftModelState, prompt: list[int]) -> DraftModelState:
         return DraftModelState(cache=self.runner.fork_cache(state.cache, prompt[: state.cache.length]))
 

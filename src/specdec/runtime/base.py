@@ -66,7 +66,11 @@ class ModelRunner(ABC):
         """
         if keep is None:
             return [self.forward(ids, cache, last_only) for ids, cache in blocks]
-        return [self.forward(ids, cache)[-k:] for (ids, cache), k in zip(blocks, keep)]
+        out = []
+        for (ids, cache), k in zip(blocks, keep):
+            logits = self.forward(ids, cache)
+            out.append(logits[logits.shape[0] - min(k, logits.shape[0]) :])
+        return out
 
     def forward_blocks(self, blocks: Sequence[tuple[Sequence[int], KVCache]], keep: Sequence[int]) -> torch.Tensor:
         """``forward_batch`` for blocks given as token lists, keeping the last ``keep[i]`` rows of block i: their

@@ -119,7 +119,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             "batched_passes": engine.target.batches,
             "drafter": engine.drafter.name if engine.drafter is not None else None,  # "model", "bridge", ...
             "costs": engine.costs_note,
-            "prefill_in_step": engine.prefill_in_step,  # prompts up to this many tokens join a step's pass
+            "prefill_in_step": engine.prefill_in_step,  # prompt tokens a batched step takes in, at most
             "runtime": getattr(engine.target, "backend", type(engine.target).__name__),
             **_compute_threads(),
             **scheduler.snapshot(),

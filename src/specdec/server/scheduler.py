@@ -1,9 +1,10 @@
 """One worker thread runs all model work: continuous batching of the active requests.
 
 Each request is a ``Job``: a function that tokenises and starts it (``build``, run on the worker between
-steps), then it joins the batch. A prompt of up to ``Engine.prefill_in_step`` tokens is prefilled by the
-request's first step, in the target and draft passes it shares with the batch (one stream of the weights for
-all, where a pass of its own streamed them once more per joining request); a longer one in a pass of its own. Each round is one ``Engine.step`` over up
+steps), then it joins the batch. Its prompt is prefilled by the batch's steps, at most ``Engine.prefill_in_step``
+tokens per step (a longer prompt in pieces), in the target and draft passes it shares with the batch: one stream
+of the weights for all, where a pass of its own streamed them once more per joining request and a long prompt
+stalled every running request for its whole prefill. Each round is one ``Engine.step`` over up
 to ``max_batch`` active sequences: one lockstep draft and one target pass shared by all of them. A
 request leaves the batch the moment it finishes, is cancelled or runs past its deadline, and a waiting
 one joins at the next round. With more active requests than ``max_batch`` the rounds rotate over

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-# A prompt this long adds about a 16-sequence batch's rows to the step it joins; longer ones are prefilled alone.
+# A step's prompt budget: 256 prompt rows add about what a 16-sequence batch's step costs (a ~25 ms pass on 2 cores).
 DEFAULT_PREFILL_IN_STEP = 256
 
 
@@ -17,8 +17,9 @@ class ServerSettings:
     max_active: int = 16  # requests in flight at once (each holds a cache slot)
     max_batch: int = 16  # requests sharing one step's draft and target passes (1: one request per pass)
     max_queue: int = 64  # requests waiting beyond those; more get 429
-    # Prompts of up to this many tokens are prefilled by the request's first step, in the pass it shares with the
-    # batch, not in a pass of their own (None: 256 when max_batch > 1, else 0; 0: every prompt in its own pass).
+    # Prompt tokens each batched step takes in, at most: joining prompts are prefilled by the steps, in the passes they
+    # share with the batch (a longer one in pieces), not in passes of their own between steps (None: 256 when
+    # max_batch > 1, else 0; 0: every prompt in a pass of its own).
     prefill_in_step: int | None = None
     request_timeout: float = 600.0  # seconds from arrival; then the request is cancelled (408)
     max_body_bytes: int = 2 * 1024 * 1024

@@ -161,8 +161,10 @@ class SimTarget(TargetSide):
         pass
 
     def verify(
-        self, live: Sequence[Verifying], drafts: Sequence[Draft]
+        self, live: Sequence[Verifying], drafts: Sequence[Draft], fills: Sequence[tuple[Verifying, int]] = ()
     ) -> tuple[list[Verdict], list[list[TokenLogprob] | None]]:
+        if fills:
+            raise ValueError("the simulated target prefills at once: it has no prompt pieces to take in")
         verdicts, rows = [], 0
         for g, d in zip(live, drafts):
             if g.logprobs is not None:
