@@ -165,12 +165,39 @@ class StreamConnection:
         self._reader = self._writer = None
 
 
+class _Reading:
+    """What one streamed completion's SSE events say: its text, completion tokens and time to first text."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.ttft = float("nan")
+        self.text: list[str] = []
+        self.tokens = 0
+
+    def event(self, data: str | bytes) -> None:
+        """One event's ``data:`` payload (``[DONE]`` included)."""
+        if data in ("[DONE]", b"[DONE]"):
+            return
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise RuntimeError(chunk["error"]["message"])
+        if chunk.get("usage"):
+            self.tokens = chunk["usage"]["completion_tokens"]
+        for choice in chunk.get("choices", ()):
+            if choice.get("text"):
+                if not self.text:
+                    self.ttft = time.perf_counter() - self.t0
+                self.text.append(choice["text"])
+
+    def sample(self) -> Sample:
+        return Sample(
+            latency=time.perf_counter() - self.t0, ttft=self.ttft, tokens=self.tokens, text="".join(self.text)
+        )
+
+
 async def one_request(conn: StreamConnection, body: dict[str, Any]) -> Sample:
     """One streamed completion: its latency, time to first text, completion tokens (the usage chunk) and text."""
-    t0 = time.perf_counter()
-    ttft = float("nan")
-    text: list[str] = []
-    tokens = 0
+    reading = _Reading()
     status, pieces = await conn.post_stream("/v1/completions", body)
     if status != 200:
         raw = b"".join([p async for p in pieces])
@@ -180,44 +207,21 @@ async def one_request(conn: StreamConnection, body: dict[str, Any]) -> Sample:
         pending += piece
         *events, pending = pending.split(b"\n\n")
         for event in events:
-            if not event.startswith(b"data: ") or event == b"data: [DONE]":
-                continue
-            chunk = json.loads(event[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            for choice in chunk.get("choices", ()):
-                if choice.get("text"):
-                    if not text:
-                        ttft = time.perf_counter() - t0
-                    text.append(choice["text"])
-    return Sample(latency=time.perf_counter() - t0, ttft=ttft, tokens=tokens, text="".join(text))
+            if event.startswith(b"data: "):
+                reading.event(event[6:])
+    return reading.sample()
 
 
 async def one_request_httpx(client: httpx.AsyncClient, body: dict[str, Any]) -> Sample:
     """``one_request`` through httpx (what the fast client is checked against in the tests)."""
-    t0 = time.perf_counter()
-    ttft = float("nan")
-    text: list[str] = []
-    tokens = 0
+    reading = _Reading()
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}")
         async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(chunk["error"]["message"])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            for choice in chunk.get("choices", []):
-                if choice.get("text"):
-                    if not text:
-                        ttft = time.perf_counter() - t0
-                    text.append(choice["text"])
-    return Sample(latency=time.perf_counter() - t0, ttft=ttft, tokens=tokens, text="".join(text))
+            if line.startswith("data: "):
+                reading.event(line[6:])
+    return reading.sample()
 
 
 def request_body(args: argparse.Namespace, mode: str, i: int) -> dict[str, Any]:
