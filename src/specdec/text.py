@@ -50,11 +50,16 @@ class TextDecoder:
         return text
 
 
+def _backend(tokenizer: Any) -> Any:
+    """The ``tokenizers`` library's tokenizer under a fast ``transformers`` one (None for any other)."""
+    return getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+
+
 def fast_decoder(tokenizer: Any) -> Any:
     """The ``tokenizers`` library's own ``decode`` under a fast ``transformers`` tokenizer, where the wrapper's
     ``decode`` would return exactly its result (no clean-up of tokenization spaces), else None. The wrapper
     converts its arguments and dispatches first: ~10 µs a call, twice per sequence and step."""
-    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    backend = _backend(tokenizer)
     if backend is None or not callable(getattr(backend, "decode", None)):
         return None
     if getattr(tokenizer, "clean_up_tokenization_spaces", True):
@@ -71,7 +76,7 @@ def fast_encoder(tokenizer: Any) -> Callable[[str], list[int]] | None:
     wrapper's ids (checked on ``ENCODER_PROBES``), else None. The wrapper's ``__call__`` hands even one text to
     ``encode_batch``, which runs on the library's thread pool: in a server whose cores are busy with the model's
     passes, a wait for a core at every request's start (~10% of the scheduler thread's samples at 16 clients)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
+    backend = _backend(tokenizer)
     if backend is None or not callable(getattr(backend, "encode", None)):
         return None
     if getattr(backend, "truncation", None) or getattr(backend, "padding", None):

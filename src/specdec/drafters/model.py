@@ -35,14 +35,13 @@ class ModelDrafter(Drafter):
             self.runner.forward(ids, state.cache, last_only=True)
 
     def take_in(self, items: Sequence[tuple[DraftModelState, list[int], int, int]]) -> None:
-        blocks = []
-        for state, context, start, n in items:
-            cache = state.cache
-            if cache.length < start + n:
-                ids = torch.tensor(context[cache.length : start + n], dtype=torch.long, device=self.runner.device)
-                blocks.append((ids, cache))
+        blocks = [
+            (context[state.cache.length : start + n], state.cache)
+            for state, context, start, n in items
+            if state.cache.length < start + n
+        ]
         if blocks:
-            self.runner.forward_batch(blocks, last_only=True)
+            self.runner.forward_blocks(blocks, keep=[0] * len(blocks))  # caches filled, no logits wanted
 
     def fork(self, state: DraftModelState, prompt: list[int]) -> DraftModelState:
         return DraftModelState(cache=self.runner.fork_cache(state.cache, prompt[: state.cache.length]))

@@ -68,7 +68,7 @@ class ModelRunner(ABC):
             return [self.forward(ids, cache, last_only) for ids, cache in blocks]
         out = []
         for (ids, cache), k in zip(blocks, keep):
-            logits = self.forward(ids, cache)
+            logits = self.forward(ids, cache, last_only=k <= 1)  # one row serves a keep of 0 or 1
             out.append(logits[logits.shape[0] - min(k, logits.shape[0]) :])
         return out
 
