@@ -426,6 +426,13 @@ class AdaptivePolicy(Policy):
             self._explored = self._batch_steps
         self._batch_depth = depth
         best = list(by_depth[depth])
+        tokens_per_s, seconds = goodput(best)
+        # What the plan expects of the step, in each reason: a trace then holds the prediction against the step's
+        # measured times and tokens (how far the cost curves are from what the steps cost).
+        expect = (
+            f"{tokens_per_s * seconds:.1f} tokens in {seconds * 1e3:.2f} ms predicted; "
+            f"plain {rates[0] * 1e-3:.2f} tokens/ms"
+        )
         out: list[Decision] = []
         for req, kept, tau in zip(reqs, own, best):
             if kept is not None and tau == kept.tau:
@@ -436,9 +443,13 @@ class AdaptivePolicy(Policy):
             # a big pass costs little, so it stopped drafts that would have paid.
             req.arm = None
             if tau == 0:
-                out.append(Decision(0, f"batch of {n}: plain (depth {depth} for the batch's goodput)"))
+                out.append(Decision(0, f"batch of {n}: plain (depth {depth} for the batch's goodput; {expect})"))
             else:
-                reason = f"batch of {n}: tau={tau} for the batch's goodput" + (" (explore)" if explore else "")
+                reason = (
+                    f"batch of {n}: tau={tau} for the batch's goodput ("
+                    + ("explore; " if explore else "")
+                    + f"{expect})"
+                )
                 out.append(Decision(tau, reason))
         # A batch of REPLAN_MIN or more keeps this plan for the next REPLAN_EVERY - 1 steps (an exploring one
         # does not): its inputs move slowly, and re-deriving them costs tens of microseconds per request.
