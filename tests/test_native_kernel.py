@@ -138,7 +138,7 @@ def test_out_of_range_token_is_an_error(tiny_models: dict[str, Path]) -> None:
 
 def test_status_names_the_instruction_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """AVX512-BF16 products where the CPU has them; SPECDEC_CPU_KERNEL_ISA=avx2 forces the fp32 AVX2 build."""
-    assert nk.kernel_status() == f"available ({nk.kernel_isa()})"
+    assert nk.kernel_status().startswith(f"available ({nk.kernel_isa()}")
     monkeypatch.setenv(nk.ISA_SWITCH, "avx2")
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
     nk._load.cache_clear()
@@ -147,6 +147,45 @@ def test_status_names_the_instruction_set(monkeypatch: pytest.MonkeyPatch, tmp_p
     finally:
         monkeypatch.undo()
         nk._load.cache_clear()
+
+
+def test_tuning_flags_turn_the_bf16_prefetch_off_on_zen4_only() -> None:
+    off = ["-DBF16DP_PREFETCH=0"]
+    assert nk.tuning_flags("avx512bf16", "AuthenticAMD", 25) == off  # Zen 4 (family 25 with AVX512-BF16)
+    assert nk.tuning_flags("avx512bf16", "AuthenticAMD", 26) == []  # Zen 5
+    assert nk.tuning_flags("avx512bf16", "GenuineIntel", 6) == []  # Sapphire Rapids and later
+    assert nk.tuning_flags("avx2", "AuthenticAMD", 25) == []  # Zen 3: the AVX2 build has no bf16 tiles
+    assert nk.tuning_flags("avx512bf16", "AuthenticAMD", 25, env="1") == []  # the switch, either way
+    assert nk.tuning_flags("avx512bf16", "GenuineIntel", 6, env="off") == off
+    assert nk.tuning_flags("avx2", "GenuineIntel", 6, env="0") == []
+
+
+@pytest.mark.skipif(nk.kernel_isa() != "avx512bf16", reason="bf16 dot-product tiles are built only on AVX512-BF16 CPUs")
+def test_the_prefetch_setting_never_changes_a_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Builds with and without the bf16 tiles' prefetch (SPECDEC_CPU_KERNEL_PREFETCH): prefill and verify blocks of
+    1..16 rows (every tile height, two row groups) give the same logits bit for bit."""
+    path = odd_checkpoint(tmp_path)
+    runs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv(nk.PREFETCH_SWITCH, setting)
+        monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / f"cache{setting}"))
+        nk._load.cache_clear()
+        try:
+            runner = NativeRunner.from_pretrained(path, dtype=torch.bfloat16, kernel=True)
+            status = nk.kernel_status()
+            cache = runner.new_cache()
+            outs = [runner.forward(torch.arange(30) * 7 % 97, cache)]
+            for k in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16):
+                outs.append(runner.forward(torch.arange(k) * 5 % 97, cache))
+                cache.crop(30)
+            runs[setting] = (status, outs)
+        finally:
+            monkeypatch.undo()
+            nk._load.cache_clear()
+    assert runs["1"][0] == "available (avx512bf16)"
+    assert runs["0"][0] == "available (avx512bf16; bf16 tiles without prefetch)"
+    for a, b in zip(runs["1"][1], runs["0"][1], strict=True):
+        assert torch.equal(a, b)
 
 
 def odd_checkpoint(root: Path, heads: int = 4, kv_heads: int = 2, hidden: int = 72, name: str = "odd") -> Path:
@@ -231,7 +270,7 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if name == "avx2":
         monkeypatch.setenv(nk.ISA_SWITCH, "avx2")
     nk._load.cache_clear()
-    assert nk.kernel_status() == f"available ({name})"
+    assert nk.kernel_status().startswith(f"available ({name}")
     yield name
     monkeypatch.undo()
     nk._load.cache_clear()

@@ -176,6 +176,12 @@ static inline float exp1(float x) {
 // and keep the hardware prefetchers alone. (One thread, A/B interleaved, default and Qwen2.5-0.5B shapes.)
 #define PREFETCH_AHEAD 128
 #endif
+#ifndef BF16DP_PREFETCH
+// The bf16 dot-product tiles of 2+ rows prefetch too, except where the loader turns it off (native_kernel.tuning_flags:
+// on a Zen 4 those tiles were 10-25% slower with it).
+#define BF16DP_PREFETCH 1
+#endif
+extern "C" int sd_bf16dp_prefetch(void) { return BF16DP_PREFETCH; }
 
 template <int V>
 using IC = std::integral_constant<int, V>;
@@ -413,7 +419,7 @@ static inline __attribute__((always_inline)) void tile_bf16dp(const uint16_t* Xb
 #pragma GCC unroll 8
         for (int p = 0; p < P; p++) {
             const uint16_t* src = Wp + p * ps + c2 * (2 * PANEL);
-            if (PREFETCH_AHEAD > 0 && R > 1) _mm_prefetch((const char*)(src + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
+            if (BF16DP_PREFETCH && PREFETCH_AHEAD > 0 && R > 1) _mm_prefetch((const char*)(src + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
             w[p] = (__m512bh)_mm512_loadu_si512(src);
         }
 #pragma GCC unroll 8
