@@ -59,6 +59,10 @@ REPLAN_MIN = 4  # sequences: smaller batches plan every step
 # longer steps). In process, 4-32 sequences, the policy against the best fixed τ: 0.91-0.95x without it, 0.93-0.97x
 # at 0.03, 0.86-0.97x at 0.06.
 DEPTH_MARGIN = 0.03
+# The batch's measured goodput (tokens per second of its steps) decays by this per record: ~1,000 records, 60 steps of
+# 16 sequences. Until GOODPUT_WARM seconds of batch steps are measured the plan maximises the predicted ratio.
+GOODPUT_DECAY = 0.999
+GOODPUT_WARM = 0.2
 DEPTH_PATIENCE = 3  # the batch planner prices depths up to this many beyond the best found  # budget-limited: an extra draft token must add this many expected tokens
 
 
@@ -183,6 +187,7 @@ class AdaptivePolicy(Policy):
         self._reuse_until = 0  # ... replayed through this batch step
         self._explored = 0  # the batch step that last explored one deeper
         self._batch_steps = 0  # steps planned for a batch (``plan``): one in EXPLORE_EVERY runs one deeper
+        self._goodput = [0.0, 0.0]  # decayed tokens and seconds of batch steps (``measured_goodput``)
 
     # -- estimates --------------------------------------------------------------------------
 
@@ -398,17 +403,32 @@ class AdaptivePolicy(Policy):
             seconds = price(rows, depth, len(taus) - taus.count(0))
             return sum(g[t] for g, t in zip(gains, taus)) / seconds, seconds
 
-        # Depths in turn, until DEPTH_PATIENCE past the best so far (goodput rises to one peak and falls, up to
-        # noise in the measured curves): under load the best is 0 or 1 and the deep ones are never priced.
+        # Every depth up to the caps priced, then the search: depths in turn, until DEPTH_PATIENCE past the best so far.
+        # Once the batch's goodput r is measured, a depth is judged by its marginal value, tokens - r * seconds (at r
+        # equal to the best predicted ratio, the ratio's own choice): a cost every depth pays that the curves price
+        # too low (a server's per-step work, prompts taken in by a replayed plan's steps) then moves no decision,
+        # where the predicted ratio leans shallow. r is never taken above the best predicted ratio: where the curves
+        # price every cost too high (learning without a cost file), a measured r above them leaned plain for good.
         by_depth: list[list[int]] = []
         rates: list[float] = []
-        depth = 0
+        secs: list[float] = []
         for cut in range(max(caps, default=0) + 1):
+            by_depth.append([max(f, min(c, cut)) for f, c in zip(floors, caps)])
+            rate, seconds = goodput(by_depth[-1])
+            rates.append(rate)
+            secs.append(seconds)
+        measured = self.measured_goodput()
+        r = None if measured is None else min(measured, max(rates))
+        depth = 0
+        for cut in range(1, len(rates)):
             if cut > depth + DEPTH_PATIENCE:
                 break
-            by_depth.append([max(f, min(c, cut)) for f, c in zip(floors, caps)])
-            rates.append(goodput(by_depth[-1])[0])
-            if rates[cut] > rates[depth] * (1.0 + (self.margin if depth == 0 else DEPTH_MARGIN * (cut - depth))):
+            ask = self.margin if depth == 0 else DEPTH_MARGIN * (cut - depth)
+            if r is None:
+                better = rates[cut] > rates[depth] * (1.0 + ask)
+            else:  # the margin: that share of the deeper step's worth at r
+                better = (rates[cut] - r) * secs[cut] - (rates[depth] - r) * secs[depth] > ask * r * secs[cut]
+            if better:
                 depth = cut
         # Depths never run leave the cost curves unmeasured where they would be read (rows beyond any pass seen,
         # draft forwards never run) and acceptance unlearnt: now and then run one deeper when predicted nearly
@@ -489,9 +509,21 @@ class AdaptivePolicy(Policy):
         for sequences, seconds in draft_forward_seconds.items():
             self.batch_costs.draft_forward.observe(int(sequences), float(seconds))
 
+    def measured_goodput(self) -> float | None:
+        """Tokens per second of the recent batch steps (each step's draft and pass time and its sequences' mean
+        other time), or None until GOODPUT_WARM seconds of them are measured."""
+        tokens, seconds = self._goodput
+        return tokens / seconds if seconds >= GOODPUT_WARM else None
+
     def observe(self, record: StepRecord) -> None:
         req = self._requests.get(record.request_id)
         self.batch_costs.observe(record)  # one-sequence steps too: the low end of the cost curves
+        if record.batch_size > 1:
+            g = self._goodput
+            g[0] = GOODPUT_DECAY * g[0] + len(record.emitted)
+            g[1] = (
+                GOODPUT_DECAY * g[1] + (record.draft_time + record.verify_time + record.other_time) / record.batch_size
+            )
         if record.batch_size == 1 and (record.rows or record.tau + 1) == record.tau + 1:  # not a prompt's first step
             # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.
             forwards = record.tau if steady_draft(record) else 0  # a switch's catch-up is not a depth's cost
