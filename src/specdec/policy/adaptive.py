@@ -446,11 +446,10 @@ class AdaptivePolicy(Policy):
             self._explored = self._batch_steps
         self._batch_depth = depth
         best = list(by_depth[depth])
-        tokens_per_s, seconds = goodput(best)
         # What the plan expects of the step, in each reason: a trace then holds the prediction against the step's
         # measured times and tokens (how far the cost curves are from what the steps cost).
         expect = (
-            f"{tokens_per_s * seconds:.1f} tokens in {seconds * 1e3:.2f} ms predicted; "
+            f"{rates[depth] * secs[depth]:.1f} tokens in {secs[depth] * 1e3:.2f} ms predicted; "
             f"plain {rates[0] * 1e-3:.2f} tokens/ms"
         )
         out: list[Decision] = []
