@@ -481,17 +481,19 @@ def test_a_batch_depth_is_chosen_by_its_marginal_value_at_the_measured_goodput()
     prior. Alone, the predicted ratio peaks at depth 1 (4.27 tokens/ms). Where the batch's steps measure 2 tokens/ms
     (costs every depth pays that the curves do not price: a server's per-step work, joining prompts), a depth is
     worth tokens - r x seconds: depth 2 adds 1.8 tokens over depth 1 for 2 ms worth 4, depth 3 loses 0.5."""
-    policy = AdaptivePolicy()
-    policy.prime({16: 4e-3, 32: 5e-3, 48: 6e-3, 64: 7e-3, 80: 8e-3}, {16: 1e-3})
     ctxs = [ctx_for(f"s{i}", 0, 0, 0) for i in range(16)]
-    for ctx in ctxs:
-        policy.begin(ctx)
+
+    def primed() -> AdaptivePolicy:
+        policy = AdaptivePolicy()
+        policy.prime({16: 4e-3, 32: 5e-3, 48: 6e-3, 64: 7e-3, 80: 8e-3}, {16: 1e-3})
+        for ctx in ctxs:
+            policy.begin(ctx)
+        return policy
+
+    policy = primed()
     assert policy.measured_goodput() is None
     assert max(d.tau for d in policy.plan(ctxs)) == 1  # the predicted ratio's best
-    fresh = AdaptivePolicy()
-    fresh.prime({16: 4e-3, 32: 5e-3, 48: 6e-3, 64: 7e-3, 80: 8e-3}, {16: 1e-3})
-    for ctx in ctxs:
-        fresh.begin(ctx)
+    fresh = primed()
     fresh._goodput = [2000.0 * 0.5, 0.5]  # half a second of batch steps at 2 tokens/ms
     assert fresh.measured_goodput() == pytest.approx(2000.0)
     assert max(d.tau for d in fresh.plan(ctxs)) == 2

@@ -7,30 +7,30 @@ from pathlib import Path
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The instruction-set flags of the first CPU (``avx2``, ``avx512_bf16``, ...)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-@functools.cache
-def cpu_model() -> tuple[str, int, int]:
-    """(vendor, family, model) of the first CPU (``("AuthenticAMD", 25, 17)`` on a Zen 4 EPYC); ("", 0, 0) where
-    /proc/cpuinfo cannot be read."""
+def _first_cpu() -> dict[str, str]:
+    """The first CPU's block of ``/proc/cpuinfo`` as fields (``"flags"``, ``"vendor_id"``, ``"cpu family"``, ...)."""
     fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if not line.strip():
-                break  # the first CPU's block
+                break  # the first CPU's block ends at the first blank line
             key, _, value = line.partition(":")
-            fields[key.strip()] = value.strip()
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
-        return "", 0, 0
+        pass
+    return fields
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The instruction-set flags of the first CPU (``avx2``, ``avx512_bf16``, ...)."""
+    return frozenset(_first_cpu().get("flags", "").split())
+
+
+def cpu_model() -> tuple[str, int, int]:
+    """(vendor, family, model) of the first CPU (``("AuthenticAMD", 25, 17)`` on a Zen 4 EPYC); ("", 0, 0) where
+    /proc/cpuinfo cannot be read."""
+    fields = _first_cpu()
 
     def number(key: str) -> int:
         try:
