@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -471,16 +472,16 @@ def test_a_plain_batch_probes_one_deeper_whatever_its_costs_predict() -> None:
 
 
 def replace_times(record: StepRecord, *, draft: float) -> StepRecord:
-    from dataclasses import replace
-
     return replace(record, draft_time=draft)
 
 
-def test_a_batch_depth_is_chosen_by_its_marginal_value_at_the_measured_goodput() -> None:
+def test_a_batch_plan_prices_its_steps_with_what_they_measured_beyond_the_curves() -> None:
     """Priced: a plain 16-sequence step 4 ms, each depth +1 ms of pass and +1 ms of draft, acceptance at its 0.6
-    prior. Alone, the predicted ratio peaks at depth 1 (4.27 tokens/ms). Where the batch's steps measure 2 tokens/ms
-    (costs every depth pays that the curves do not price: a server's per-step work, joining prompts), a depth is
-    worth tokens - r x seconds: depth 2 adds 1.8 tokens over depth 1 for 2 ms worth 4, depth 3 loses 0.5."""
+    prior. Alone, the predicted ratio peaks at depth 1 (25.6 tokens in 6 ms, 4.27 tokens/ms; depth 2 3.92). Where the
+    batch's steps measure 6 ms more than their plans priced (work every step pays that the curves do not see: a
+    server's loop, prompts joining a replayed plan), each depth's price carries it: depth 1 2.13 tokens/ms, depth 2
+    2.24 (5% more, past the 3% a further position must add), depth 3 2.18. The bias is measured, step by step,
+    as the records' seconds less the price of the plan they were served by."""
     ctxs = [ctx_for(f"s{i}", 0, 0, 0) for i in range(16)]
 
     def primed() -> AdaptivePolicy:
@@ -491,9 +492,21 @@ def test_a_batch_depth_is_chosen_by_its_marginal_value_at_the_measured_goodput()
         return policy
 
     policy = primed()
-    assert policy.measured_goodput() is None
-    assert max(d.tau for d in policy.plan(ctxs)) == 1  # the predicted ratio's best
-    fresh = primed()
-    fresh._goodput = [2000.0 * 0.5, 0.5]  # half a second of batch steps at 2 tokens/ms
-    assert fresh.measured_goodput() == pytest.approx(2000.0)
-    assert max(d.tau for d in fresh.plan(ctxs)) == 2
+    assert policy.step_bias() == 0.0
+    plan = policy.plan(ctxs)
+    assert max(d.tau for d in plan) == 1  # the priced ratio's best
+    assert "25.6 tokens in 6.00 ms predicted (step bias +0.00 ms)" in plan[0].reason
+    # Each record of a step carries its passes and its own other time; one step's 16 records weigh one step.
+    for i in range(16):
+        record = replace(record_for(f"s{i}", 0, 1, 1), draft_time=1e-3, verify_time=5e-3, other_time=7e-3)
+        policy.observe(replace(record, batch_size=16, rows=32, drafting=16, draft_passes=1))
+    assert policy._step_bias[1] == pytest.approx(sum(0.999**k for k in range(16)) / 16)
+    assert policy._step_bias[0] / policy._step_bias[1] == pytest.approx(7e-3, rel=0.02)  # 13 ms measured, 6 priced
+    assert policy.step_bias() == 0.0  # one step measured: not yet trusted
+
+    biased = primed()
+    biased._step_bias = [5 * 6e-3, 5.0]  # five steps' worth, 6 ms over their prices
+    assert biased.step_bias() == pytest.approx(6e-3)
+    plan = biased.plan(ctxs)
+    assert max(d.tau for d in plan) == 2
+    assert "tokens in 14.00 ms predicted (step bias +6.00 ms)" in plan[0].reason

@@ -59,10 +59,11 @@ REPLAN_MIN = 4  # sequences: smaller batches plan every step
 # longer steps). In process, 4-32 sequences, the policy against the best fixed τ: 0.91-0.95x without it, 0.93-0.97x
 # at 0.03, 0.86-0.97x at 0.06.
 DEPTH_MARGIN = 0.03
-# The batch's measured goodput (tokens per second of its steps) decays by this per record: ~1,000 records, 60 steps of
-# 16 sequences. Until GOODPUT_WARM seconds of batch steps are measured the plan maximises the predicted ratio.
-GOODPUT_DECAY = 0.999
-GOODPUT_WARM = 0.2
+# What a batch step measures beyond what its plan priced (seconds of work every depth pays that the curves do not
+# see: the scheduler's loop and HTTP hand-off, the prompt rows of requests that join a replayed plan), decayed by
+# this per record (~1,000 records, 60 steps of 16 sequences), and used once STEP_BIAS_WARM steps' worth is measured.
+STEP_BIAS_DECAY = 0.999
+STEP_BIAS_WARM = 4.0
 DEPTH_PATIENCE = 3  # the batch planner prices depths up to this many beyond the best found  # budget-limited: an extra draft token must add this many expected tokens
 
 
@@ -187,7 +188,8 @@ class AdaptivePolicy(Policy):
         self._reuse_until = 0  # ... replayed through this batch step
         self._explored = 0  # the batch step that last explored one deeper
         self._batch_steps = 0  # steps planned for a batch (``plan``): one in EXPLORE_EVERY runs one deeper
-        self._goodput = [0.0, 0.0]  # decayed tokens and seconds of batch steps (``measured_goodput``)
+        self._step_bias = [0.0, 0.0]  # decayed (measured - priced seconds, weight) of batch steps (``step_bias``)
+        self._priced: float | None = None  # seconds the batch plan being served priced its step at
 
     # -- estimates --------------------------------------------------------------------------
 
@@ -397,38 +399,32 @@ class AdaptivePolicy(Policy):
 
         price = self.batch_costs.pricer(n, self.costs)
 
-        def goodput(taus: list[int]) -> tuple[float, float]:
+        def priced(taus: list[int]) -> tuple[float, float]:  # expected tokens, seconds
             rows = other_rows + sum(taus) + len(taus)
-            depth = max(taus, default=0)
-            seconds = price(rows, depth, len(taus) - taus.count(0))
-            return sum(g[t] for g, t in zip(gains, taus)) / seconds, seconds
+            seconds = price(rows, max(taus, default=0), len(taus) - taus.count(0))
+            return sum(g[t] for g, t in zip(gains, taus)), seconds
 
         # Every depth up to the caps priced, then the search: depths in turn, until DEPTH_PATIENCE past the best so far.
-        # Once the batch's goodput r is measured, a depth is judged by its marginal value, tokens - r * seconds (at r
-        # equal to the best predicted ratio, the ratio's own choice): a cost every depth pays that the curves price
-        # too low (a server's per-step work, prompts taken in by a replayed plan's steps) then moves no decision,
-        # where the predicted ratio leans shallow. r is never taken above the best predicted ratio: where the curves
-        # price every cost too high (learning without a cost file), a measured r above them leaned plain for good.
+        # Each step's price is raised by the step bias, what the batch's steps have measured beyond their plans'
+        # prices (work every step pays that the curves do not see: the scheduler's loop, prompts joining a replayed
+        # plan): the ratio of tokens to the priced seconds alone leans shallow wherever such a cost is real.
+        bias = self.step_bias()
         by_depth: list[list[int]] = []
-        rates: list[float] = []
+        tokens: list[float] = []
         secs: list[float] = []
+        rates: list[float] = []
         for cut in range(max(caps, default=0) + 1):
             by_depth.append([max(f, min(c, cut)) for f, c in zip(floors, caps)])
-            rate, seconds = goodput(by_depth[-1])
-            rates.append(rate)
+            got, seconds = priced(by_depth[-1])
+            tokens.append(got)
             secs.append(seconds)
-        measured = self.measured_goodput()
-        r = None if measured is None else min(measured, max(rates))
+            rates.append(got / (seconds + bias))
         depth = 0
         for cut in range(1, len(rates)):
             if cut > depth + DEPTH_PATIENCE:
                 break
             ask = self.margin if depth == 0 else DEPTH_MARGIN * (cut - depth)
-            if r is None:
-                better = rates[cut] > rates[depth] * (1.0 + ask)
-            else:  # the margin: that share of the deeper step's worth at r
-                better = (rates[cut] - r) * secs[cut] - (rates[depth] - r) * secs[depth] > ask * r * secs[cut]
-            if better:
+            if rates[cut] > rates[depth] * (1.0 + ask):
                 depth = cut
         # Depths never run leave the cost curves unmeasured where they would be read (rows beyond any pass seen,
         # draft forwards never run) and acceptance unlearnt: now and then run one deeper when predicted nearly
@@ -445,12 +441,13 @@ class AdaptivePolicy(Policy):
             depth += 1
             self._explored = self._batch_steps
         self._batch_depth = depth
+        self._priced = secs[depth]
         best = list(by_depth[depth])
         # What the plan expects of the step, in each reason: a trace then holds the prediction against the step's
         # measured times and tokens (how far the cost curves are from what the steps cost).
         expect = (
-            f"{rates[depth] * secs[depth]:.1f} tokens in {secs[depth] * 1e3:.2f} ms predicted; "
-            f"plain {rates[0] * 1e-3:.2f} tokens/ms"
+            f"{tokens[depth]:.1f} tokens in {tokens[depth] / rates[depth] * 1e3:.2f} ms predicted "
+            f"(step bias {bias * 1e3:+.2f} ms); plain {rates[0] * 1e-3:.2f} tokens/ms"
         )
         out: list[Decision] = []
         for req, kept, tau in zip(reqs, own, best):
@@ -508,21 +505,24 @@ class AdaptivePolicy(Policy):
         for sequences, seconds in draft_forward_seconds.items():
             self.batch_costs.draft_forward.observe(int(sequences), float(seconds))
 
-    def measured_goodput(self) -> float | None:
-        """Tokens per second of the recent batch steps (each step's draft and pass time and its sequences' mean
-        other time), or None until GOODPUT_WARM seconds of them are measured."""
-        tokens, seconds = self._goodput
-        return tokens / seconds if seconds >= GOODPUT_WARM else None
+    def step_bias(self) -> float:
+        """Seconds the recent batch steps measured beyond what their plans priced (mean over their records: each
+        step's draft and pass time and a sequence's other time), 0 until STEP_BIAS_WARM steps' worth is measured.
+        Never below 0: curves that price too high (priors, before their sizes are measured) correct themselves as the
+        steps run, and a negative bias favours the shortest steps (a batch of 4 without a cost file went plain for a
+        whole load level, 0.64x the best fixed τ)."""
+        total, weight = self._step_bias
+        return max(0.0, total / weight) if weight >= STEP_BIAS_WARM else 0.0
 
     def observe(self, record: StepRecord) -> None:
         req = self._requests.get(record.request_id)
         self.batch_costs.observe(record)  # one-sequence steps too: the low end of the cost curves
-        if record.batch_size > 1:
-            g = self._goodput
-            g[0] = GOODPUT_DECAY * g[0] + len(record.emitted)
-            g[1] = (
-                GOODPUT_DECAY * g[1] + (record.draft_time + record.verify_time + record.other_time) / record.batch_size
-            )
+        if record.batch_size > 1 and self._priced is not None:  # a step of the batch plan being served
+            w = 1.0 / record.batch_size  # each record carries its step's passes and its own other time
+            b = self._step_bias
+            measured = record.draft_time + record.verify_time + record.other_time
+            b[0] = STEP_BIAS_DECAY * b[0] + w * (measured - self._priced)
+            b[1] = STEP_BIAS_DECAY * b[1] + w
         if record.batch_size == 1 and (record.rows or record.tau + 1) == record.tau + 1:  # not a prompt's first step
             # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.
             forwards = record.tau if steady_draft(record) else 0  # a switch's catch-up is not a depth's cost
