@@ -509,8 +509,8 @@ class AdaptivePolicy(Policy):
         """Seconds the recent batch steps measured beyond what their plans priced (mean over their records: each
         step's draft and pass time and a sequence's other time), 0 until STEP_BIAS_WARM steps' worth is measured.
         Never below 0: curves that price too high (priors, before their sizes are measured) correct themselves as the
-        steps run, and a negative bias favours the shortest steps (a batch of 4 without a cost file went plain for a
-        whole load level, 0.64x the best fixed τ)."""
+        steps run, and a negative bias favours the shortest steps (a batch of 4 without a cost file served 0.64x the
+        best fixed τ for a whole load level)."""
         total, weight = self._step_bias
         return max(0.0, total / weight) if weight >= STEP_BIAS_WARM else 0.0
 
@@ -520,16 +520,14 @@ class AdaptivePolicy(Policy):
         if record.batch_size > 1 and self._priced is not None:  # a step of the batch plan being served
             w = 1.0 / record.batch_size  # each record carries its step's passes and its own other time
             b = self._step_bias
-            measured = record.draft_time + record.verify_time + record.other_time
-            b[0] = STEP_BIAS_DECAY * b[0] + w * (measured - self._priced)
+            b[0] = STEP_BIAS_DECAY * b[0] + w * (record.total_time - self._priced)
             b[1] = STEP_BIAS_DECAY * b[1] + w
         if record.batch_size == 1 and (record.rows or record.tau + 1) == record.tau + 1:  # not a prompt's first step
             # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.
             forwards = record.tau if steady_draft(record) else 0  # a switch's catch-up is not a depth's cost
             self.costs.observe(record.tau, forwards, record.draft_time, record.verify_time, record.other_time)
         if req is not None and req.arm is not None and record.tau:
-            seconds = record.draft_time + record.verify_time + record.other_time
-            self.arms.observe(req.arm, len(record.emitted), seconds)
+            self.arms.observe(req.arm, len(record.emitted), record.total_time)
         if record.tau == 0:
             return
         tested = min(record.n_accepted + 1, record.tau)
