@@ -385,6 +385,81 @@ def test_a_row_in_a_batch_equals_the_row_alone(isa: str, dtype: torch.dtype, tmp
     assert [c.length for c in caches] == [n + k for n, k in zip(starts, sizes)]
 
 
+def gqa_checkpoint(root: Path) -> Path:
+    """14 query heads on 2 key/value heads (7 per group: the AVX512 build scores them in chunks of 4 + 3, AVX2 in
+    3 + 2 + 2), head_dim 80 (one 64-column value chunk, then 8-column strides), a sliding window of 21 positions
+    (windows that start inside a 16-position key block), max_position_embeddings 100 (not a whole number of key
+    blocks: the cache is rounded up)."""
+    import transformers as tf
+
+    cfg = tf.MistralConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        head_dim=80,
+        sliding_window=21,
+        max_position_embeddings=100,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(17)
+    model = tf.MistralForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(6.0)
+    model.save_pretrained(str(root / "gqa"), safe_serialization=True)
+    return root / "gqa"
+
+
+def test_attention_tiles_are_row_independent_and_match_transformers(isa: str, tmp_path: Path) -> None:
+    """The attention's tiles (keys in transposed 16-position blocks, a KV head's queries scored together): blocks and
+    prefills of every length up to the window's end equal one-token passes bit for bit, a forked cache continues
+    like the original, the last position of the context works, and fp32 matches transformers."""
+    from specdec.runtime.hf import HFRunner
+
+    path = gqa_checkpoint(tmp_path)
+    runner = NativeRunner.from_pretrained(path, dtype=torch.float32, kernel=True)
+    assert runner.max_context == 100 and runner.cache_positions == 112 and runner.new_cache().kv.shape[3] == 112
+    ids = torch.randint(0, 97, (100,), generator=torch.Generator().manual_seed(18))
+    steps = runner.new_cache()
+    singles = torch.cat([runner.forward(ids[i : i + 1], steps) for i in range(100)])  # up to the last position
+    hf = HFRunner.from_pretrained(path, dtype=torch.float32)
+    assert rel_err(singles[:60], hf.forward(ids[:60], hf.new_cache())) < 1e-4
+    for k in (1, 5, 16, 17, 33, 60):
+        assert torch.equal(prefill(runner, ids[:k]), singles[:k]), k
+    cache = runner.new_cache()
+    runner.forward(ids[:37], cache)
+    for k in (1, 2, 7, 9, 16):
+        assert torch.equal(runner.forward(ids[37 : 37 + k], cache), singles[37 : 37 + k]), k
+        cache.crop(37)
+    fork = runner.fork_cache(cache, ids[:37].tolist())
+    assert torch.equal(runner.forward(ids[37:45], fork), singles[37:45])
+
+
+def test_fp32_attention_is_the_same_on_both_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In fp32 the AVX2 and the AVX512 builds run the same arithmetic (every score and value sum one chain in
+    position order, whatever the vector width): a GQA model's logits are equal bit for bit."""
+    if nk.kernel_isa() != "avx512bf16":
+        pytest.skip("this CPU lacks AVX512-BF16: only one build to compare")
+    path = gqa_checkpoint(tmp_path)
+    ids = torch.randint(0, 97, (50,), generator=torch.Generator().manual_seed(19))
+    runs = []
+    for forced in ("avx2", None):
+        if forced:
+            monkeypatch.setenv(nk.ISA_SWITCH, forced)
+        else:
+            monkeypatch.delenv(nk.ISA_SWITCH, raising=False)
+        nk._load.cache_clear()
+        runner = NativeRunner.from_pretrained(path, dtype=torch.float32, kernel=True)
+        cache = runner.new_cache()
+        runs.append(torch.cat([runner.forward(ids[:40], cache), runner.forward(ids[40:], cache)]))
+    nk._load.cache_clear()
+    assert torch.equal(runs[0], runs[1])
+
+
 # ---------------------------------------------------------------------------------------------
 # int8 draft weights (per-output-channel scales)
 

@@ -52,7 +52,9 @@ SPARE_CACHE_BYTES = 2 << 30  # released cache tensors kept for reuse, at most th
 
 
 class NativeCache(KVCache):
-    """Keys and values of one sequence: ``kv[layer, 0=key/1=value, kv_head, position, :]``.
+    """Keys and values of one sequence: ``kv[layer, 0=key/1=value, kv_head, position, :]``. (The CPU kernel reads
+    and writes the same tensor with its keys in blocks of 16 positions, each block's keys transposed: see
+    ``kernels/llama_cpu.cpp``, Attention. A cache belongs to one runner; only that runner reads it.)
 
     The operator path's per-layer views (keys transposed for the score product) are made once, at its first step,
     not per step; the CPU kernel reads the tensor by address and never needs them (a server makes two caches per
@@ -60,7 +62,9 @@ class NativeCache(KVCache):
     """
 
     def __init__(self, kv: torch.Tensor) -> None:
-        self.kv = kv  # [layers, 2, kv_heads, max_context, head_dim]; positions at or beyond ``length`` are never read
+        self.kv = (
+            kv  # [layers, 2, kv_heads, cache_positions, head_dim]; positions at or beyond ``length`` are never read
+        )
         self._length = 0
 
     @functools.cached_property
@@ -122,6 +126,8 @@ class NativeRunner(ModelRunner):
         self._compiled: dict[int, Callable[..., torch.Tensor]] = {}
         self.batches = fused is not None  # the CPU kernel runs rows of many sequences in one pass
         self._spare: list[torch.Tensor] = []  # released cache tensors, reused by new_cache (slots)
+        # Positions a cache tensor holds: max_context, rounded up to whole key blocks for the CPU kernel.
+        self.cache_positions = max_context if fused is None else fused.positions
         if fused is not None:
             return  # the kernel holds its own weights and tables
         # Complex RoPE needs complex arithmetic in the compute dtype: fp32/fp64, eager.
@@ -210,7 +216,7 @@ class NativeRunner(ModelRunner):
         if self._spare:
             return NativeCache(self._spare.pop())
         cfg = self.config
-        shape = (cfg.layers, 2, cfg.kv_heads, self.max_context, cfg.head_dim)
+        shape = (cfg.layers, 2, cfg.kv_heads, self.cache_positions, cfg.head_dim)
         # empty, not zeros: positions at or beyond a cache's length are never read.
         return NativeCache(torch.empty(shape, device=self.device, dtype=self.compute_dtype))
 
@@ -230,7 +236,11 @@ class NativeRunner(ModelRunner):
         new = self.new_cache()
         n = cache.length
         if n:
-            new.kv.narrow(3, 0, n).copy_(cache.kv.narrow(3, 0, n))
+            # The CPU kernel's keys come in blocks of positions (a block's slice of the tensor holds its keys
+            # transposed): copy whole blocks. Positions beyond n are copied too and never read.
+            block = 1 if self._fused is None else self._fused.key_block
+            m = min(self.cache_positions, -(-n // block) * block)
+            new.kv.narrow(3, 0, m).copy_(cache.kv.narrow(3, 0, m))
         new._length = n
         return new
 

@@ -33,7 +33,7 @@ from specdec.runtime.native_config import NativeConfig, rope_tables
 from specdec.runtime.native_weights import ModelWeights
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 7
+ABI_VERSION = 8
 # sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 # -ffp-contract=off: a multiply followed by an add stays two roundings wherever it is inlined (GCC fuses them into
@@ -245,6 +245,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.sd_weight_pairs.restype = ctypes.c_int
     lib.sd_weight_pairs.argtypes = [ctypes.c_int64]
     lib.sd_panel_width.restype = ctypes.c_int
+    lib.sd_key_block.restype = ctypes.c_int
     lib.sd_matmul.restype = ctypes.c_int
     lib.sd_matmul.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 4, ctypes.c_void_p]
     lib.sd_matmul.argtypes += [ctypes.c_int64]
@@ -396,8 +397,11 @@ class FusedLlama:
             keep.append(t)
             return t.data_ptr()
 
+        # The kernel keeps keys in blocks of sd_key_block() positions: a cache holds a whole number of blocks.
+        self.key_block = block = int(lib.sd_key_block())
+        self.positions = -(-max_context // block) * block
         half = cfg.head_dim // 2
-        cos, sin = rope_tables(cfg.rope, cfg.head_dim, max_context)  # [T, 1, hd], sin signed
+        cos, sin = rope_tables(cfg.rope, cfg.head_dim, self.positions)  # [T, 1, hd], sin signed
         rope_cos, rope_sin = cos[:, 0, :half].contiguous(), sin[:, 0, half:].contiguous()
         layers = (_Layer * cfg.layers)()
         for i, (lw, win) in enumerate(zip(weights.layers, cfg.windows)):
@@ -421,7 +425,7 @@ class FusedLlama:
             cfg.head_dim,
             self.vocab_size,
             cfg.layers,
-            max_context,
+            self.positions,
             int(weights.embed.shape[1]),
             float(cfg.eps),
             ptr(weights.embed, torch.float32 if dtype == torch.int8 else dtype),  # int8 models: fp32 table

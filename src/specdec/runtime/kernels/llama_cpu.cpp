@@ -8,7 +8,8 @@
 // Numerics (the property the engine relies on): every output row of every token is computed the
 // same way whatever the block size k, the token's place in the block, or the thread count: each dot
 // product accumulates in two fixed 8-lane chains over the same 16-element strides and is reduced in
-// a fixed order; attention for a query visits its keys in position order. So a verify pass over
+// a fixed order; an attention score is one chain over the head's components, a value sum one chain over the
+// positions in order (Attention). So a verify pass over
 // k tokens gives bit-for-bit the logits that k one-token passes give, and greedy speculative output
 // equals greedy target-only output exactly, not just up to near-ties.
 //
@@ -16,7 +17,8 @@
 //   weights   in fp32, bf16, fp16 or int8 + per-output scales (wtype), packed in panels (see Projections);
 //             biases fp32 or null;
 //   embedding E[vocab][embed_stride] (first `hidden` entries of a row are the embedding);
-//   KV cache  kv[layer][2][kv_heads][max_ctx][head_dim] fp32 (0 = keys, 1 = values);
+//   KV cache  kv[layer][2][kv_heads][max_ctx * head_dim] fp32 (0 = keys, 1 = values); max_ctx a multiple of
+//             KBLOCK; values [position][head_dim], keys in blocks of KBLOCK positions stored transposed (Attention);
 //   RoPE      cos/sin[max_ctx][head_dim/2] fp32, rotate-half ("x1 | x2") head layout.
 // RMSNorm weights and the attention scale are folded into the projections by the loader, so a norm
 // here is only x / rms(x).
@@ -60,7 +62,7 @@ struct SdModel {
     const SdLayer* layers;
 };
 
-extern "C" int sd_abi_version(void) { return 7; }
+extern "C" int sd_abi_version(void) { return 8; }
 
 // Which products this build uses for bf16 weights: 1 = AVX512-BF16 dot products, 0 = AVX2 fp32.
 extern "C" int sd_bf16_dot(void) {
@@ -664,16 +666,78 @@ static void silu_mul(const float* g, const float* u, float* out, int64_t n) {
     for (; c < n; c++) out[c] = g[c] / (1.0f + exp1(-g[c])) * u[c];
 }
 
-// One query head against its key/value head: out = softmax(q . K[lo..hi]) V[lo..hi].
-static void attend(const float* q, const float* K, const float* V, int64_t lo, int64_t hi, int64_t hd, float* scores,
-                   float* out) {
-    const int64_t n = hi - lo + 1;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n; j++) {
-        const float s = dot(q, K + (lo + j) * hd, hd);
-        scores[j] = s;
-        mx = s > mx ? s : mx;
+// Attention. Keys are cached in blocks of KBLOCK positions, each block stored transposed, Kb[block][c][j]
+// (key of position KBLOCK * block + j, component c), so a vector load brings one component of 8 or 16 keys and a
+// query's scores come out as vectors with no horizontal sums: score(q, j) = one fp32 chain
+// s = fma(q[c], K[j][c], s) over c = 0, 1, ..., hd - 1 from 0, the same whatever the vector width, the number of
+// queries scored together or the keys beside it. Values stay row-major, V[position][c].
+enum { KBLOCK = 16 };
+extern "C" int sd_key_block(void) { return KBLOCK; }
+#ifdef SD_AVX512BF16
+enum { ATT_QMAX = 6, ATT_BLOCKS_MAX = 4 };  // up to 6 queries x 64 keys: 24 accumulators
+#else
+enum { ATT_QMAX = 3, ATT_BLOCKS_MAX = 2 };  // up to 3 queries x 32 keys: 12 accumulators
+#endif
+
+// Scores of Q queries (query i at qs + i * hd) against NB key blocks starting at Kb (a block's first entry):
+// query i's score of the block's key j goes to sc[i * ss + KBLOCK * b + j].
+template <int Q, int NB>
+static inline __attribute__((always_inline)) void score_tile(const float* qs, int64_t hd, const float* Kb, float* sc,
+                                                             int64_t ss) {
+    constexpr int PER = KBLOCK / VLANES, NV = NB * PER;
+    VF acc[Q][NV];
+#pragma GCC unroll 32
+    for (int i = 0; i < Q * NV; i++) acc[i / NV][i % NV] = vzero();
+    for (int64_t c = 0; c < hd; c++) {
+        VF k[NV];
+#pragma GCC unroll 8
+        for (int v = 0; v < NV; v++) {
+            k[v] = vloadu(Kb + (v / PER) * hd * KBLOCK + c * KBLOCK + (v % PER) * VLANES);
+            if constexpr (Q > 1) __asm__("" : "+v"(k[v]));  // in a register, not re-read by every query
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < Q; i++) {
+            const VF qc = vbcast(qs + i * hd + c);
+#pragma GCC unroll 8
+            for (int v = 0; v < NV; v++) acc[i][v] = vfma(qc, k[v], acc[i][v]);
+        }
     }
+#pragma GCC unroll 32
+    for (int i = 0; i < Q * NV; i++) vstore(sc + (i / NV) * ss + (i % NV) * VLANES, acc[i / NV][i % NV]);
+}
+
+// Blocks b0..b1 of Q queries' scores, ATT_BLOCKS_MAX blocks at a time.
+template <int Q>
+static void score_blocks(const float* qs, int64_t hd, const float* Kh, int64_t b0, int64_t b1, float* sc, int64_t ss) {
+    for (int64_t b = b0; b <= b1;) {
+        const int64_t nb = b1 - b + 1 < ATT_BLOCKS_MAX ? b1 - b + 1 : ATT_BLOCKS_MAX;
+        const float* Kb = Kh + b * hd * KBLOCK;
+        float* out = sc + (b - b0) * KBLOCK;
+        switch (nb) {
+            case 1: score_tile<Q, 1>(qs, hd, Kb, out, ss); break;
+            case 2: score_tile<Q, 2>(qs, hd, Kb, out, ss); break;
+            default:
+                if constexpr (ATT_BLOCKS_MAX >= 3) {
+                    if (nb == 3) score_tile<Q, 3>(qs, hd, Kb, out, ss);
+                    else score_tile<Q, ATT_BLOCKS_MAX>(qs, hd, Kb, out, ss);
+                }
+                break;
+        }
+        b += nb;
+    }
+}
+
+// A query's n scores, in position order, replaced by exp(score - max) in place; returns 1 / their sum.
+static float softmax_weights(float* scores, int64_t n) {
+    // The max (exact in any order): 8 lanes, then the lanes; NaN scores are passed over as a scalar max would.
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(_mm256_loadu_ps(scores + i), m);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    float mx = -INFINITY;
+    for (int l = 0; l < 8; l++) mx = lanes[l] > mx ? lanes[l] : mx;
+    for (; i < n; i++) mx = scores[i] > mx ? scores[i] : mx;
     // exp in 8-lane strides, summed lane-wise then reduced in a fixed order.
     const __m256 m8 = _mm256_set1_ps(mx);
     __m256 acc = _mm256_setzero_ps();
@@ -688,15 +752,20 @@ static void attend(const float* q, const float* K, const float* V, int64_t lo, i
         scores[j] = exp1(scores[j] - mx);
         sum += scores[j];
     }
-    const float inv = 1.0f / sum;
-    // out = sum_j scores[j] V[j], 64 columns (8 independent chains) per pass over the positions.
-    int64_t c = 0;
+    return 1.0f / sum;
+}
+
+// Columns c0.. of one query's out = inv * sum_j w[j] V[j]: each column one fp32 chain over the positions in
+// order, fma(w[j], V[j][c], o); 64 columns (8 chains) per pass over the positions, then 8, then single columns
+// (multiply, add). The vector width never changes a column's arithmetic.
+static void weighted_values(const float* w, int64_t n, const float* V, int64_t hd, int64_t c0, float inv, float* out) {
+    int64_t c = c0;
     for (; c + 64 <= hd; c += 64) {
         __m256 o[8];
         for (int i = 0; i < 8; i++) o[i] = _mm256_setzero_ps();
         for (int64_t jj = 0; jj < n; jj++) {
-            const __m256 sj = _mm256_set1_ps(scores[jj]);
-            const float* v = V + (lo + jj) * hd + c;
+            const __m256 sj = _mm256_set1_ps(w[jj]);
+            const float* v = V + jj * hd + c;
 #pragma GCC unroll 8
             for (int i = 0; i < 8; i++) o[i] = _mm256_fmadd_ps(sj, _mm256_loadu_ps(v + 8 * i), o[i]);
         }
@@ -706,27 +775,97 @@ static void attend(const float* q, const float* K, const float* V, int64_t lo, i
     for (; c + 8 <= hd; c += 8) {
         __m256 o = _mm256_setzero_ps();
         for (int64_t jj = 0; jj < n; jj++)
-            o = _mm256_fmadd_ps(_mm256_set1_ps(scores[jj]), _mm256_loadu_ps(V + (lo + jj) * hd + c), o);
+            o = _mm256_fmadd_ps(_mm256_set1_ps(w[jj]), _mm256_loadu_ps(V + jj * hd + c), o);
         _mm256_storeu_ps(out + c, _mm256_mul_ps(o, _mm256_set1_ps(inv)));
     }
     for (; c < hd; c++) {
         float o = 0.0f;
-        for (int64_t jj = 0; jj < n; jj++) o += scores[jj] * V[(lo + jj) * hd + c];
+        for (int64_t jj = 0; jj < n; jj++) o += w[jj] * V[jj * hd + c];
         out[c] = o * inv;
     }
 }
 
-// ---------------------------------------------------------------------------------------------
-// The forward pass
+// weighted_values for Q queries over the same positions (weights of query i at w + i * ss, output at out + i * hd):
+// on AVX512 builds their first 64-column chunks share each value row's loads (4 x 16 lanes per query, the same
+// chains as above); the rest, and AVX2 builds, one query at a time.
+template <int Q>
+static void weighted_values_q(const float* w, int64_t ss, int64_t n, const float* V, int64_t hd, const float* inv,
+                              float* out) {
+    int64_t c0 = 0;
+#ifdef SD_AVX512BF16
+    for (; c0 + 64 <= hd; c0 += 64) {
+        __m512 o[Q][4];
+#pragma GCC unroll 32
+        for (int i = 0; i < Q * 4; i++) o[i / 4][i % 4] = _mm512_setzero_ps();
+        for (int64_t jj = 0; jj < n; jj++) {
+            const float* v = V + jj * hd + c0;
+            __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                   v3 = _mm512_loadu_ps(v + 48);
+            // Held in registers: left to itself the compiler folds the loads into each query's multiply-adds, and
+            // the value rows (from L2) are then read Q times.
+            __asm__("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3));
+#pragma GCC unroll 8
+            for (int i = 0; i < Q; i++) {
+                const __m512 sj = _mm512_set1_ps(w[i * ss + jj]);
+                o[i][0] = _mm512_fmadd_ps(sj, v0, o[i][0]);
+                o[i][1] = _mm512_fmadd_ps(sj, v1, o[i][1]);
+                o[i][2] = _mm512_fmadd_ps(sj, v2, o[i][2]);
+                o[i][3] = _mm512_fmadd_ps(sj, v3, o[i][3]);
+            }
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < Q; i++) {
+            const __m512 iv = _mm512_set1_ps(inv[i]);
+            for (int u = 0; u < 4; u++) _mm512_storeu_ps(out + i * hd + c0 + 16 * u, _mm512_mul_ps(o[i][u], iv));
+        }
+    }
+#endif
+    for (int i = 0; i < Q; i++) weighted_values(w + i * ss, n, V, hd, c0, inv[i], out + i * hd);
+}
 
-// Floats of scratch a call with k tokens needs (the caller provides it, 64-byte aligned not required).
+// Q query heads (consecutive in qs, outputs consecutive in out) that share one key/value head, attending to
+// positions lo..hi: Kh the head's blocked keys, Vh its values, sc Q * ss floats of scratch.
+template <int Q>
+static void attend_q(const float* qs, const float* Kh, const float* Vh, int64_t lo, int64_t hi, int64_t hd, float* sc,
+                     int64_t ss, float* out) {
+    const int64_t b0 = lo / KBLOCK, b1 = hi / KBLOCK, first = lo - b0 * KBLOCK;
+    score_blocks<Q>(qs, hd, Kh, b0, b1, sc, ss);
+    float inv[Q];
+    for (int i = 0; i < Q; i++) inv[i] = softmax_weights(sc + i * ss + first, hi - lo + 1);
+    weighted_values_q<Q>(sc + first, ss, hi - lo + 1, Vh + lo * hd, hd, inv, out);
+}
+
+static void attend(const float* qs, int Q, const float* Kh, const float* Vh, int64_t lo, int64_t hi, int64_t hd,
+                   float* sc, int64_t ss, float* out) {
+    switch (Q) {
+        case 1: attend_q<1>(qs, Kh, Vh, lo, hi, hd, sc, ss, out); break;
+        case 2: attend_q<2>(qs, Kh, Vh, lo, hi, hd, sc, ss, out); break;
+        default:
+            if constexpr (ATT_QMAX >= 6) {
+                if (Q == 3) attend_q<3>(qs, Kh, Vh, lo, hi, hd, sc, ss, out);
+                else if (Q == 4) attend_q<4>(qs, Kh, Vh, lo, hi, hd, sc, ss, out);
+                else if (Q == 5) attend_q<5>(qs, Kh, Vh, lo, hi, hd, sc, ss, out);
+                else attend_q<6>(qs, Kh, Vh, lo, hi, hd, sc, ss, out);
+            } else {
+                attend_q<3>(qs, Kh, Vh, lo, hi, hd, sc, ss, out);
+            }
+            break;
+    }
+}
+
+// Per thread: the attention scores of up to ATT_QMAX queries over the whole cache, or (at another time) a packed
+// 16-row panel of weights.
+static int64_t att_scratch(int64_t max_ctx, int64_t widest) {
+    const int64_t scores = ATT_QMAX * (max_ctx + KBLOCK);
+    return (scores > 16 * widest ? scores : 16 * widest) + 16;
+}
+
 extern "C" int64_t sd_scratch_floats(const SdModel* m, int64_t k, int64_t threads) {
     const int64_t d = m->hidden, hd = m->head_dim, qkv = (m->heads + 2 * m->kv_heads) * hd;
     int64_t widest = d > m->ff ? d : m->ff;
     widest = widest > m->heads * hd ? widest : m->heads * hd;
-    // ... + bf16 copies of a product's input (k * widest 16-bit entries) + per-thread attention scores.
-    // Per thread: attention scores, or (at another time) a packed 16-row panel of weights.
-    const int64_t per_thread = (m->max_ctx > 16 * widest ? m->max_ctx : 16 * widest) + 16;
+    // ... + bf16 copies of a product's input (k * widest 16-bit entries) + per-thread scratch (att_scratch).
+    const int64_t per_thread = att_scratch(m->max_ctx, widest);
     return k * (d + d + qkv + m->heads * hd + 2 * m->ff + m->ff) + (k * widest + 1) / 2 + 16 + threads * per_thread;
 }
 
@@ -740,7 +879,7 @@ extern "C" int64_t sd_scratch_floats(const SdModel* m, int64_t k, int64_t thread
 extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64_t* pos, float* const* kv, int64_t k,
                                const int64_t* out_idx, int64_t n_out, float* logits, float* scratch, int64_t threads,
                                double* prof) {
-    if (k < 1 || n_out < 0 || n_out > k || threads < 1) return -1;
+    if (k < 1 || n_out < 0 || n_out > k || threads < 1 || m->max_ctx % KBLOCK != 0) return -1;
     for (int64_t t = 0; t < k; t++)
         if (ids[t] < 0 || ids[t] >= m->vocab || pos[t] < 0 || pos[t] >= m->max_ctx || kv[t] == NULL) return -1;
     for (int64_t j = 0; j < n_out; j++)
@@ -757,7 +896,8 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
     int64_t widest = d > ff ? d : ff;
     widest = widest > H * hd ? widest : H * hd;
     float* score_base = act + k * ff + (k * widest + 1) / 2 + 16;  // [threads][per_thread]
-    const int64_t per_thread = (C > 16 * widest ? C : 16 * widest) + 16;
+    const int64_t per_thread = att_scratch(C, widest), ss = C + KBLOCK;
+    const int64_t chunks = (G + ATT_QMAX - 1) / ATT_QMAX;  // query heads of a group scored together, in chunks
     const int64_t wt = m->wtype;
 
     for (int64_t t = 0; t < k; t++) load_row(wt, m->embed, ids[t], m->embed_stride, x + t * d, d);
@@ -790,17 +930,21 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
                 float* row = qkv + t * nqkv;
                 for (int64_t i = 0; i < H + KV; i++) rope(row + i * hd, m->rope_cos + p * half, m->rope_sin + p * half, half);
                 for (int64_t g = 0; g < KV; g++) {
-                    memcpy(keys + (g * C + p) * hd, row + (H + g) * hd, hd * sizeof(float));
+                    float* kb = keys + g * C * hd + (p / KBLOCK) * hd * KBLOCK + p % KBLOCK;  // blocked, transposed
+                    const float* kr = row + (H + g) * hd;
+                    for (int64_t c = 0; c < hd; c++) kb[c * KBLOCK] = kr[c];
                     memcpy(vals + (g * C + p) * hd, row + (H + KV + g) * hd, hd * sizeof(float));
                 }
             }
             PHASE_DONE(PH_ROPE_CACHE)
 #pragma omp for schedule(static)
-            for (int64_t th = 0; th < k * H; th++) {
-                const int64_t t = th / H, head = th % H, g = head / G, p = pos[t];
+            for (int64_t item = 0; item < k * KV * chunks; item++) {  // (key/value head, row, chunk of its queries):
+                // a thread takes every row's queries of a head in turn, so a verify block reads its keys once
+                const int64_t g = item / (k * chunks), t = item / chunks % k, ch = item % chunks, p = pos[t];
                 const int64_t lo = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
-                attend(qkv + t * nqkv + head * hd, kv[t] + key_off + g * C * hd, kv[t] + val_off + g * C * hd, lo, p,
-                       hd, scores, att + t * H * hd + head * hd);
+                const int64_t h0 = g * G + G * ch / chunks, h1 = g * G + G * (ch + 1) / chunks;
+                attend(qkv + t * nqkv + h0 * hd, (int)(h1 - h0), kv[t] + key_off + g * C * hd,
+                       kv[t] + val_off + g * C * hd, lo, p, hd, scores, ss, att + t * H * hd + h0 * hd);
             }
             PHASE_DONE(PH_ATTENTION)
             gemm(wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1, xb, scores);
