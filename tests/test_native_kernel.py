@@ -60,6 +60,16 @@ def test_chunked_prefill_equals_one_pass(tiny_models: dict[str, Path], monkeypat
         assert torch.equal(prefill(runner, ids), whole)
         chunked_last = runner.forward(ids, runner.new_cache(), last_only=True)
         assert chunked_last.shape == (1, runner.vocab_size) and torch.equal(chunked_last, last)
+    # Blocks of three sequences in one pass (9 + 12 + 5 rows), keeping 2, all and 1 of their rows: chunks of 7 cut
+    # through blocks and between asked rows alike.
+    blocks = [ids[:9].tolist(), ids[9:21].tolist(), ids[21:26].tolist()]
+    keep = [2, 12, 1]
+    got = []
+    for chunk in (7, 128):
+        monkeypatch.setattr(nk, "CHUNK", chunk)
+        got.append(runner.forward_blocks([(b, runner.new_cache()) for b in blocks], keep))
+    assert got[0].shape == (15, runner.vocab_size) and torch.equal(got[0], got[1])
+    assert torch.equal(got[1][:2], whole[7:9])  # the first block is the prompt's first 9 tokens
 
 
 def test_every_prefill_length_equals_one_token_passes(tiny_models: dict[str, Path]) -> None:

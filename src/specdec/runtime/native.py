@@ -265,13 +265,13 @@ class NativeRunner(ModelRunner):
             first += size
         return out
 
-    @torch.inference_mode()
     def forward_blocks(self, blocks: Sequence[tuple[Sequence[int], KVCache]], keep: Sequence[int]) -> torch.Tensor:
         if self._fused is None:
-            return super().forward_blocks(blocks, keep)
+            with torch.inference_mode():
+                return super().forward_blocks(blocks, keep)
         if len(keep) != len(blocks):
             raise ValueError(f"forward_blocks: {len(keep)} keep counts for {len(blocks)} blocks")
-        # Row indices as Python lists, four tensors at the end: per-block tensors cost ~1.5 µs each, 16 blocks a step.
+        # Row indices as Python lists, one tensor in the kernel's call: per-block tensors cost ~1.5 µs each.
         ids_l: list[int] = []
         pos_l: list[int] = []
         kv_l: list[int] = []
@@ -291,9 +291,7 @@ class NativeRunner(ModelRunner):
             pos_l.extend(range(pos, pos + k))
             kv_l.extend([cache.kv.data_ptr()] * k)
             out_l.extend(range(row + k - min(size, k), row + k))
-        logits = self._fused.forward_rows(
-            torch.tensor(ids_l, dtype=torch.long), torch.tensor(pos_l), torch.tensor(kv_l), torch.tensor(out_l)
-        )
+        logits = self._fused.forward_rows(ids_l, pos_l, kv_l, out_l)
         for ids, cache in blocks:
             cache._length += len(ids)  # type: ignore[attr-defined]
         return logits
@@ -344,8 +342,16 @@ class NativeRunner(ModelRunner):
             c._length += n  # type: ignore[attr-defined]
         return tokens, tops
 
-    @torch.inference_mode()
     def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        if self._fused is None:
+            return self._forward_ops(ids, cache, last_only)
+        return self._forward(ids, cache, last_only)  # the CPU kernel records no autograd: no inference_mode (~10 µs)
+
+    @torch.inference_mode()
+    def _forward_ops(self, ids: torch.Tensor, cache: KVCache, last_only: bool) -> torch.Tensor:
+        return self._forward(ids, cache, last_only)
+
+    def _forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool) -> torch.Tensor:
         if not isinstance(cache, NativeCache):
             raise TypeError(f"NativeRunner needs a cache from its own new_cache(), got {type(cache).__name__}")
         ids = check_batch_one(ids)

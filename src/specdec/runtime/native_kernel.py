@@ -14,6 +14,7 @@ the same way whatever the block size, so a k-token verify pass and k one-token p
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 import hashlib
@@ -24,6 +25,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -535,60 +537,64 @@ class FusedLlama:
         ``profile``: a float64 tensor of ``len(PHASES)`` to which each phase's seconds are added.
         """
         k = int(ids.shape[0])
-        positions = torch.arange(pos, pos + k, dtype=torch.int64)
-        caches = torch.full((k,), kv.data_ptr(), dtype=torch.int64)
-        out_idx = torch.tensor([k - 1], dtype=torch.int64) if last_only else torch.arange(k, dtype=torch.int64)
-        return self.forward_rows(ids, positions, caches, out_idx, profile=profile)
+        out = [k - 1] if last_only else list(range(k))
+        return self.forward_rows(ids.tolist(), list(range(pos, pos + k)), [kv.data_ptr()] * k, out, profile=profile)
 
     def forward_rows(
         self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        caches: torch.Tensor,
-        out_idx: torch.Tensor,
+        ids: Sequence[int],
+        positions: Sequence[int],
+        caches: Sequence[int],
+        out_idx: Sequence[int],
         profile: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One pass over rows from any number of sequences: row t is token ``ids[t]`` at ``positions[t]`` of the
-        sequence whose cache tensor starts at address ``caches[t]`` (int64 ``[k]`` each; a sequence's rows
-        consecutive and in position order). Returns the logits of rows ``out_idx`` (``[len(out_idx), vocab]``).
+        sequence whose cache tensor starts at address ``caches[t]`` (a sequence's rows consecutive and in position
+        order). Returns the logits of rows ``out_idx`` (ascending; ``[len(out_idx), vocab]``).
 
         Every row's result is independent of the other rows in the pass, bit for bit.
         Passes of more than ``CHUNK`` rows run in chunks (bounded scratch; a sequence's later rows see the
-        keys its earlier chunks wrote).
+        keys its earlier chunks wrote). The indices go to the kernel as one int64 tensor: a Python-side call costs
+        a few microseconds, not a tensor operation per row (a one-token pass of the default target is ~1 ms).
         """
-        ids, positions, caches, out_idx = (
-            t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
-            for t in (ids, positions, caches, out_idx)
-        )
-        k, n_out = int(ids.shape[0]), int(out_idx.shape[0])
+        k, n_out = len(ids), len(out_idx)
+        if not (len(positions) == len(caches) == k):
+            raise ValueError(f"forward_rows: {k} ids, {len(positions)} positions and {len(caches)} caches")
+        meta = torch.tensor([*ids, *positions, *caches, *out_idx], dtype=torch.int64)
+        base = meta.data_ptr()
+        ids_at, pos_at, kv_at, out_at = base, base + 8 * k, base + 16 * k, base + 24 * k
         threads = pass_threads(min(k, CHUNK))
         out = torch.empty(n_out, self.vocab_size, dtype=torch.float32)
-        done, first_out = 0, 0
-        while done < k:
-            n = min(CHUNK, k - done)
-            # The asked rows that fall in this chunk (out_idx is sorted), relative to it.
-            stop_out = first_out
-            while stop_out < n_out and int(out_idx[stop_out]) < done + n:
-                stop_out += 1
-            local = out_idx[first_out:stop_out] - done if stop_out > first_out else out_idx[:0]
-            scratch = self._scratch_for(n, threads)
+        prof = None if profile is None else profile.data_ptr()
+        if k <= CHUNK:
+            chunks = [(0, k, 0, n_out)]
+        else:  # the asked rows (ascending) that fall in each chunk, relative to it
+            chunks, first = [], 0
+            for done in range(0, k, CHUNK):
+                n = min(CHUNK, k - done)
+                stop = bisect.bisect_left(out_idx, done + n, lo=first)
+                chunks.append((done, n, first, stop))
+                first = stop
+            local = [r - done for done, _, first, stop in chunks for r in out_idx[first:stop]]
+            rel = torch.tensor(local, dtype=torch.int64)  # a local: alive until the calls are done, like meta
+            out_at = rel.data_ptr()
+        for done, n, first, stop in chunks:
             rc = self._lib.sd_forward_rows(
                 self._model_ref,
-                ids.data_ptr() + 8 * done,
-                positions.data_ptr() + 8 * done,
-                caches.data_ptr() + 8 * done,
+                ids_at + 8 * done,
+                pos_at + 8 * done,
+                kv_at + 8 * done,
                 n,
-                local.data_ptr(),
-                stop_out - first_out,
-                out[first_out:].data_ptr(),
-                scratch.data_ptr(),
+                out_at + 8 * first,
+                stop - first,
+                out[first:].data_ptr(),
+                self._scratch_for(n, threads).data_ptr(),
                 threads,
-                None if profile is None else profile.data_ptr(),
+                prof,
             )
             if rc != 0:
                 raise ValueError(
                     "CPU kernel refused the call (token ids out of range, a position beyond the cache, "
                     "or an asked row outside the pass)"
                 )
-            done, first_out = done + n, stop_out
         return out
