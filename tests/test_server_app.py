@@ -212,6 +212,8 @@ def test_api_key(engine: Any) -> None:
     assert right.status_code == 200 and health.status_code == 200
     info = health.json()  # /health needs no key, and says what is served and where its batch costs come from
     assert info["drafter"] == engine.drafter.name and info["costs"] == engine.costs_note
+    head = getattr(getattr(engine.drafter, "runner", None), "head_tokens", None)
+    assert info["draft_head"] == ("full" if head is None else len(head))
 
 
 def test_prefill_in_step_setting() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from specdec.draft_vocab import resolve as draft_vocab_tokens
 from specdec.drafters.base import Drafter
 from specdec.drafters.bridge import BridgedDrafter
 from specdec.drafters.model import ModelDrafter
@@ -119,6 +120,7 @@ def load(
     trust_remote_code: bool = False,
     compile: bool = False,
     draft_tokenizer: str = "auto",
+    draft_vocab: int | str | None = "auto",
 ) -> Engine:
     """Build an engine.
 
@@ -132,6 +134,9 @@ def load(
     ``draft_tokenizer``: a draft checkpoint with a tokenizer of its own that differs from the target's is
     bridged through text ("auto", said once on stderr; see docs/models.md), refused with
     ``VocabMismatchError`` ("shared"), or bridged even when the tokenizers agree ("bridge").
+    ``draft_vocab``: the tokens the draft's output head computes (``specdec.draft_vocab``): a number N (its N most
+    frequent, from the draft's ``token_ranking.json``), "full", or "auto" (the ranking's default where the draft
+    runs on the CPU kernel: 4096 for the shipped draft; else the full head). The output never changes.
     """
     dev = resolve_device(device)
     # "auto" stays unresolved until the runtime of each checkpoint is known (see resolve_dtype).
@@ -163,12 +168,29 @@ def load(
     max_context = target_runner.max_context
     kind = "prompt_lookup" if prompt_lookup else None
     if draft is not None:
+        head = None
+        if isinstance(draft, (str, Path)):
+            head = draft_vocab_tokens(check_checkpoint_dir(draft), draft_vocab)
+        elif draft_vocab not in ("auto", "full", None, 0):
+            raise InvalidRequestError("draft_vocab needs a draft checkpoint directory", "draft_vocab")
         draft_runner, draft_tok = _load_model(
-            draft, None, runtime, dev, ddt, trust_remote_code, "draft", tokenizer_fallback=target_tok, compile=compile
+            draft,
+            None,
+            runtime,
+            dev,
+            ddt,
+            trust_remote_code,
+            "draft",
+            tokenizer_fallback=target_tok,
+            compile=compile,
+            head_tokens=head,
+            head_required=draft_vocab != "auto",
         )
         kind = _draft_kind(draft_tokenizer, target_tok, draft_tok, target_runner, draft_runner)
         if kind == "model":  # positions are shared only when the ids are
             max_context = min(max_context, draft_runner.max_context)
+    elif draft_vocab not in ("auto", "full", None, 0):
+        raise InvalidRequestError("draft_vocab needs a draft model", "draft_vocab")
     side = DraftSide(target_runner, draft_runner, target_tok, draft_tok)
     drafter = DRAFTERS[kind](side) if kind is not None else None
 
@@ -222,17 +244,15 @@ def _load_model(
     role: str,
     tokenizer_fallback: Any = None,
     compile: bool = False,
+    head_tokens: list[int] | None = None,
+    head_required: bool = True,
 ) -> tuple[ModelRunner, Any]:
     if isinstance(spec, (str, Path)):
         path = check_checkpoint_dir(spec)
-        runner = load_runner(
-            path,
-            runtime=runtime,
-            device=device,
-            dtype=dtype,
-            compile=compile,
-            **({"trust_remote_code": True} if trust_remote_code else {}),
-        )
+        extra: dict[str, Any] = {"trust_remote_code": True} if trust_remote_code else {}
+        if head_tokens is not None:
+            extra.update(head_tokens=head_tokens, head_required=head_required)
+        runner = load_runner(path, runtime=runtime, device=device, dtype=dtype, compile=compile, **extra)
         if tokenizer is None:
             if has_tokenizer(path):
                 tokenizer = load_tokenizer(path)

@@ -172,9 +172,18 @@ def load_models(settings: ModelSettings, with_hf: bool) -> Any:
         # native runtime: "cpu-kernel" (the one-call C++ kernel) or "torch-<products>"; why the kernel is off.
         "target_backend": getattr(spec.target, "backend", None),
         "draft_backend": getattr(draft_runner, "backend", None),
+        # the tokens the draft's output head computes (draft_vocab): a number, or "full"
+        "draft_head": _head_size(draft_runner),
         "cpu_kernel": kernel_status(),
     }
     return BenchModels(spec=spec if drafter is not None else None, target_only=target_only, hf=hf, info=info)
+
+
+def _head_size(runner: Any) -> int | str | None:
+    if runner is None:
+        return None
+    head = getattr(runner, "head_tokens", None)
+    return "full" if head is None else len(head)
 
 
 def machine() -> dict[str, Any]:

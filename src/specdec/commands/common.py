@@ -24,6 +24,7 @@ class ModelSettings:
     trust_remote_code: bool
     compile: bool = False
     draft_tokenizer: str = "auto"  # auto | shared | bridge (a draft with a tokenizer of its own)
+    draft_vocab: str = "auto"  # auto | full | N: the tokens the draft's output head keeps (specdec.draft_vocab)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSettings:
@@ -41,6 +42,7 @@ class ModelSettings:
             trust_remote_code=args.trust_remote_code,
             compile=getattr(args, "compile", False),
             draft_tokenizer=getattr(args, "draft_tokenizer", "auto"),
+            draft_vocab=getattr(args, "draft_vocab", "auto"),
         )
 
     def load(self, observers: list | None = None) -> Engine:
@@ -65,6 +67,7 @@ class ModelSettings:
             trust_remote_code=self.trust_remote_code,
             compile=self.compile,
             draft_tokenizer=self.draft_tokenizer,
+            draft_vocab=self.draft_vocab,
         )
 
 
@@ -84,6 +87,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="auto, float32 or bfloat16 (auto: bf16 on CUDA, on CPUs with bf16 units and for the native runtime; fp32 for transformers elsewhere)",
     )
     g.add_argument("--draft-dtype", default=None, help="dtype of the draft model (default: as --dtype)")
+    g.add_argument(
+        "--draft-vocab",
+        default="auto",
+        metavar="N|full|auto",
+        help="tokens the draft's output head computes: its N most frequent (from the draft's token_ranking.json; "
+        "the output never changes, only acceptance), full, or auto (the draft's own default where it runs on the "
+        "CPU kernel: 4096 for the shipped draft; default: auto)",
+    )
     g.add_argument(
         "--compile",
         action="store_true",

@@ -105,6 +105,17 @@ def load_runner(
     """``dtype`` may be ``"auto"``: resolved for the runtime chosen for this checkpoint. ``compile`` needs the
     native runtime."""
     name = choose_runtime(path, runtime)
+    if "head_tokens" in kwargs:  # a restricted output head: the CPU kernel's; where it cannot run, an error
+        required = kwargs.pop("head_required", True)  # or, asked for by "auto", the full head
+        if name != "native":
+            if required:
+                raise UnsupportedError(
+                    f"a restricted draft head (draft_vocab) needs the native runtime's CPU kernel, but {path} runs "
+                    "on transformers (a model type or feature the native runtime lacks, or --runtime hf)"
+                )
+            kwargs.pop("head_tokens")
+        else:
+            kwargs["head_required"] = required
     if compile:
         if name != "native":
             raise UnsupportedError(

@@ -18,6 +18,7 @@ safetensors) without its model classes. What keeps a decode step cheap (see docs
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -128,6 +129,9 @@ class NativeRunner(ModelRunner):
         self._spare: list[torch.Tensor] = []  # released cache tensors, reused by new_cache (slots)
         # Positions a cache tensor holds: max_context, rounded up to whole key blocks for the CPU kernel.
         self.cache_positions = max_context if fused is None else fused.positions
+        # A restricted head (head_tokens): the kernel's logits have one column per kept token, widened here.
+        self.head_tokens = None if fused is None or fused.head_ids is None else list(fused.head_ids)
+        self._head_index = None if self.head_tokens is None else torch.tensor(self.head_tokens)
         if fused is not None:
             return  # the kernel holds its own weights and tables
         # Complex RoPE needs complex arithmetic in the compute dtype: fp32/fp64, eager.
@@ -154,8 +158,15 @@ class NativeRunner(ModelRunner):
         max_context: int | None = None,
         trust_remote_code: bool = False,
         kernel: bool | None = None,
+        head_tokens: Sequence[int] | None = None,
+        head_required: bool = True,
     ) -> NativeRunner:
         """Load ``path``. ``max_context`` caps the cache (default: the model's window, at most 8192 positions).
+
+        ``head_tokens`` (CPU kernel only; for draft models): the token ids the output head computes (e.g. the most
+        frequent ones: ``specdec.draft_vocab``); every other token's logit is -inf, so it is never proposed, and
+        the head costs ``len(head_tokens) / vocab`` of the full one. ``head_required=False``: where the kernel
+        cannot run, the full head instead of an error.
 
         ``kernel``: run the forward through the one-call CPU kernel (``native_kernel``); None (default) uses
         it on CPU whenever it is available and ``compile`` is off, False never, True insists (error if it
@@ -180,12 +191,23 @@ class NativeRunner(ModelRunner):
             raise UnsupportedError(f"the CPU kernel cannot run {path}: {why}")
         if kernel is None:
             kernel = kernel_fits and kernel_available()
+        if head_tokens is not None and not kernel and not head_required:
+            head_tokens = None
+        if head_tokens is not None and not kernel:
+            why = kernel_status() if dev.type == "cpu" and not compile else "it runs on CPU, without --compile"
+            raise UnsupportedError(f"a restricted output head runs only on the CPU kernel, not here ({why})")
         fused = None
         ops: Ops = DenseOps
         if kernel:
             # int8: loaded in fp32, quantized per output channel by FusedLlama.
             weights = load_weights(path, cfg, dev, torch.float32 if dtype == torch.int8 else dtype)
-            fused = FusedLlama(cfg, weights, dtype, limit)
+            head = None if head_tokens is None else sorted(set(int(t) for t in head_tokens))
+            if head is not None and (not head or head[0] < 0 or head[-1] >= int(weights.lm_head.shape[0])):
+                raise ModelLoadError(
+                    f"head_tokens must be token ids of {path} (0..{int(weights.lm_head.shape[0]) - 1}), "
+                    f"got {len(head)} ids in {head[:1]}..{head[-1:]}"
+                )
+            fused = FusedLlama(cfg, weights, dtype, limit, head)
         else:
             ops = choose_ops(dev, dtype, compile)
             interleave = (torch.float32 if ops.compute_fp32 else dtype) in (
@@ -291,10 +313,18 @@ class NativeRunner(ModelRunner):
             pos_l.extend(range(pos, pos + k))
             kv_l.extend([cache.kv.data_ptr()] * k)
             out_l.extend(range(row + k - min(size, k), row + k))
-        logits = self._fused.forward_rows(ids_l, pos_l, kv_l, out_l)
+        logits = self._widen(self._fused.forward_rows(ids_l, pos_l, kv_l, out_l))
         for ids, cache in blocks:
             cache._length += len(ids)  # type: ignore[attr-defined]
         return logits
+
+    def _widen(self, logits: torch.Tensor) -> torch.Tensor:
+        """The kernel's logits over the whole vocabulary: -inf for the tokens a restricted head leaves out."""
+        if self._head_index is None:
+            return logits
+        full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"))
+        full[:, self._head_index] = logits
+        return full
 
     @property
     def drafts_natively(self) -> bool:  # type: ignore[override]
@@ -335,6 +365,8 @@ class NativeRunner(ModelRunner):
                     "max_tokens",
                 )
         native = [None if r is None else DraftRuleC.make(r.reach_table, r.min_reach, r.min_top) for r in rules]
+        if self.head_tokens is not None:  # the argmax runs over the head's rows: those of tokens below vocab_used
+            vocab_used = bisect.bisect_left(self.head_tokens, vocab_used)
         tokens, tops, fed = self._fused.draft_greedy(
             pending, [c.length for c in caches], [c.kv for c in caches], list(taus), native, vocab_used
         )
@@ -366,7 +398,7 @@ class NativeRunner(ModelRunner):
                 f"{self.name}: {pos + k} tokens do not fit the context window of {self.max_context}", "max_tokens"
             )
         if self._fused is not None:
-            logits = self._fused.forward(ids, cache.kv, pos, last_only)
+            logits = self._widen(self._fused.forward(ids, cache.kv, pos, last_only))
         elif self.compile and k <= BAND_ROWS:  # decode and verify blocks; a prompt's prefill (any length) stays eager
             logits = self._step_fn(k)(ids, cache.kv, pos, last_only)
         else:

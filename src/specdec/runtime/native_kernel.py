@@ -35,7 +35,7 @@ from specdec.runtime.native_config import NativeConfig, rope_tables
 from specdec.runtime.native_weights import ModelWeights
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 8
+ABI_VERSION = 9
 # sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 # -ffp-contract=off: a multiply followed by an add stays two roundings wherever it is inlined (GCC fuses them into
@@ -136,6 +136,8 @@ class _Model(ctypes.Structure):
         ("rope_cos", ctypes.c_void_p),
         ("rope_sin", ctypes.c_void_p),
         ("layers", ctypes.POINTER(_Layer)),
+        ("head_rows", ctypes.c_int64),
+        ("head_ids", ctypes.c_void_p),
     ]
 
 
@@ -376,13 +378,32 @@ class PackedWeight:
 class FusedLlama:
     """A checkpoint's weights laid out for ``sd_forward_rows``; one instance per runner, shared by its caches."""
 
-    def __init__(self, cfg: NativeConfig, weights: ModelWeights, dtype: torch.dtype, max_context: int) -> None:
+    def __init__(
+        self,
+        cfg: NativeConfig,
+        weights: ModelWeights,
+        dtype: torch.dtype,
+        max_context: int,
+        head_ids: Sequence[int] | None = None,
+    ) -> None:
+        """``head_ids``: the tokens the output head keeps (ascending; None: every token). Logits then have one column
+        per kept token, in that order, and ``draft_greedy`` returns token ids."""
         lib = _library()
         if lib is None:
             raise RuntimeError(f"CPU kernel unavailable: {kernel_status()}")
         self._lib = lib
         self.vocab_size = int(weights.lm_head.shape[0])
         keep: list[torch.Tensor] = []
+        head = weights.lm_head
+        self.head_ids: list[int] | None = None
+        if head_ids is not None:
+            self.head_ids = [int(t) for t in head_ids]
+            if not self.head_ids or any(not 0 <= t < self.vocab_size for t in self.head_ids):
+                raise ValueError(f"head_ids must be non-empty token ids below {self.vocab_size}")
+            if any(b <= a for a, b in zip(self.head_ids, self.head_ids[1:])):
+                raise ValueError("head_ids must be ascending and distinct")
+            head = head[torch.tensor(self.head_ids)]
+        self.head_rows = int(head.shape[0])
 
         def ptr(t: torch.Tensor | None, want: torch.dtype) -> int | None:
             if t is None:
@@ -431,10 +452,12 @@ class FusedLlama:
             int(weights.embed.shape[1]),
             float(cfg.eps),
             ptr(weights.embed, torch.float32 if dtype == torch.int8 else dtype),  # int8 models: fp32 table
-            packed(weights.lm_head),
+            packed(head),
             ptr(rope_cos, torch.float32),
             ptr(rope_sin, torch.float32),
             layers,
+            self.head_rows,
+            None if self.head_ids is None else ptr(torch.tensor(self.head_ids, dtype=torch.int64), torch.int64),
         )
         self._layers, self._keep = layers, keep
         self._scratch = threading.local()  # per calling thread: concurrent requests never share scratch
@@ -489,7 +512,7 @@ class FusedLlama:
         meta = torch.tensor([*off, *positions, *taus, *(c.data_ptr() for c in caches)], dtype=torch.int64)
         out_i = torch.full((n * max_tau + 2 * n,), -1, dtype=torch.int64)  # tokens [n][max_tau], drafted, fed [n]
         tops = torch.empty(n, max_tau, dtype=torch.float32)
-        logits = torch.empty(n, self.vocab_size, dtype=torch.float32)
+        logits = torch.empty(n, self.head_rows, dtype=torch.float32)
         threads = pass_threads(max(off[-1], n))
         scratch = self._scratch_for(max(off[-1], n), threads)
         rule_ptrs = None
@@ -564,7 +587,7 @@ class FusedLlama:
         base = meta.data_ptr()
         ids_at, pos_at, kv_at, out_at = base, base + 8 * k, base + 16 * k, base + 24 * k
         threads = pass_threads(min(k, CHUNK))
-        out = torch.empty(n_out, self.vocab_size, dtype=torch.float32)
+        out = torch.empty(n_out, self.head_rows, dtype=torch.float32)
         prof = None if profile is None else profile.data_ptr()
         if k <= CHUNK:
             chunks = [(0, k, 0, n_out)]

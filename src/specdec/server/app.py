@@ -118,6 +118,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             # Whether one pass serves many requests (the native runtime's CPU kernel), or each runs its own.
             "batched_passes": engine.target.batches,
             "drafter": engine.drafter.name if engine.drafter is not None else None,  # "model", "bridge", ...
+            "draft_head": _draft_head(engine),  # tokens the draft's output head computes (draft_vocab), or "full"
             "costs": engine.costs_note,
             "prefill_in_step": engine.prefill_in_step,  # prompt tokens a batched step takes in, at most
             "runtime": getattr(engine.target, "backend", type(engine.target).__name__),
@@ -324,6 +325,14 @@ def _version() -> str:
     from specdec import __version__
 
     return __version__
+
+
+def _draft_head(engine: Engine) -> int | str | None:
+    runner = getattr(engine.drafter, "runner", None)
+    if runner is None:
+        return None
+    head = getattr(runner, "head_tokens", None)
+    return "full" if head is None else len(head)
 
 
 def _compute_threads() -> dict[str, int]:

@@ -60,9 +60,14 @@ struct SdModel {
     const float* rope_cos;
     const float* rope_sin;
     const SdLayer* layers;
+    // The output head's rows: head_rows of them, row j the token head_ids[j] (ascending), or every token in order
+    // (head_ids NULL, head_rows == vocab). A draft model may keep only its most frequent tokens: the draft only
+    // proposes, so the output never changes, and its head costs head_rows / vocab of the full one.
+    int64_t head_rows;
+    const int64_t* head_ids;
 };
 
-extern "C" int sd_abi_version(void) { return 8; }
+extern "C" int sd_abi_version(void) { return 9; }
 
 // Which products this build uses for bf16 weights: 1 = AVX512-BF16 dot products, 0 = AVX2 fp32.
 extern "C" int sd_bf16_dot(void) {
@@ -873,7 +878,7 @@ extern "C" int64_t sd_scratch_floats(const SdModel* m, int64_t k, int64_t thread
 // at kv[t] (layout above); rows of one sequence that share a pass must be consecutive and in position
 // order (a verify block), and every row's keys/values are written before any row attends, so a row sees
 // the rows of its own sequence before it and nothing of any other sequence. Logits of rows out_idx[0..n_out)
-// go to logits[n_out][vocab]. Every row's result is independent of the other rows in the pass (the products'
+// go to logits[n_out][head_rows]. Every row's result is independent of the other rows in the pass (the products'
 // promise), so a row's logits are the same bit for bit whatever it is batched with. With `prof` (PH_COUNT doubles, else NULL) the seconds of each phase are added to it, timed by thread 0 after
 // each phase's barrier. Returns 0, or -1 on bad arguments.
 extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64_t* pos, float* const* kv, int64_t k,
@@ -963,7 +968,7 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
         if (n_out > 0) {  // the asked rows, normalised into h[0..n_out) (free by now), then the head
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < n_out; j++) rms_norm(x + out_idx[j] * d, h + j * d, d, m->eps);
-            gemm(wt, h, d, m->lm_head, NULL, logits, m->vocab, n_out, d, m->vocab, 0, xb, scores);
+            gemm(wt, h, d, m->lm_head, NULL, logits, m->head_rows, n_out, d, m->head_rows, 0, xb, scores);
             PHASE_DONE(PH_HEAD)
         }
 #undef PHASE_DONE
@@ -1015,20 +1020,20 @@ struct SdDraftRule {
 };
 
 // For each of n sequences: feed its pending tokens ids[off[s] .. off[s+1]) at positions pos0[s].. into its cache
-// kv[s], take the argmax of the last row's logits over the first `vocab_used` entries, then feed that token and
+// kv[s], take the argmax of the last row's logits over the first `vocab_used` head rows, then feed that token and
 // take the next argmax, until tau[s] tokens are drafted or its rule (rules[s], NULL: none) stops it. The sequences
 // still drafting share one pass per depth (sd_forward_rows: a row's logits do not depend on the other rows).
 // Out: tokens/tops [n][max_tau] (max_tau >= every tau[s]), drafted[s] = tokens kept, fed[s] = tokens written to the
-// cache (pending + drafted - 1: the last drafted token is not fed). `logits` [n][vocab] and `scratch` (for
+// cache (pending + drafted - 1: the last drafted token is not fed). `logits` [n][head_rows] and `scratch` (for
 // max(off[n], n) rows) are the caller's. Returns 0, or -1 on bad arguments.
 extern "C" int sd_draft_greedy(const SdModel* m, int64_t n, const int64_t* ids, const int64_t* off, const int64_t* pos0,
                                float* const* kv, const int64_t* tau, int64_t max_tau, const SdDraftRule* const* rules,
                                int64_t vocab_used, int64_t* tokens, float* tops, int64_t* drafted, int64_t* fed,
                                float* logits, float* scratch, int64_t threads) {
-    if (n < 1 || max_tau < 1 || vocab_used < 1 || vocab_used > m->vocab) return -1;
+    if (n < 1 || max_tau < 1 || vocab_used < 1 || vocab_used > m->head_rows) return -1;
     for (int64_t s = 0; s < n; s++)
         if (off[s + 1] <= off[s] || tau[s] < 1 || tau[s] > max_tau) return -1;
-    const int64_t V = m->vocab;
+    const int64_t V = m->head_rows;
     std::vector<int64_t> row_ids(off[n] > n ? off[n] : n), row_pos(row_ids.size()), out_idx(n), live(n), next_live;
     std::vector<float*> row_kv(row_ids.size());
     std::vector<double> reach(n, 1.0);
@@ -1053,7 +1058,9 @@ extern "C" int sd_draft_greedy(const SdModel* m, int64_t n, const int64_t* ids, 
 #pragma omp parallel for num_threads((int)threads) schedule(static) if (n_live > 1)
         for (int64_t j = 0; j < n_live; j++) {
             const int64_t s = live[j];
-            top_of(logits + j * V, vocab_used, tokens + s * max_tau + depth, tops + s * max_tau + depth);
+            int64_t* token = tokens + s * max_tau + depth;
+            top_of(logits + j * V, vocab_used, token, tops + s * max_tau + depth);
+            if (m->head_ids != NULL) *token = m->head_ids[*token];  // the head's row -> its token
         }
         // Keep / go on, per sequence (the loop's rules), and the next depth's rows.
         next_live.clear();
