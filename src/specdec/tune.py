@@ -233,6 +233,8 @@ def model_identity(engine: Any) -> dict[str, Any]:
         "target_dtype": str(target.dtype).replace("torch.", ""),
         "draft": str(draft_runner.name) if draft_runner is not None else (drafter.name if drafter else None),
         "draft_dtype": str(draft_runner.dtype).replace("torch.", "") if draft_runner is not None else None,
+        # the draft's output head (draft_vocab): its forward's cost
+        "draft_head": None if draft_runner is None else len(getattr(draft_runner, "head_tokens", None) or []) or "full",
         "backend": str(getattr(target, "backend", type(target).__name__)),
         "device": str(target.device),
     }
