@@ -41,14 +41,25 @@ def load_baseline(checkout: Path) -> Any:
 def runner_with(fused_cls: Any, path: Path, dtype: torch.dtype) -> Any:
     import specdec.runtime.native as native
 
-    if not hasattr(fused_cls, "positions"):  # a kernel from before keys came in blocks: caches of max_context
+    base_cls = fused_cls
 
-        class Fused(fused_cls):  # type: ignore[misc, valid-type]
-            def __init__(self, *args: Any) -> None:
-                super().__init__(*args)
-                self.positions, self.key_block = args[-1], 1
+    class Fused(base_cls):  # type: ignore[misc, valid-type]
+        """Older kernels: no key blocks (caches of max_context positions), no restricted head."""
 
-        fused_cls = Fused
+        def __init__(self, cfg: Any, weights: Any, dtype: Any, max_context: int, head: Any = None) -> None:
+            if head is None:
+                try:
+                    super().__init__(cfg, weights, dtype, max_context, head)
+                except TypeError:
+                    super().__init__(cfg, weights, dtype, max_context)
+            else:
+                super().__init__(cfg, weights, dtype, max_context, head)
+            if not hasattr(self, "positions"):
+                self.positions, self.key_block = max_context, 1
+            if not hasattr(self, "head_ids"):
+                self.head_ids = None
+
+    fused_cls = Fused
     saved = native.FusedLlama
     native.FusedLlama = fused_cls
     try:
