@@ -331,8 +331,7 @@ class NativeRunner(ModelRunner):
         """Whether ``draft_greedy`` runs (the CPU kernel drafts a whole greedy lockstep draft in one call)."""
         return self._fused is not None
 
-    @torch.inference_mode()
-    def draft_greedy(
+    def draft_greedy(  # the kernel records no autograd: no inference_mode around it
         self,
         blocks: Sequence[tuple[list[int], KVCache]],
         taus: Sequence[int],

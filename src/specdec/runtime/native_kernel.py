@@ -485,6 +485,14 @@ class FusedLlama:
             buf = self._scratch.buf = torch.empty(need, dtype=torch.float32)
         return buf
 
+    def _buffer(self, name: str, floats: int) -> torch.Tensor:
+        """A per-thread fp32 buffer of at least ``floats`` entries, reused across calls (contents undefined)."""
+        buf = getattr(self._scratch, name, None)
+        if buf is None or buf.numel() < floats:
+            buf = torch.empty(floats, dtype=torch.float32)
+            setattr(self._scratch, name, buf)
+        return buf
+
     def draft_greedy(
         self,
         pending: list[list[int]],
@@ -508,11 +516,15 @@ class FusedLlama:
         if off[-1] > CHUNK:
             raise ValueError(f"draft_greedy: {off[-1]} pending tokens exceed one chunk ({CHUNK})")
         max_tau = max(taus)
-        ids = torch.tensor([t for p in pending for t in p], dtype=torch.int64)
-        meta = torch.tensor([*off, *positions, *taus, *(c.data_ptr() for c in caches)], dtype=torch.int64)
-        out_i = torch.full((n * max_tau + 2 * n,), -1, dtype=torch.int64)  # tokens [n][max_tau], drafted, fed [n]
+        # One int64 tensor in: offsets, positions, taus, cache addresses, then the pending ids; one out: tokens
+        # [n][max_tau] (-1 where none was drafted), drafted [n], fed [n].
+        meta = torch.tensor(
+            [*off, *positions, *taus, *(c.data_ptr() for c in caches), *(t for p in pending for t in p)],
+            dtype=torch.int64,
+        )
+        out_i = torch.full((n * max_tau + 2 * n,), -1, dtype=torch.int64)
         tops = torch.empty(n, max_tau, dtype=torch.float32)
-        logits = torch.empty(n, self.head_rows, dtype=torch.float32)
+        logits = self._buffer("draft_logits", n * self.head_rows)
         threads = pass_threads(max(off[-1], n))
         scratch = self._scratch_for(max(off[-1], n), threads)
         rule_ptrs = None
@@ -522,7 +534,7 @@ class FusedLlama:
         rc = self._lib.sd_draft_greedy(
             self._model_ref,
             n,
-            ids.data_ptr(),
+            base + eight * (4 * n + 1),
             base,
             base + eight * (n + 1),
             base + eight * (3 * n + 1),
