@@ -153,7 +153,13 @@ def test_engine_first_three_tokens_match_target_sampling(tiny_models, soft_draft
     assert backend.startswith(expected), backend
     assert engine.encode(PROMPT) == prompt
     engine.eos_ids = frozenset()  # sample exactly three tokens every time: EOS would end some runs early
-    n = 600
+    counts = first_three_follow_the_law(engine, prompt, settings, joint, marginals)
+    assert all(len(k) == 3 for k in counts)
+
+
+def first_three_follow_the_law(engine, prompt, settings, joint, marginals, n: int = 600) -> dict[tuple, int]:
+    """``n`` generations of three tokens (seeds 0..n-1, τ = 3): the draft partly accepted, the joint law and each
+    position's marginal not rejected at ``P_THRESHOLD`` (four chi-square tests). Returns the counts."""
     counts: dict[tuple, int] = {}
     drafted = accepted = 0
     for seed in range(n):
@@ -163,14 +169,13 @@ def test_engine_first_three_tokens_match_target_sampling(tiny_models, soft_draft
         drafted += r.stats.drafted
         accepted += r.stats.accepted
     assert 0.05 < accepted / drafted < 0.95, "the draft should be partly accepted for this test to mean anything"
-    assert all(len(k) == 3 for k in counts)
     assert chi2_pvalue(counts, joint, n) > P_THRESHOLD
-    # marginals of each position too
-    for pos, marg in enumerate(marginals):
+    for pos, marg in enumerate(marginals):  # marginals of each position too
         cnt: dict[int, int] = {}
         for k, c in counts.items():
             cnt[k[pos]] = cnt.get(k[pos], 0) + c
         assert chi2_pvalue(cnt, marg, n) > P_THRESHOLD, f"position {pos + 1}"
+    return counts
 
 
 @pytest.mark.distribution
@@ -217,19 +222,5 @@ def test_a_draft_head_without_the_likeliest_tokens_keeps_the_target_law(tiny_mod
     engine = specdec.load(tiny_models["llama"], draft, dtype="float32", draft_vocab=vocab // 2)
     assert not set(left_out) & set(engine.drafter.runner.head_tokens)
     engine.eos_ids = frozenset()
-    n = 600
-    counts: dict[tuple, int] = {}
-    drafted = accepted = 0
-    for seed in range(n):
-        r = engine.generate(prompt, max_new_tokens=3, tau=3, seed=seed, **settings)
-        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
-        drafted += r.stats.drafted
-        accepted += r.stats.accepted
-    assert 0.05 < accepted / drafted < 0.95, "the draft should be partly accepted for this test to mean anything"
-    assert sum(c for k, c in counts.items() if k[0] in left_out) > 0.2 * n  # the residual's tokens do come up
-    assert chi2_pvalue(counts, joint, n) > P_THRESHOLD
-    for pos, marg in enumerate(marginals):
-        cnt: dict[int, int] = {}
-        for k, c in counts.items():
-            cnt[k[pos]] = cnt.get(k[pos], 0) + c
-        assert chi2_pvalue(cnt, marg, n) > P_THRESHOLD, f"position {pos + 1}"
+    counts = first_three_follow_the_law(engine, prompt, settings, joint, marginals)
+    assert sum(c for k, c in counts.items() if k[0] in left_out) > 0.2 * 600  # the residual's tokens do come up

@@ -63,9 +63,8 @@ class NativeCache(KVCache):
     """
 
     def __init__(self, kv: torch.Tensor) -> None:
-        self.kv = (
-            kv  # [layers, 2, kv_heads, cache_positions, head_dim]; positions at or beyond ``length`` are never read
-        )
+        # [layers, 2, kv_heads, cache_positions, head_dim]; positions at or beyond ``length`` are never read
+        self.kv = kv
         self._length = 0
 
     @functools.cached_property

@@ -585,7 +585,7 @@ class FusedLlama:
     ) -> torch.Tensor:
         """One pass over rows from any number of sequences: row t is token ``ids[t]`` at ``positions[t]`` of the
         sequence whose cache tensor starts at address ``caches[t]`` (a sequence's rows consecutive and in position
-        order). Returns the logits of rows ``out_idx`` (ascending; ``[len(out_idx), vocab]``).
+        order). Returns the logits of rows ``out_idx`` (ascending; ``[len(out_idx), head_rows]``).
 
         Every row's result is independent of the other rows in the pass, bit for bit.
         Passes of more than ``CHUNK`` rows run in chunks (bounded scratch; a sequence's later rows see the
