@@ -87,14 +87,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         help="auto, float32 or bfloat16 (auto: bf16 on CUDA, on CPUs with bf16 units and for the native runtime; fp32 for transformers elsewhere)",
     )
     g.add_argument("--draft-dtype", default=None, help="dtype of the draft model (default: as --dtype)")
-    g.add_argument(
-        "--draft-vocab",
-        default="auto",
-        metavar="N|full|auto",
-        help="tokens the draft's output head computes: its N most frequent (from the draft's token_ranking.json; "
-        "the output never changes, only acceptance), full, or auto (the draft's own default where it runs on the "
-        "CPU kernel: 4096 for the shipped draft; default: auto)",
-    )
+    add_draft_vocab_arg(g)
     g.add_argument(
         "--compile",
         action="store_true",
@@ -115,6 +108,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "bound instead, e.g. adaptive:max_tau=N; default: 4)",
     )
     g.add_argument("--trust-remote-code", action="store_true", help="allow checkpoints with custom Python code")
+
+
+def add_draft_vocab_arg(g: argparse._ActionsContainer) -> None:
+    g.add_argument(
+        "--draft-vocab",
+        default="auto",
+        metavar="N|full|auto",
+        help="tokens the draft's output head computes: its N most frequent (from the draft's token_ranking.json; "
+        "the output never changes, only acceptance), full, or auto (the draft's own default where it runs on the "
+        "CPU kernel: 4096 for the shipped draft; default: auto)",
+    )
 
 
 def add_draft_tokenizer_arg(g: argparse._ActionsContainer) -> None:
