@@ -395,7 +395,7 @@ def test_a_row_in_a_batch_equals_the_row_alone(isa: str, dtype: torch.dtype, tmp
     assert [c.length for c in caches] == [n + k for n, k in zip(starts, sizes)]
 
 
-def gqa_checkpoint(root: Path) -> Path:
+def gqa_checkpoint(root: Path, heads: int = 14, kv_heads: int = 2) -> Path:
     """14 query heads on 2 key/value heads (7 per group: the AVX512 build scores them in chunks of 4 + 3, AVX2 in
     3 + 2 + 2), head_dim 80 (one 64-column value chunk, then 8-column strides), a sliding window of 21 positions
     (windows that start inside a 16-position key block), max_position_embeddings 100 (not a whole number of key
@@ -407,8 +407,8 @@ def gqa_checkpoint(root: Path) -> Path:
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
-        num_attention_heads=14,
-        num_key_value_heads=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         head_dim=80,
         sliding_window=21,
         max_position_embeddings=100,
@@ -420,17 +420,22 @@ def gqa_checkpoint(root: Path) -> Path:
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(6.0)
-    model.save_pretrained(str(root / "gqa"), safe_serialization=True)
-    return root / "gqa"
+    out = root / f"gqa{heads}-{kv_heads}"
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out
 
 
-def test_attention_tiles_are_row_independent_and_match_transformers(isa: str, tmp_path: Path) -> None:
-    """The attention's tiles (keys in transposed 16-position blocks, a KV head's queries scored together): blocks and
-    prefills of every length up to the window's end equal one-token passes bit for bit, a forked cache continues
-    like the original, the last position of the context works, and fp32 matches transformers."""
+@pytest.mark.parametrize("heads", [(14, 2), (6, 3), (3, 3)], ids=["7-per-group", "2-per-group", "mha"])
+def test_attention_tiles_are_row_independent_and_match_transformers(
+    isa: str, tmp_path: Path, heads: tuple[int, int]
+) -> None:
+    """The attention's tiles (keys in transposed 16-position blocks, a KV head's queries scored together: 7 per group
+    in two chunks, 2, or one head alone), each row over its own window: blocks and prefills of every length up to the
+    window's end equal one-token passes bit for bit, a forked cache continues like the original, the last position
+    of the context works, and fp32 matches transformers."""
     from specdec.runtime.hf import HFRunner
 
-    path = gqa_checkpoint(tmp_path)
+    path = gqa_checkpoint(tmp_path, *heads)
     runner = NativeRunner.from_pretrained(path, dtype=torch.float32, kernel=True)
     assert runner.max_context == 100 and runner.cache_positions == 112 and runner.new_cache().kv.shape[3] == 112
     ids = torch.randint(0, 97, (100,), generator=torch.Generator().manual_seed(18))
