@@ -98,6 +98,14 @@ def head_tokens(model_dir: str | Path, n: int) -> list[int]:
     return sorted(int(t) for t in ranked[:n])
 
 
+def head_size(runner: Any) -> int | str | None:
+    """What a loaded draft's output head computes, for reports: its number of tokens, "full", or None (no runner)."""
+    if runner is None:
+        return None
+    head = getattr(runner, "head_tokens", None)
+    return "full" if head is None else len(head)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", help="the draft checkpoint directory (its tokenizer.json; the ranking is written there)")

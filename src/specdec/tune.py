@@ -222,6 +222,7 @@ def model_identity(engine: Any) -> dict[str, Any]:
     threads (a pass on one thread costs up to twice one on two: ``specdec serve`` computes on the CPUs less one)."""
     import torch
 
+    from specdec.draft_vocab import head_size
     from specdec.runtime import native_kernel
 
     target, drafter = engine.target, engine.drafter
@@ -234,7 +235,7 @@ def model_identity(engine: Any) -> dict[str, Any]:
         "draft": str(draft_runner.name) if draft_runner is not None else (drafter.name if drafter else None),
         "draft_dtype": str(draft_runner.dtype).replace("torch.", "") if draft_runner is not None else None,
         # the draft's output head (draft_vocab): its forward's cost
-        "draft_head": None if draft_runner is None else len(getattr(draft_runner, "head_tokens", None) or []) or "full",
+        "draft_head": head_size(draft_runner),
         "backend": str(getattr(target, "backend", type(target).__name__)),
         "device": str(target.device),
     }

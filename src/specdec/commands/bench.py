@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.commands.common import ModelSettings, add_model_args
+from specdec.draft_vocab import head_size
 
 # --quick: a few prompts and τ values, one timed repeat; finishes in about two minutes on 2 cores.
 QUICK: dict[str, Any] = {"n_prompts": 8, "taus": "2,3,4,6", "repeats": 1, "max_new_tokens": 128, "trace_prompts": 3}
@@ -173,17 +174,10 @@ def load_models(settings: ModelSettings, with_hf: bool) -> Any:
         "target_backend": getattr(spec.target, "backend", None),
         "draft_backend": getattr(draft_runner, "backend", None),
         # the tokens the draft's output head computes (draft_vocab): a number, or "full"
-        "draft_head": _head_size(draft_runner),
+        "draft_head": head_size(draft_runner),
         "cpu_kernel": kernel_status(),
     }
     return BenchModels(spec=spec if drafter is not None else None, target_only=target_only, hf=hf, info=info)
-
-
-def _head_size(runner: Any) -> int | str | None:
-    if runner is None:
-        return None
-    head = getattr(runner, "head_tokens", None)
-    return "full" if head is None else len(head)
 
 
 def machine() -> dict[str, Any]:

@@ -480,10 +480,7 @@ class FusedLlama:
         need = self._scratch_floats.get((k, threads))
         if need is None:
             need = self._scratch_floats[(k, threads)] = int(self._lib.sd_scratch_floats(self._model_ref, k, threads))
-        buf = getattr(self._scratch, "buf", None)
-        if buf is None or buf.numel() < need:
-            buf = self._scratch.buf = torch.empty(need, dtype=torch.float32)
-        return buf
+        return self._buffer("buf", need)
 
     def _buffer(self, name: str, floats: int) -> torch.Tensor:
         """A per-thread fp32 buffer of at least ``floats`` entries, reused across calls (contents undefined)."""

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from specdec.draft_vocab import head_size
 from specdec.engine import Engine, Generation, GenerationResult
 from specdec.server.errors import APIError, install_handlers
 from specdec.server.guard import Guard
@@ -118,7 +119,9 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             # Whether one pass serves many requests (the native runtime's CPU kernel), or each runs its own.
             "batched_passes": engine.target.batches,
             "drafter": engine.drafter.name if engine.drafter is not None else None,  # "model", "bridge", ...
-            "draft_head": _draft_head(engine),  # tokens the draft's output head computes (draft_vocab), or "full"
+            "draft_head": head_size(
+                getattr(engine.drafter, "runner", None)
+            ),  # tokens the draft's output head computes (draft_vocab), or "full"
             "costs": engine.costs_note,
             "prefill_in_step": engine.prefill_in_step,  # prompt tokens a batched step takes in, at most
             "runtime": getattr(engine.target, "backend", type(engine.target).__name__),
@@ -325,14 +328,6 @@ def _version() -> str:
     from specdec import __version__
 
     return __version__
-
-
-def _draft_head(engine: Engine) -> int | str | None:
-    runner = getattr(engine.drafter, "runner", None)
-    if runner is None:
-        return None
-    head = getattr(runner, "head_tokens", None)
-    return "full" if head is None else len(head)
 
 
 def _compute_threads() -> dict[str, int]:
