@@ -123,6 +123,9 @@ def test_auto_takes_the_rankings_default_and_refusals_are_clear(tiny_models: dic
         specdec.load(tiny_models["llama"], draft, dtype="float32", runtime="hf", draft_vocab=9)
     with pytest.raises(specdec.InvalidRequestError, match="draft_vocab needs a draft"):
         specdec.load(tiny_models["llama"], dtype="float32", prompt_lookup=True, draft_vocab=9)
+    # "full", None, 0 and "0" all mean the whole head: nothing to refuse without a ranked draft directory
+    for whole in ("full", None, 0, "0"):
+        specdec.load(tiny_models["llama"], dtype="float32", prompt_lookup=True, draft_vocab=whole)
 
 
 def test_cli_refuses_a_bad_head_size_in_one_line(tiny_models: dict[str, Path], tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from specdec.draft_vocab import means_full as draft_vocab_means_full
 from specdec.draft_vocab import resolve as draft_vocab_tokens
 from specdec.drafters.base import Drafter
 from specdec.drafters.bridge import BridgedDrafter
@@ -171,7 +172,7 @@ def load(
         head = None
         if isinstance(draft, (str, Path)):
             head = draft_vocab_tokens(check_checkpoint_dir(draft), draft_vocab)
-        elif draft_vocab not in ("auto", "full", None, 0):
+        elif not (draft_vocab == "auto" or draft_vocab_means_full(draft_vocab)):
             raise InvalidRequestError("draft_vocab needs a draft checkpoint directory", "draft_vocab")
         draft_runner, draft_tok = _load_model(
             draft,
@@ -189,7 +190,7 @@ def load(
         kind = _draft_kind(draft_tokenizer, target_tok, draft_tok, target_runner, draft_runner)
         if kind == "model":  # positions are shared only when the ids are
             max_context = min(max_context, draft_runner.max_context)
-    elif draft_vocab not in ("auto", "full", None, 0):
+    elif not (draft_vocab == "auto" or draft_vocab_means_full(draft_vocab)):
         raise InvalidRequestError("draft_vocab needs a draft model", "draft_vocab")
     side = DraftSide(target_runner, draft_runner, target_tok, draft_tok)
     drafter = DRAFTERS[kind](side) if kind is not None else None

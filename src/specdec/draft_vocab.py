@@ -65,10 +65,15 @@ def _ranking(model_dir: Path) -> dict[str, Any] | None:
         raise ModelLoadError(f"{path} is not a token ranking ({e})") from e
 
 
+def means_full(choice: int | str | None) -> bool:
+    """Whether ``draft_vocab=choice`` asks for the whole head (``"full"``, None, 0 or ``"0"``)."""
+    return choice is None or choice == "full" or choice == 0 or choice == "0"
+
+
 def resolve(model_dir: str | Path, choice: int | str | None) -> list[int] | None:
     """The head tokens for ``draft_vocab=choice``: ``"auto"`` (the ranking's own default, else the full head),
     ``"full"``/None/0 (the full head), or a number of tokens (the most frequent)."""
-    if choice is None or choice == "full" or choice == 0 or choice == "0":
+    if means_full(choice):
         return None
     if choice == "auto":
         doc = _ranking(Path(model_dir))

@@ -51,7 +51,7 @@ REACH_MARGIN = 1.2
 REACH_DEPTH = 8  # the stop rule may draft this many tokens beyond the plan's τ
 ARM_SETTLED_GAP = 0.04  # the stop rule this much ahead in goodput: settled
 ARM_CHECK_EVERY_SETTLED = 32  # steps: then one in 32 goes without the rule
-GAIN_PER_TOKEN = 0.02
+GAIN_PER_TOKEN = 0.02  # budget-limited: an extra draft token must add this many expected tokens
 REPLAN_EVERY = 4  # batch steps a batch plan serves (see ``plan``)
 REPLAN_MIN = 4  # sequences: smaller batches plan every step
 # A deeper batch depth must predict this much more goodput per extra position than the best so far: the predictions
@@ -64,7 +64,7 @@ DEPTH_MARGIN = 0.03
 # this per record (~1,000 records, 60 steps of 16 sequences), and used once STEP_BIAS_WARM steps' worth is measured.
 STEP_BIAS_DECAY = 0.999
 STEP_BIAS_WARM = 4.0
-DEPTH_PATIENCE = 3  # the batch planner prices depths up to this many beyond the best found  # budget-limited: an extra draft token must add this many expected tokens
+DEPTH_PATIENCE = 3  # the batch planner prices depths up to this many beyond the best found
 
 
 def reach_thresholds(times: list[float], rates: list[float], per_token: float, cap: int) -> tuple[float, ...]:
