@@ -73,7 +73,7 @@ def means_full(choice: int | str | None) -> bool:
 def resolve(model_dir: str | Path, choice: int | str | None) -> list[int] | None:
     """The head tokens for ``draft_vocab=choice``: ``"auto"`` (the ranking's own default, else the full head),
     ``"full"``/None/0 (the full head), or a number of tokens (the most frequent)."""
-    if means_full(choice):
+    if choice is None or means_full(choice):  # (None spelled out for the type checker)
         return None
     if choice == "auto":
         doc = _ranking(Path(model_dir))
