@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -473,6 +474,30 @@ def test_a_plain_batch_probes_one_deeper_whatever_its_costs_predict() -> None:
 
 def replace_times(record: StepRecord, *, draft: float) -> StepRecord:
     return replace(record, draft_time=draft)
+
+
+def test_prompt_rows_joining_a_batch_step_are_priced_in_but_do_not_make_every_depth_look_cheap() -> None:
+    """Priced as below (a plain 16-sequence step 4 ms, +1 ms of pass per 16 rows, +1 ms of draft per depth; acceptance
+    0.6): depth 1 is best. 200 prompt rows joining the pass add ~12.6 ms to every depth's step (the curve's slope beyond
+    80 rows). Counted as part of the step, depth 3 would win (34.8 tokens in ~22.6 ms against 25.6 in ~18.6): the
+    prefill's seconds would hide what each
+    depth costs. They are the prompts' own, in the step whatever the depth: the plan stays at depth 1, and the whole
+    step's prediction in its reason counts them."""
+    ctxs = [ctx_for(f"s{i}", 0, 0, 0) for i in range(16)]
+    policy = AdaptivePolicy()
+    policy.prime({16: 4e-3, 32: 5e-3, 48: 6e-3, 64: 7e-3, 80: 8e-3}, {16: 1e-3})
+    for ctx in ctxs:
+        policy.begin(ctx)
+    plan = policy.plan(ctxs, prompt_rows=200)
+    assert max(d.tau for d in plan) == 1
+    assert re.search(
+        r"25\.6 tokens in 18\.\d\d ms predicted \(step bias \+0\.00 ms, 200 prompt rows 12\.\d\d ms\)", plan[0].reason
+    )
+    # A step with prompt rows teaches no step bias (its prefill is a request's cost, once).
+    for i in range(16):
+        record = replace(record_for(f"s{i}", 0, 1, 1), draft_time=1e-3, verify_time=18e-3, other_time=7e-3)
+        policy.observe(replace(record, batch_size=16, rows=232, prompt_rows=200, drafting=16, draft_passes=1))
+    assert policy._step_bias == [0.0, 0.0]
 
 
 def test_a_batch_plan_prices_its_steps_with_what_they_measured_beyond_the_curves() -> None:

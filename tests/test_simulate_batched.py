@@ -117,10 +117,10 @@ class Recording(Policy):
     def next_tau(self, ctx: StepContext) -> Decision:
         return self.inner.next_tau(ctx)
 
-    def plan(self, ctxs: Sequence[StepContext], other_rows: int = 0) -> list[Decision]:
+    def plan(self, ctxs: Sequence[StepContext], other_rows: int = 0, prompt_rows: int = 0) -> list[Decision]:
         self.steps.append([])
         self.planned.append(len(ctxs))
-        return self.inner.plan(ctxs, other_rows)
+        return self.inner.plan(ctxs, other_rows, prompt_rows)
 
     def begin(self, ctx: StepContext) -> None:
         self.inner.begin(ctx)

@@ -327,7 +327,9 @@ class Engine:
         if held:
             live = [g for g in live if id(g) not in held]
         ctxs = [g.context_for_policy(len(live)) for g in live]
-        decisions = self._plan(live, ctxs)
+        # Prompt rows in this step's pass whatever is decided: joining sequences' prompt rests and the pieces.
+        prompt_rows = sum(len(g.context) - 1 - g.cache.length for g in live) + sum(n for _, n in fills)
+        decisions = self._plan(live, ctxs, prompt_rows)
         taus = [max(0, min(d.tau, ctx.max_tau)) if self.drafter is not None else 0 for d, ctx in zip(decisions, ctxs)]
 
         t1 = self.clock()
@@ -350,6 +352,7 @@ class Engine:
         shape = _StepShape(
             sequences=len(live),
             rows=behind + sum(len(d.tokens) for d in drafts),
+            prompt_rows=prompt_rows,
             drafting=sum(1 for d in drafts if d.tokens),
             draft_passes=max(len(d.tokens) for d in drafts),
             draft_fed=sum(d.fed for d in drafts),
@@ -361,9 +364,9 @@ class Engine:
         by_gen = {id(g): g.observe_step(step, t_verified=t3) for g, step in zip(live, pending)}
         return [by_gen.get(id(g)) for g in generations]
 
-    def _plan(self, live: list[Generation], ctxs: list[StepContext]) -> list[Decision]:
+    def _plan(self, live: list[Generation], ctxs: list[StepContext], prompt_rows: int = 0) -> list[Decision]:
         """Each sequence's decision from its policy. Policies that plan a batch (``batch_aware``) go last and
-        see the target rows the others already put in the pass."""
+        see the target rows the others already put in the pass, and the prompt rows joining it."""
         decisions: list[Decision | None] = [None] * len(live)
         if self.drafter is None:
             return [Decision(0, "no drafter") for _ in live]
@@ -374,7 +377,7 @@ class Engine:
             decided = [(d, ctx) for d, ctx in zip(decisions, ctxs) if d is not None]
             other_rows = sum(min(d.tau, ctx.max_tau) + 1 for d, ctx in decided)
             other_rows += len(live) - len(decided) - len(idx)  # undecided others: one row at least
-            for i, d in zip(idx, policy.plan([ctxs[i] for i in idx], other_rows)):
+            for i, d in zip(idx, policy.plan([ctxs[i] for i in idx], other_rows, prompt_rows)):
                 decisions[i] = d
         return [d for d in decisions if d is not None]
 
@@ -446,6 +449,7 @@ class Engine:
 class _StepShape:
     sequences: int
     rows: int  # of the target pass
+    prompt_rows: int  # of those, prompt tokens (deferred prefills joining the pass, and pieces)
     drafting: int  # sequences that drafted
     draft_passes: int  # lockstep draft forwards
     draft_fed: int  # context tokens the drafter took in before drafting, over all sequences (its catch-up)
@@ -615,6 +619,7 @@ class Generation:
             tau_planned=decision.tau,
             batch_size=shape.sequences,
             rows=shape.rows,
+            prompt_rows=shape.prompt_rows,
             drafting=shape.drafting,
             draft_passes=shape.draft_passes,
             draft_fed=shape.draft_fed,

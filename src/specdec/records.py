@@ -72,6 +72,7 @@ class StepRecord:
     # Rows of the step's target pass over all its sequences (this one's: tau + 1, and its prompt's tokens at the first
     # step of a request whose prefill joined the step's pass).
     rows: int = 0
+    prompt_rows: int = 0  # of those rows, prompt tokens (joining sequences' prompts, pieces of longer ones)
     drafting: int = 0  # sequences of the step that drafted (each lockstep draft forward runs over those left)
     draft_passes: int = 0  # lockstep draft forwards the step ran (its deepest draft)
     # Context tokens the step's drafter took in before drafting, over all its sequences (a draft model's catch-up:

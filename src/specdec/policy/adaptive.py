@@ -59,8 +59,8 @@ REPLAN_MIN = 4  # sequences: smaller batches plan every step
 # longer steps). In process, 4-32 sequences, the policy against the best fixed τ: 0.91-0.95x without it, 0.93-0.97x
 # at 0.03, 0.86-0.97x at 0.06.
 DEPTH_MARGIN = 0.03
-# What a batch step measures beyond what its plan priced (seconds of work every depth pays that the curves do not
-# see: the scheduler's loop and HTTP hand-off, the prompt rows of requests that join a replayed plan), decayed by
+# What a batch step measures beyond its price at the rows it ran (seconds of work every depth pays that the curves do
+# not see: the scheduler's loop and HTTP hand-off; steps with prompt rows left out), decayed by
 # this per record (~1,000 records, 60 steps of 16 sequences), and used once STEP_BIAS_WARM steps' worth is measured.
 STEP_BIAS_DECAY = 0.999
 STEP_BIAS_WARM = 4.0
@@ -190,6 +190,8 @@ class AdaptivePolicy(Policy):
         self._batch_steps = 0  # steps planned for a batch (``plan``): one in EXPLORE_EVERY runs one deeper
         self._step_bias = [0.0, 0.0]  # decayed (measured - priced seconds, weight) of batch steps (``step_bias``)
         self._priced: float | None = None  # seconds the batch plan being served priced its step at
+        self._bias_step: tuple[float, float, int] | None = None  # the step whose price ``_bias_price`` is
+        self._bias_price = 0.0
 
     # -- estimates --------------------------------------------------------------------------
 
@@ -346,7 +348,7 @@ class AdaptivePolicy(Policy):
         shown = rule.min_reach[min(tau, len(rule.min_reach)) - 1]
         return Decision(cap, reason + f", up to {cap} while P(all pass) >= {shown:.2f} at {tau}", rule)
 
-    def plan(self, ctxs: Sequence[StepContext], other_rows: int = 0) -> list[Decision]:
+    def plan(self, ctxs: Sequence[StepContext], other_rows: int = 0, prompt_rows: int = 0) -> list[Decision]:
         """τ for every sequence of a step, for the goodput of the whole batch (tokens per second over all).
 
         The pass's cost depends on its rows, not on one request's τ: with many sequences the target pass
@@ -360,8 +362,14 @@ class AdaptivePolicy(Policy):
         decision and keep it (passes are what is scarce for them). A batch step costs a few microseconds
         per request: the batch's depth search replaces each request's own fallback, probes and
         exploration, the shared acceptance levels are derived once per change, and the stop rule is built
-        only for the requests that draft."""
-        if len(ctxs) == 1 and other_rows == 0:
+        only for the requests that draft.
+
+        Prompt rows joining the pass (``prompt_rows``) are in it whatever the depth: they are priced into the pass
+        (each drafted row costs its share of a bigger pass) but their own seconds are not in any depth's goodput.
+        Counted as part of the step, a big prefill made every depth look cheap beside it (tokens ÷ a step of 200
+        prompt rows) and the plan went 5-12 deep where one token paid best (a server at 7-16 clients with prompts of
+        3-730 tokens served 0.85-0.89x the best fixed τ)."""
+        if len(ctxs) == 1 and other_rows == 0 and prompt_rows == 0:
             return [self.next_tau(ctxs[0])]
         n = len(ctxs) + other_rows  # sequences in the step, at most (other rows: one per other sequence at least)
         self._batch_steps += 1
@@ -400,9 +408,15 @@ class AdaptivePolicy(Policy):
         price = self.batch_costs.pricer(n, self.costs)
 
         def priced(taus: list[int]) -> tuple[float, float]:  # expected tokens, seconds
-            rows = other_rows + sum(taus) + len(taus)
+            rows = other_rows + prompt_rows + sum(taus) + len(taus)
             seconds = price(rows, max(taus, default=0), len(taus) - taus.count(0))
             return sum(g[t] for g, t in zip(gains, taus)), seconds
+
+        # The prompt rows' own seconds (what they add to a plain pass of the others' rows): in every depth's step.
+        sunk = 0.0
+        if prompt_rows:
+            plain_rows = other_rows + len(ctxs)
+            sunk = max(0.0, price(plain_rows + prompt_rows, 0, 0) - price(plain_rows, 0, 0))
 
         # Every depth up to the caps priced, then the search: depths in turn, until DEPTH_PATIENCE past the best so far.
         # Each step's price is raised by the step bias, what the batch's steps have measured beyond their plans'
@@ -418,7 +432,7 @@ class AdaptivePolicy(Policy):
             got, seconds = priced(by_depth[-1])
             tokens.append(got)
             secs.append(seconds)
-            rates.append(got / (seconds + bias))
+            rates.append(got / (max(seconds - sunk, 1e-9) + bias))
         depth = 0
         for cut in range(1, len(rates)):
             if cut > depth + DEPTH_PATIENCE:
@@ -446,8 +460,10 @@ class AdaptivePolicy(Policy):
         # What the plan expects of the step, in each reason: a trace then holds the prediction against the step's
         # measured times and tokens (how far the cost curves are from what the steps cost).
         expect = (
-            f"{tokens[depth]:.1f} tokens in {tokens[depth] / rates[depth] * 1e3:.2f} ms predicted "
-            f"(step bias {bias * 1e3:+.2f} ms); plain {rates[0] * 1e-3:.2f} tokens/ms"
+            f"{tokens[depth]:.1f} tokens in {(secs[depth] + bias) * 1e3:.2f} ms predicted "
+            f"(step bias {bias * 1e3:+.2f} ms"
+            + (f", {prompt_rows} prompt rows {sunk * 1e3:.2f} ms" if prompt_rows else "")
+            + f"); plain {rates[0] * 1e-3:.2f} tokens/ms"
         )
         out: list[Decision] = []
         for req, kept, tau in zip(reqs, own, best):
@@ -516,12 +532,22 @@ class AdaptivePolicy(Policy):
 
     def observe(self, record: StepRecord) -> None:
         req = self._requests.get(record.request_id)
-        self.batch_costs.observe(record)  # one-sequence steps too: the low end of the cost curves
-        if record.batch_size > 1 and self._priced is not None:  # a step of the batch plan being served
+        if record.batch_size > 1 and self._priced is not None and not record.prompt_rows and steady_draft(record):
+            # A step of the batch plan being served, against its price at the rows it ran (a replayed plan's step
+            # differs from the plan's), by the curves before its records teach them. Steps with prompt rows or a
+            # draft's catch-up are left out: that work is a request's, once, not every step's (``plan`` keeps it out
+            # of the goodput too).
+            key = (record.verify_time, record.draft_time, record.rows)
+            if key != self._bias_step:
+                self._bias_step = key
+                self._bias_price = self.batch_costs.pricer(record.batch_size, self.costs)(
+                    record.rows, record.draft_passes, record.drafting
+                )
             w = 1.0 / record.batch_size  # each record carries its step's passes and its own other time
             b = self._step_bias
-            b[0] = STEP_BIAS_DECAY * b[0] + w * (record.total_time - self._priced)
+            b[0] = STEP_BIAS_DECAY * b[0] + w * (record.total_time - self._bias_price)
             b[1] = STEP_BIAS_DECAY * b[1] + w
+        self.batch_costs.observe(record)  # one-sequence steps too: the low end of the cost curves
         if record.batch_size == 1 and (record.rows or record.tau + 1) == record.tau + 1:  # not a prompt's first step
             # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.
             forwards = record.tau if steady_draft(record) else 0  # a switch's catch-up is not a depth's cost

@@ -130,9 +130,10 @@ class Policy(ABC):
     @abstractmethod
     def next_tau(self, ctx: StepContext) -> Decision: ...
 
-    def plan(self, ctxs: Sequence[StepContext], other_rows: int = 0) -> list[Decision]:
+    def plan(self, ctxs: Sequence[StepContext], other_rows: int = 0, prompt_rows: int = 0) -> list[Decision]:
         """Decisions for sequences sharing one step; ``other_rows``: target rows the step's other
-        sequences (other policies) already put in the pass. By default each sequence on its own."""
+        sequences (other policies) already put in the pass; ``prompt_rows``: rows of prompts joining in the same
+        pass (deferred prefills, whatever the decisions). By default each sequence on its own."""
         return [self.next_tau(ctx) for ctx in ctxs]
 
     def allowance(self, request_id: str) -> int | None:

@@ -90,8 +90,8 @@ class FleetBudgetPolicy(Policy):
     def next_tau(self, ctx: StepContext) -> Decision:
         return self.inner.next_tau(ctx)
 
-    def plan(self, ctxs: Sequence[StepContext], other_rows: int = 0) -> list[Decision]:
-        return self.inner.plan(ctxs, other_rows)
+    def plan(self, ctxs: Sequence[StepContext], other_rows: int = 0, prompt_rows: int = 0) -> list[Decision]:
+        return self.inner.plan(ctxs, other_rows, prompt_rows)
 
     def prime(self, pass_seconds: Mapping[int, float], draft_forward_seconds: Mapping[int, float]) -> None:
         self.inner.prime(pass_seconds, draft_forward_seconds)
