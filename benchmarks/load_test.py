@@ -5,6 +5,7 @@ side by side in one run.
     python benchmarks/load_test.py --spawn --concurrency 1 4 16 32 --requests 32 --json load.json
     python benchmarks/load_test.py --url http://127.0.0.1:8000 --modes plain spec   # a server you started
     python benchmarks/load_test.py --from-json load.json --plot load.png             # re-draw a report
+    python benchmarks/load_test.py --spawn --prompts benchmarks/long_prompts.jsonl   # prompts of 1-729 tokens
 
 ``--spawn`` starts two servers on loopback with the same models (``--serve-args``): one with the default
 ``--max-batch`` and one with ``--max-batch 1``; mode ``unbatched`` is the policy on the second, every

@@ -367,9 +367,9 @@ class AdaptivePolicy(Policy):
         Prompt rows joining the pass (``prompt_rows``) are in it whatever the depth: they are priced into the pass
         (each drafted row costs its share of a bigger pass) but their own seconds are not in any depth's goodput.
         Counted as part of the step, a big prefill made every depth look cheap beside it (tokens ÷ a step of 200
-        prompt rows) and the plan went 5-12 deep where one token paid best (a server at 7-16 clients with prompts of
+        prompt rows) and the plan went 3-12 deep where one token paid best (a server at 7-16 clients with prompts of
         3-730 tokens served 0.85-0.89x the best fixed τ)."""
-        if len(ctxs) == 1 and other_rows == 0 and prompt_rows == 0:
+        if len(ctxs) == 1 and other_rows == 0:  # a request alone (its own prompt rows at its first step or not)
             return [self.next_tau(ctxs[0])]
         n = len(ctxs) + other_rows  # sequences in the step, at most (other rows: one per other sequence at least)
         self._batch_steps += 1
@@ -419,9 +419,9 @@ class AdaptivePolicy(Policy):
             sunk = max(0.0, price(plain_rows + prompt_rows, 0, 0) - price(plain_rows, 0, 0))
 
         # Every depth up to the caps priced, then the search: depths in turn, until DEPTH_PATIENCE past the best so far.
-        # Each step's price is raised by the step bias, what the batch's steps have measured beyond their plans'
-        # prices (work every step pays that the curves do not see: the scheduler's loop, prompts joining a replayed
-        # plan): the ratio of tokens to the priced seconds alone leans shallow wherever such a cost is real.
+        # Each step's price is raised by the step bias, what the batch's steps have measured beyond their prices at
+        # the rows they ran (work every step pays that the curves do not see: the scheduler's loop and hand-off): the
+        # ratio of tokens to the priced seconds alone leans shallow wherever such a cost is real.
         bias = self.step_bias()
         by_depth: list[list[int]] = []
         tokens: list[float] = []
