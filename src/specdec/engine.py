@@ -336,9 +336,6 @@ class Engine:
         drafts = self._draft(live, taus, decisions, fills)
 
         t2 = self.clock()
-        # Rows each sequence brings to the pass besides its draft: 1 (its last token) once stepped, the prompt's
-        # tokens at the first step of a deferred prefill, and the prompt pieces of those still taking theirs in.
-        behind = sum(len(g.context) - g.cache.length for g in live) + sum(n for _, n in fills)
         try:
             # ONE pass over every sequence's [last, ŷ1..ŷτ] (and the prompt pieces)
             verdicts, logprobs = self.side.verify(live, drafts, fills)
@@ -351,7 +348,8 @@ class Engine:
 
         shape = _StepShape(
             sequences=len(live),
-            rows=behind + sum(len(d.tokens) for d in drafts),
+            # each sequence's last token, the prompt rows (deferred prefills, pieces) and the drafts
+            rows=len(live) + prompt_rows + sum(len(d.tokens) for d in drafts),
             prompt_rows=prompt_rows,
             drafting=sum(1 for d in drafts if d.tokens),
             draft_passes=max(len(d.tokens) for d in drafts),

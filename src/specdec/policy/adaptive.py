@@ -189,7 +189,7 @@ class AdaptivePolicy(Policy):
         self._explored = 0  # the batch step that last explored one deeper
         self._batch_steps = 0  # steps planned for a batch (``plan``): one in EXPLORE_EVERY runs one deeper
         self._step_bias = [0.0, 0.0]  # decayed (measured - priced seconds, weight) of batch steps (``step_bias``)
-        self._priced: float | None = None  # seconds the batch plan being served priced its step at
+        self._batch_planned = False  # a batch plan has been made: its steps teach the step bias
         self._bias_step: tuple[float, float, int] | None = None  # the step whose price ``_bias_price`` is
         self._bias_price = 0.0
 
@@ -455,7 +455,7 @@ class AdaptivePolicy(Policy):
             depth += 1
             self._explored = self._batch_steps
         self._batch_depth = depth
-        self._priced = secs[depth]
+        self._batch_planned = True
         best = list(by_depth[depth])
         # What the plan expects of the step, in each reason: a trace then holds the prediction against the step's
         # measured times and tokens (how far the cost curves are from what the steps cost).
@@ -532,7 +532,7 @@ class AdaptivePolicy(Policy):
 
     def observe(self, record: StepRecord) -> None:
         req = self._requests.get(record.request_id)
-        if record.batch_size > 1 and self._priced is not None and not record.prompt_rows and steady_draft(record):
+        if record.batch_size > 1 and self._batch_planned and not record.prompt_rows and steady_draft(record):
             # A step of the batch plan being served, against its price at the rows it ran (a replayed plan's step
             # differs from the plan's), by the curves before its records teach them. Steps with prompt rows or a
             # draft's catch-up are left out: that work is a request's, once, not every step's (``plan`` keeps it out
