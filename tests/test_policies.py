@@ -521,12 +521,19 @@ def test_a_batch_plan_prices_its_steps_with_what_they_measured_beyond_the_curves
     plan = policy.plan(ctxs)
     assert max(d.tau for d in plan) == 1  # the priced ratio's best
     assert "25.6 tokens in 6.00 ms predicted (step bias +0.00 ms)" in plan[0].reason
-    # Each record of a step carries its passes and its own other time; one step's 16 records weigh one step.
+    # Each record of a step carries its passes and its own other time: the time since its request's last step. One
+    # request joined at this step after waiting 150 ms for its prompt to come in: its wait is no step's cost. The
+    # step weighs one step, with its least other time, once it is whole (the next step's first record).
     for i in range(16):
-        record = replace(record_for(f"s{i}", 0, 1, 1), draft_time=1e-3, verify_time=5e-3, other_time=7e-3)
+        waited = 150e-3 if i == 5 else 7e-3
+        record = replace(record_for(f"s{i}", 0, 1, 1), draft_time=1e-3, verify_time=5e-3, other_time=waited)
         policy.observe(replace(record, batch_size=16, rows=32, drafting=16, draft_passes=1))
-    assert policy._step_bias[1] == pytest.approx(sum(0.999**k for k in range(16)) / 16)
-    assert policy._step_bias[0] / policy._step_bias[1] == pytest.approx(7e-3, rel=0.02)  # 13 ms measured, 6 priced
+    assert policy._step_bias[1] == 0.0
+    record = replace(record_for("s0", 0, 1, 1), draft_time=1e-3, verify_time=4e-3, other_time=7e-3)
+    policy.observe(replace(record, batch_size=16, rows=32, drafting=16, draft_passes=1))
+    assert policy._step_bias[1] == pytest.approx(1.0)
+    assert policy._step_bias[0] == pytest.approx(7e-3)  # 13 ms measured, 6 priced; not 150 ms less 6
+    assert policy.batch_costs.other(16, 0.0) == pytest.approx(7e-3)  # the step's rest, learnt the same way
     assert policy.step_bias() == 0.0  # one step measured: not yet trusted
 
     biased = primed()

@@ -190,8 +190,8 @@ class AdaptivePolicy(Policy):
         self._batch_steps = 0  # steps planned for a batch (``plan``): one in EXPLORE_EVERY runs one deeper
         self._step_bias = [0.0, 0.0]  # decayed (measured - priced seconds, weight) of batch steps (``step_bias``)
         self._batch_planned = False  # a batch plan has been made: its steps teach the step bias
-        self._bias_step: tuple[float, float, int] | None = None  # the step whose price ``_bias_price`` is
-        self._bias_price = 0.0
+        self._bias_step: tuple[float, float, int] | None = None  # the step being recorded, for ``_bias_pending``
+        self._bias_pending: list[float] | None = None  # its [draft + pass - price seconds, least other time, sequences]
 
     # -- estimates --------------------------------------------------------------------------
 
@@ -422,6 +422,7 @@ class AdaptivePolicy(Policy):
         # Each step's price is raised by the step bias, what the batch's steps have measured beyond their prices at
         # the rows they ran (work every step pays that the curves do not see: the scheduler's loop and hand-off): the
         # ratio of tokens to the priced seconds alone leans shallow wherever such a cost is real.
+        self._learn_bias()  # the last step is whole
         bias = self.step_bias()
         by_depth: list[list[int]] = []
         tokens: list[float] = []
@@ -530,23 +531,39 @@ class AdaptivePolicy(Policy):
         total, weight = self._step_bias
         return max(0.0, total / weight) if weight >= STEP_BIAS_WARM else 0.0
 
+    def _learn_bias(self) -> None:
+        """Fold the last recorded batch step into the step bias (decayed by STEP_BIAS_DECAY per record it had)."""
+        if self._bias_pending is not None:
+            beyond, other, sequences = self._bias_pending
+            decay = STEP_BIAS_DECAY**sequences
+            b = self._step_bias
+            b[0] = decay * b[0] + (beyond + other)
+            b[1] = decay * b[1] + 1.0
+            self._bias_pending = None
+
     def observe(self, record: StepRecord) -> None:
         req = self._requests.get(record.request_id)
-        if record.batch_size > 1 and self._batch_planned and not record.prompt_rows and steady_draft(record):
+        if record.batch_size > 1 and self._batch_planned and steady_draft(record):
             # A step of the batch plan being served, against its price at the rows it ran (a replayed plan's step
             # differs from the plan's), by the curves before its records teach them. Steps with prompt rows or a
             # draft's catch-up are left out: that work is a request's, once, not every step's (``plan`` keeps it out
-            # of the goodput too).
+            # of the goodput too). The step's rest is its records' least other time, as the cost curves learn it (a
+            # request that joined or waited carries its wait in its own).
             key = (record.verify_time, record.draft_time, record.rows)
-            if key != self._bias_step:
+            pending = self._bias_pending
+            if key != self._bias_step or pending is None:
+                self._learn_bias()
                 self._bias_step = key
-                self._bias_price = self.batch_costs.pricer(record.batch_size, self.costs)(
+                price = self.batch_costs.pricer(record.batch_size, self.costs)(
                     record.rows, record.draft_passes, record.drafting
                 )
-            w = 1.0 / record.batch_size  # each record carries its step's passes and its own other time
-            b = self._step_bias
-            b[0] = STEP_BIAS_DECAY * b[0] + w * (record.total_time - self._bias_price)
-            b[1] = STEP_BIAS_DECAY * b[1] + w
+                self._bias_pending = [
+                    record.draft_time + record.verify_time - price,
+                    record.other_time,
+                    record.batch_size,
+                ]
+            else:
+                pending[1] = min(pending[1], record.other_time)
         self.batch_costs.observe(record)  # one-sequence steps too: the low end of the cost curves
         if record.batch_size == 1 and (record.rows or record.tau + 1) == record.tau + 1:  # not a prompt's first step
             # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.

@@ -372,8 +372,11 @@ def steady_draft(record: StepRecord) -> bool:
     """Did the step's draft cost what its depth costs while drafting goes on? A draft model that sat out plain steps
     first takes in their tokens (``draft_fed`` beyond 2 per drafting sequence): that is the price of switching from
     plain decoding, paid once, and learnt as a depth's it priced drafting out for good (a batch that explored one
-    token after 8 plain steps paid 16 sequences × 9 tokens of draft catch-up and concluded that drafting is dear)."""
-    return record.draft_fed <= 2 * max(1, record.drafting)
+    token after 8 plain steps paid 16 sequences × 9 tokens of draft catch-up and concluded that drafting is dear).
+    A step with prompt rows is not steady either: the draft model takes the joining prompts in within the step's draft
+    time (pieces of up to the step's prompt budget, a rest with its first forward). Learnt as forwards, they made a
+    lockstep forward of 4-6 sequences cost 3-5 ms instead of ~0.7 in a server with prompts of hundreds of tokens."""
+    return not record.prompt_rows and record.draft_fed <= 2 * max(1, record.drafting)
 
 
 @dataclass
@@ -390,14 +393,15 @@ class BatchCosts:
     other: CurveEWMA = field(default_factory=CurveEWMA)  # sequences -> seconds of the rest of the step
 
     _last_pass: tuple[float, float, int, int] | None = field(default=None, repr=False, compare=False)
+    _step_other: tuple[int, float] | None = field(default=None, repr=False, compare=False)  # (sequences, least other)
 
     def observe(self, record: StepRecord) -> None:
-        w = 1.0 / max(1, record.batch_size)
         rows = record.rows or record.tau + 1
         # The records of one step carry the same pass times: the passes are learnt once per step (the same
-        # as each record at weight 1/batch, without 15 of 16 updates); the rest of the step is each one's own.
+        # as each record at weight 1/batch, without 15 of 16 updates).
         this_pass = (record.verify_time, record.draft_time, rows, record.batch_size)
         if record.batch_size <= 1 or this_pass != self._last_pass:
+            self._learn_other()
             self._last_pass = this_pass
             self.verify.observe(rows, record.verify_time)
             passes = record.draft_passes or record.tau
@@ -405,7 +409,23 @@ class BatchCosts:
                 drafting = max(1, record.drafting or 1)
                 self.draft_forward.observe(drafting, record.draft_time / passes)
                 self.draft_lines.setdefault(drafting, DraftLine()).observe(passes, record.draft_time)
-        self.other.observe(max(1, record.batch_size), record.other_time, w)
+            self._step_other = (max(1, record.batch_size), record.other_time)
+        elif self._step_other is not None:
+            self._step_other = (self._step_other[0], min(self._step_other[1], record.other_time))
+        if record.batch_size <= 1:
+            self._learn_other()
+
+    def _learn_other(self) -> None:
+        """The rest of the last step, learnt once it is whole: the least of its records' other times. A request that
+        stepped in the step before has the step's own rest (from the step before to this one's plan, and its
+        commits); one that joined, or was held while its prompt came in by pieces, carries its wait too (100-200 ms
+        behind prompts of hundreds of tokens), which is no step's cost. Learnt record by record, those waits priced
+        every step of a server at 7 clients 2-7 ms too high, and a step's fixed cost amortised over more tokens made
+        the batch plans go deeper than paid (docs/policy.md)."""
+        if self._step_other is not None:
+            sequences, seconds = self._step_other
+            self.other.observe(sequences, seconds)
+            self._step_other = None
 
     def step_time(self, rows: int, depth: int, drafting: int, sequences: int, solo: StepCosts) -> float:
         """Predicted seconds of a step with ``rows`` target rows over ``sequences`` sequences, ``depth`` lockstep
@@ -420,6 +440,7 @@ class BatchCosts:
     def pricer(self, sequences: int, solo: StepCosts) -> Callable[[int, int, int], float]:
         """``step_time`` for one step's ``sequences``, as a function of (rows, depth, drafting): what does not
         depend on those is read once (a batch plan prices a dozen shapes of the same step)."""
+        self._learn_other()  # the last step is whole: every record of a step is observed before the next is priced
         v0, v1 = solo.line()
         one_row = self.verify(1, v0)  # measured: the pass curve's floor (flat below its smallest size)
         d1 = solo.draft_per_token if solo.draft_per_token is not None else solo.prior_draft_frac * one_row
