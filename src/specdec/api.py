@@ -12,6 +12,7 @@ import torch
 
 from specdec.draft_vocab import means_full as draft_vocab_means_full
 from specdec.draft_vocab import resolve as draft_vocab_tokens
+from specdec.draft_window import resolve as draft_window_tokens
 from specdec.drafters.base import Drafter
 from specdec.drafters.bridge import BridgedDrafter
 from specdec.drafters.model import ModelDrafter
@@ -122,6 +123,7 @@ def load(
     compile: bool = False,
     draft_tokenizer: str = "auto",
     draft_vocab: int | str | None = "auto",
+    draft_window: int | str | None = "auto",
 ) -> Engine:
     """Build an engine.
 
@@ -138,6 +140,9 @@ def load(
     ``draft_vocab``: the tokens the draft's output head computes (``specdec.draft_vocab``): a number N (its N most
     frequent, from the draft's ``token_ranking.json``), "full", or "auto" (the ranking's default where the draft
     runs on the CPU kernel: 4096 for the shipped draft; else the full head). The output never changes.
+    ``draft_window``: how many of the latest tokens the draft attends to (``specdec.draft_window``): a number N,
+    "full", or "auto" (the length the draft was trained on where its ``specdec_training.json`` records it: 256 for
+    the shipped draft; else the whole context). Native runtime; the output never changes.
     """
     dev = resolve_device(device)
     # "auto" stays unresolved until the runtime of each checkpoint is known (see resolve_dtype).
@@ -170,10 +175,15 @@ def load(
     kind = "prompt_lookup" if prompt_lookup else None
     if draft is not None:
         head = None
+        window = None
         if isinstance(draft, (str, Path)):
             head = draft_vocab_tokens(check_checkpoint_dir(draft), draft_vocab)
-        elif not (draft_vocab == "auto" or draft_vocab_means_full(draft_vocab)):
-            raise InvalidRequestError("draft_vocab needs a draft checkpoint directory", "draft_vocab")
+            window = draft_window_tokens(check_checkpoint_dir(draft), draft_window)
+        else:
+            if not (draft_vocab == "auto" or draft_vocab_means_full(draft_vocab)):
+                raise InvalidRequestError("draft_vocab needs a draft checkpoint directory", "draft_vocab")
+            if draft_window_tokens(None, draft_window) is not None:
+                raise InvalidRequestError("draft_window needs a draft checkpoint directory", "draft_window")
         draft_runner, draft_tok = _load_model(
             draft,
             None,
@@ -186,12 +196,17 @@ def load(
             compile=compile,
             head_tokens=head,
             head_required=draft_vocab != "auto",
+            window=window,
+            window_required=draft_window != "auto",
         )
         kind = _draft_kind(draft_tokenizer, target_tok, draft_tok, target_runner, draft_runner)
         if kind == "model":  # positions are shared only when the ids are
             max_context = min(max_context, draft_runner.max_context)
-    elif not (draft_vocab == "auto" or draft_vocab_means_full(draft_vocab)):
-        raise InvalidRequestError("draft_vocab needs a draft model", "draft_vocab")
+    else:
+        if not (draft_vocab == "auto" or draft_vocab_means_full(draft_vocab)):
+            raise InvalidRequestError("draft_vocab needs a draft model", "draft_vocab")
+        if draft_window_tokens(None, draft_window) is not None:
+            raise InvalidRequestError("draft_window needs a draft model", "draft_window")
     side = DraftSide(target_runner, draft_runner, target_tok, draft_tok)
     drafter = DRAFTERS[kind](side) if kind is not None else None
 
@@ -247,12 +262,16 @@ def _load_model(
     compile: bool = False,
     head_tokens: list[int] | None = None,
     head_required: bool = True,
+    window: int | None = None,
+    window_required: bool = True,
 ) -> tuple[ModelRunner, Any]:
     if isinstance(spec, (str, Path)):
         path = check_checkpoint_dir(spec)
         extra: dict[str, Any] = {"trust_remote_code": True} if trust_remote_code else {}
         if head_tokens is not None:
             extra.update(head_tokens=head_tokens, head_required=head_required)
+        if window is not None:
+            extra.update(window=window, window_required=window_required)
         runner = load_runner(path, runtime=runtime, device=device, dtype=dtype, compile=compile, **extra)
         if tokenizer is None:
             if has_tokenizer(path):

@@ -223,6 +223,7 @@ def model_identity(engine: Any) -> dict[str, Any]:
     import torch
 
     from specdec.draft_vocab import head_size
+    from specdec.draft_window import window_of
     from specdec.runtime import native_kernel
 
     target, drafter = engine.target, engine.drafter
@@ -236,6 +237,7 @@ def model_identity(engine: Any) -> dict[str, Any]:
         "draft_dtype": str(draft_runner.dtype).replace("torch.", "") if draft_runner is not None else None,
         # the draft's output head (draft_vocab): its forward's cost
         "draft_head": head_size(draft_runner),
+        "draft_window": window_of(draft_runner),  # the draft's attention window (draft_window): its forward's cost
         "backend": str(getattr(target, "backend", type(target).__name__)),
         "device": str(target.device),
     }

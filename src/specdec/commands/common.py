@@ -25,6 +25,7 @@ class ModelSettings:
     compile: bool = False
     draft_tokenizer: str = "auto"  # auto | shared | bridge (a draft with a tokenizer of its own)
     draft_vocab: str = "auto"  # auto | full | N: the tokens the draft's output head keeps (specdec.draft_vocab)
+    draft_window: str = "auto"  # auto | full | N: the latest tokens the draft attends to (specdec.draft_window)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSettings:
@@ -43,6 +44,7 @@ class ModelSettings:
             compile=getattr(args, "compile", False),
             draft_tokenizer=getattr(args, "draft_tokenizer", "auto"),
             draft_vocab=getattr(args, "draft_vocab", "auto"),
+            draft_window=getattr(args, "draft_window", "auto"),
         )
 
     def load(self, observers: list | None = None) -> Engine:
@@ -68,6 +70,7 @@ class ModelSettings:
             compile=self.compile,
             draft_tokenizer=self.draft_tokenizer,
             draft_vocab=self.draft_vocab,
+            draft_window=self.draft_window,
         )
 
 
@@ -88,6 +91,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--draft-dtype", default=None, help="dtype of the draft model (default: as --dtype)")
     add_draft_vocab_arg(g)
+    add_draft_window_arg(g)
     g.add_argument(
         "--compile",
         action="store_true",
@@ -118,6 +122,17 @@ def add_draft_vocab_arg(g: argparse._ActionsContainer) -> None:
         help="tokens the draft's output head computes: its N most frequent (from the draft's token_ranking.json; "
         "the output never changes, only acceptance), full, or auto (the draft's own default where it runs on the "
         "CPU kernel: 4096 for the shipped draft; default: auto)",
+    )
+
+
+def add_draft_window_arg(g: argparse._ActionsContainer) -> None:
+    g.add_argument(
+        "--draft-window",
+        default="auto",
+        metavar="N|full|auto",
+        help="how many of the latest tokens the draft attends to: N, full, or auto (the length the draft was "
+        "trained on, from its specdec_training.json: 256 for the shipped draft; else full). The output never "
+        "changes, only acceptance and the draft's cost; native runtime (default: auto)",
     )
 
 

@@ -38,10 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default: 64)")
     p.add_argument("--max-tau", type=int, default=8, help="draft length measured, and the largest tau predicted")
-    from specdec.commands.common import add_draft_tokenizer_arg, add_draft_vocab_arg
+    from specdec.commands.common import add_draft_tokenizer_arg, add_draft_vocab_arg, add_draft_window_arg
 
     add_draft_tokenizer_arg(p)
     add_draft_vocab_arg(p)
+    add_draft_window_arg(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--draft-dtype", default=None)
@@ -104,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         trust_remote_code=args.trust_remote_code,
         draft_tokenizer=args.draft_tokenizer,
         draft_vocab=args.draft_vocab,
+        draft_window=args.draft_window,
     )
     engines, reports = {}, []
     print(

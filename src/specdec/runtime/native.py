@@ -19,6 +19,7 @@ safetensors) without its model classes. What keeps a decode step cheap (see docs
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -108,8 +109,10 @@ class NativeRunner(ModelRunner):
         eos_token_ids: frozenset[int] = frozenset(),
         compile: bool = False,
         fused: FusedLlama | None = None,
+        window_cap: int | None = None,
     ) -> None:
         self.config = cfg
+        self.window_cap = window_cap  # the attention window imposed at load (``window``); None: the model's own
         self.name = name
         self.vocab_size = int(weights.lm_head.shape[0])
         self.max_context = max_context
@@ -159,8 +162,12 @@ class NativeRunner(ModelRunner):
         kernel: bool | None = None,
         head_tokens: Sequence[int] | None = None,
         head_required: bool = True,
+        window: int | None = None,
     ) -> NativeRunner:
         """Load ``path``. ``max_context`` caps the cache (default: the model's window, at most 8192 positions).
+
+        ``window`` (for draft models: ``specdec.draft_window``): every layer attends to at most the last ``window``
+        tokens (a layer's own narrower sliding window is kept). The cache still holds the whole context.
 
         ``head_tokens`` (CPU kernel only; for draft models): the token ids the output head computes (e.g. the most
         frequent ones: ``specdec.draft_vocab``); every other token's logit is -inf, so it is never proposed, and
@@ -175,6 +182,10 @@ class NativeRunner(ModelRunner):
         path = check_checkpoint_dir(path)
         dev = torch.device(device)
         cfg, raw = read_config(path)
+        if window is not None:
+            if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+                raise ModelLoadError(f"window must be a positive number of tokens, got {window!r}")
+            cfg = dataclasses.replace(cfg, windows=tuple(min(w, window) if w else window for w in cfg.windows))
         limit = min(cfg.max_positions, max_context or DEFAULT_CACHE_LIMIT)
         if limit < 1:
             raise ModelLoadError(f"max_context must be positive, got {max_context}")
@@ -230,6 +241,7 @@ class NativeRunner(ModelRunner):
             eos_token_ids=_eos_ids(path, raw),
             compile=compile,
             fused=fused,
+            window_cap=window,
         )
 
     def new_cache(self) -> NativeCache:

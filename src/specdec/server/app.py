@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specdec.draft_vocab import head_size
+from specdec.draft_window import window_of
 from specdec.engine import Engine, Generation, GenerationResult
 from specdec.server.errors import APIError, install_handlers
 from specdec.server.guard import Guard
@@ -122,6 +123,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             "draft_head": head_size(
                 getattr(engine.drafter, "runner", None)
             ),  # tokens the draft's output head computes (draft_vocab), or "full"
+            # the latest tokens the draft attends to (draft_window), or "full"
+            "draft_window": window_of(getattr(engine.drafter, "runner", None)),
             "costs": engine.costs_note,
             "prefill_in_step": engine.prefill_in_step,  # prompt tokens a batched step takes in, at most
             "runtime": getattr(engine.target, "backend", type(engine.target).__name__),
