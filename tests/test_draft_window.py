@@ -138,3 +138,19 @@ def test_cli_refuses_a_bad_window_in_one_line(tiny_models: dict[str, Path]) -> N
     assert r.returncode != 0 and "Traceback" not in r.stderr, r.stderr
     assert "draft_window must be auto, full or a positive" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_the_interleaved_ab_benchmark_runs_and_checks_outputs(default_pair: tuple[Path, Path], tmp_path: Path) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import draft_ab
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "ab.json"
+    argv = ["--a", "draft_window=full", "--b", "draft_window=auto", "--tau", "3", "--n-prompts", "2"]
+    assert draft_ab.main([*argv, "--repeats", "1", "--max-new-tokens", "12", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["engine"] for r in report["rows"]] == ["target-only", "A", "B"] and report["differing"] == 0
+    assert all(r["tok_s"] > 0 for r in report["rows"]) and report["rows"][0]["alpha"] is None
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        draft_ab.main(["--a", "draft_window"])
