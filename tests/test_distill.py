@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from specdec.cli import main as cli_main
+from specdec.draft_window import trained_context, window_of
 from specdec.errors import InvalidRequestError
 from specdec.training.distill import LOG_FILE, DistillConfig, draft_shape
 from specdec.training.distill_run import DistillJob, run
@@ -76,6 +77,8 @@ def test_distill_lowers_kl_and_exports_a_loadable_draft(
     engine = specdec.load(tiny_models["llama"], out, tau=3)
     result = engine.generate("def fibonacci(n):", max_new_tokens=6)
     assert len(result.token_ids) == 6 and result.stats.drafted > 0
+    # the draft attends to the 32-token windows it was trained on (draft_window="auto")
+    assert trained_context(out) == 32 and window_of(engine.drafter.runner) == 32  # type: ignore[union-attr]
 
 
 def test_distill_resumes_and_refuses_changed_settings(
