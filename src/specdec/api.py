@@ -174,16 +174,13 @@ def load(
     max_context = target_runner.max_context
     kind = "prompt_lookup" if prompt_lookup else None
     if draft is not None:
-        head = None
-        window = None
+        head = window = None
         if isinstance(draft, (str, Path)):
-            head = draft_vocab_tokens(check_checkpoint_dir(draft), draft_vocab)
-            window = draft_window_tokens(check_checkpoint_dir(draft), draft_window)
+            draft_dir = check_checkpoint_dir(draft)
+            head = draft_vocab_tokens(draft_dir, draft_vocab)
+            window = draft_window_tokens(draft_dir, draft_window)
         else:
-            if not (draft_vocab == "auto" or draft_vocab_means_full(draft_vocab)):
-                raise InvalidRequestError("draft_vocab needs a draft checkpoint directory", "draft_vocab")
-            if draft_window_tokens(None, draft_window) is not None:
-                raise InvalidRequestError("draft_window needs a draft checkpoint directory", "draft_window")
+            _refuse_draft_options(draft_vocab, draft_window, "a draft checkpoint directory")
         draft_runner, draft_tok = _load_model(
             draft,
             None,
@@ -203,10 +200,7 @@ def load(
         if kind == "model":  # positions are shared only when the ids are
             max_context = min(max_context, draft_runner.max_context)
     else:
-        if not (draft_vocab == "auto" or draft_vocab_means_full(draft_vocab)):
-            raise InvalidRequestError("draft_vocab needs a draft model", "draft_vocab")
-        if draft_window_tokens(None, draft_window) is not None:
-            raise InvalidRequestError("draft_window needs a draft model", "draft_window")
+        _refuse_draft_options(draft_vocab, draft_window, "a draft model")
     side = DraftSide(target_runner, draft_runner, target_tok, draft_tok)
     drafter = DRAFTERS[kind](side) if kind is not None else None
 
@@ -222,6 +216,14 @@ def load(
 
         observers.append(JsonlTrace(trace))
     return Engine(target_runner, target_tok, drafter, chosen, observers, max_context=max_context)
+
+
+def _refuse_draft_options(draft_vocab: int | str | None, draft_window: int | str | None, needs: str) -> None:
+    """``draft_vocab``/``draft_window`` asked of a draft they cannot apply to (none, or a loaded model object)."""
+    if not (draft_vocab == "auto" or draft_vocab_means_full(draft_vocab)):
+        raise InvalidRequestError(f"draft_vocab needs {needs}", "draft_vocab")
+    if draft_window_tokens(None, draft_window) is not None:
+        raise InvalidRequestError(f"draft_window needs {needs}", "draft_window")
 
 
 def _draft_kind(mode: str, target_tok: Any, draft_tok: Any, target: ModelRunner, draft: ModelRunner) -> str:

@@ -22,14 +22,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from specdec.draft_vocab import means_full  # the same spellings of "all of it": "full", None, 0, "0"
 from specdec.errors import InvalidRequestError
 
 TRAINING_FILE = "specdec_training.json"
-
-
-def means_full(choice: int | str | None) -> bool:
-    """Whether ``draft_window=choice`` asks for the whole context (``"full"``, None, 0 or ``"0"``)."""
-    return choice is None or choice == "full" or choice == 0 or choice == "0"
 
 
 def trained_context(model_dir: str | Path) -> int | None:

@@ -190,8 +190,9 @@ class AdaptivePolicy(Policy):
         self._batch_steps = 0  # steps planned for a batch (``plan``): one in EXPLORE_EVERY runs one deeper
         self._step_bias = [0.0, 0.0]  # decayed (measured - priced seconds, weight) of batch steps (``step_bias``)
         self._batch_planned = False  # a batch plan has been made: its steps teach the step bias
-        self._bias_step: tuple[float, float, int] | None = None  # the step being recorded, for ``_bias_pending``
-        self._bias_pending: list[float] | None = None  # its [draft + pass - price seconds, least other time, sequences]
+        # The batch step being recorded for the step bias: its key (pass times, rows), its draft + pass seconds less
+        # its price, its records' least other time, its sequences; folded in once the step is whole (``_learn_bias``).
+        self._bias_pending: tuple[tuple[float, float, int], float, float, int] | None = None
 
     # -- estimates --------------------------------------------------------------------------
 
@@ -534,7 +535,7 @@ class AdaptivePolicy(Policy):
     def _learn_bias(self) -> None:
         """Fold the last recorded batch step into the step bias (decayed by STEP_BIAS_DECAY per record it had)."""
         if self._bias_pending is not None:
-            beyond, other, sequences = self._bias_pending
+            _, beyond, other, sequences = self._bias_pending
             decay = STEP_BIAS_DECAY**sequences
             b = self._step_bias
             b[0] = decay * b[0] + (beyond + other)
@@ -551,19 +552,15 @@ class AdaptivePolicy(Policy):
             # request that joined or waited carries its wait in its own).
             key = (record.verify_time, record.draft_time, record.rows)
             pending = self._bias_pending
-            if key != self._bias_step or pending is None:
+            if pending is None or pending[0] != key:
                 self._learn_bias()
-                self._bias_step = key
                 price = self.batch_costs.pricer(record.batch_size, self.costs)(
                     record.rows, record.draft_passes, record.drafting
                 )
-                self._bias_pending = [
-                    record.draft_time + record.verify_time - price,
-                    record.other_time,
-                    record.batch_size,
-                ]
+                beyond = record.draft_time + record.verify_time - price
+                self._bias_pending = (key, beyond, record.other_time, record.batch_size)
             else:
-                pending[1] = min(pending[1], record.other_time)
+                self._bias_pending = (key, pending[1], min(pending[2], record.other_time), pending[3])
         self.batch_costs.observe(record)  # one-sequence steps too: the low end of the cost curves
         if record.batch_size == 1 and (record.rows or record.tau + 1) == record.tau + 1:  # not a prompt's first step
             # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.

@@ -118,14 +118,12 @@ def load_runner(
             kwargs["head_required"] = required
     if "window" in kwargs:  # a draft's attention window (specdec.draft_window): the native runtime's
         required = kwargs.pop("window_required", True)
-        if name != "native" and kwargs["window"] is not None:
-            if required:
+        if name != "native":
+            if required and kwargs["window"] is not None:
                 raise UnsupportedError(
                     f"a draft attention window (draft_window) needs the native runtime, but {path} runs on "
                     "transformers (a model type or feature the native runtime lacks, or --runtime hf)"
                 )
-            kwargs.pop("window")
-        elif name != "native":
             kwargs.pop("window")
     if compile:
         if name != "native":
