@@ -43,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import specdec
     from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts
+    from specdec.runtime.heap import freeze_heap
 
     prompts = [p.text for p in load_prompts(DEFAULT_PROMPTS)[: args.n_prompts]]
     try:
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     except specdec.SpecdecError as e:
         raise SystemExit(f"draft_ab: {e}") from None
+    freeze_heap()  # no garbage-collector pause inside the timed runs
     names = list(engines)
     seconds = dict.fromkeys(names, 0.0)
     tokens = dict.fromkeys(names, 0)

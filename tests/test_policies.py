@@ -16,6 +16,7 @@ from specdec.policy import (
     FleetBudget,
     FleetBudgetPolicy,
     HeuristicPolicy,
+    MeasuredCosts,
     MinConfidence,
     Policy,
     ReachRule,
@@ -453,6 +454,64 @@ def test_draft_line_separates_the_cold_first_forward() -> None:
     assert times[6] - times[1] == pytest.approx(5 * 0.07e-3, abs=0.05e-3)
 
 
+def test_a_measured_draft_slope_prices_the_depths_steps_never_ran() -> None:
+    """A batch drafting at one depth only (a plan keeps its depth) measures one point of its draft line: ridged toward
+    the proportional line, the further forwards cost as much as the cold first one (depth 5 priced 1.5-2 ms dear at 16
+    sequences, and the plans stayed shallow); with the slope measured apart from the steps (``prime``), the line
+    through the steps' point has that slope, and a batch prices depth 5 at 3 further forwards beyond depth 2."""
+    from specdec.policy.estimates import BatchCosts, DraftLine, StepCosts
+
+    alone = DraftLine()
+    for _ in range(20):
+        alone.observe(2, 3.0e-3)
+    assert alone.line() == pytest.approx((1.5e-3, 1.5e-3))
+    assert alone.line(prior_slope=0.3e-3) == pytest.approx((2.7e-3, 0.3e-3))
+
+    def record(depth: int, draft: float) -> StepRecord:
+        return StepRecord(
+            request_id="r", step=1, prompt_len=8, context_len=40, policy="adaptive", reason="", tau=depth,
+            draft_tokens=[1] * depth, accept_flags=[True] * depth, n_accepted=depth, correction="bonus",
+            emitted=[1] * (depth + 1), draft_time=draft, verify_time=9e-3, other_time=2e-3, batch_size=16,
+            rows=16 * (depth + 1), drafting=16, draft_passes=depth, draft_fed=32,
+        )  # fmt: skip
+
+    for measured in ({}, {1: (0.4e-3, 0.12e-3), 16: (1.2e-3, 0.4e-3)}):
+        batch = BatchCosts(measured_lines=dict(measured))
+        fresh = batch.pricer(16, StepCosts())
+        if measured:  # before any step: the measured line itself
+            assert fresh(48, 2, 16) - fresh(48, 0, 0) == pytest.approx(1.6e-3)
+        for i in range(30):
+            batch.observe(replace(record(2, 3.0e-3), verify_time=9e-3 + i * 1e-9))  # one depth, step after step
+        price = batch.pricer(16, StepCosts())
+        further = (price(96, 5, 16) - price(96, 2, 16)) / 3
+        assert further == pytest.approx(0.4e-3 if measured else 1.5e-3, rel=0.05)
+        assert price(48, 2, 16) - price(48, 0, 0) == pytest.approx(3.0e-3, rel=0.01)  # what the steps measured
+    assert BatchCosts(measured_lines={1: (0.4e-3, 0.1e-3), 16: (1.9e-3, 0.4e-3)}).measured_line(6) == pytest.approx(
+        (0.9e-3, 0.2e-3)
+    )
+
+
+def test_a_pass_curve_prices_a_size_from_its_neighbourhood_not_its_one_slow_step() -> None:
+    """Passes of 40-120 rows costing 2 ms + 0.1 ms per row (±4%), each size seen twice, and one step at 80 rows
+    pre-empted (twice as long): the curve at 80 is pulled toward its neighbourhood (its own mean alone: +37%), and
+    sizes between those seen follow the line, not the slow neighbour."""
+    from specdec.policy.estimates import CurveEWMA
+
+    def truth(rows: int) -> float:
+        return 2e-3 + 0.1e-3 * rows
+
+    curve, alone = CurveEWMA(), CurveEWMA(window=1.0)
+    for c in (curve, alone):
+        for rep in range(2):
+            for rows in range(40, 121, 8):
+                c.observe(rows, truth(rows) * (1.04 if (rows // 8 + rep) % 2 else 0.96))
+        c.observe(80, 2 * truth(80))
+    assert alone(80, 1.0) > 1.3 * truth(80)  # a size's own mean
+    assert curve(80, 1.0) - truth(80) < 0.75 * (alone(80, 1.0) - truth(80))
+    assert curve(84, 1.0) == pytest.approx(truth(84), rel=0.15) and curve(60, 1.0) == pytest.approx(truth(60), rel=0.08)
+    assert curve(1, 1.0) == curve(40, 1.0) and curve(10_000, 1.0) > curve(120, 1.0)  # flat below, growing beyond
+
+
 def test_a_plain_batch_probes_one_deeper_whatever_its_costs_predict() -> None:
     """Drafting priced far above its worth (costs learnt at a bad moment): the batch plan goes plain, but one step
     in EXPLORE_EVERY drafts one token anyway, so the draft's cost gets measured again (a server at 4 clients had
@@ -485,7 +544,7 @@ def test_prompt_rows_joining_a_batch_step_are_priced_in_but_do_not_make_every_de
     step's prediction in its reason counts them."""
     ctxs = [ctx_for(f"s{i}", 0, 0, 0) for i in range(16)]
     policy = AdaptivePolicy()
-    policy.prime({16: 4e-3, 32: 5e-3, 48: 6e-3, 64: 7e-3, 80: 8e-3}, {16: 1e-3})
+    policy.prime(MeasuredCosts({16: 4e-3, 32: 5e-3, 48: 6e-3, 64: 7e-3, 80: 8e-3}, {16: 1e-3}))
     for ctx in ctxs:
         policy.begin(ctx)
     plan = policy.plan(ctxs, prompt_rows=200)
@@ -511,7 +570,7 @@ def test_a_batch_plan_prices_its_steps_with_what_they_measured_beyond_the_curves
 
     def primed() -> AdaptivePolicy:
         policy = AdaptivePolicy()
-        policy.prime({16: 4e-3, 32: 5e-3, 48: 6e-3, 64: 7e-3, 80: 8e-3}, {16: 1e-3})
+        policy.prime(MeasuredCosts({16: 4e-3, 32: 5e-3, 48: 6e-3, 64: 7e-3, 80: 8e-3}, {16: 1e-3}))
         for ctx in ctxs:
             policy.begin(ctx)
         return policy

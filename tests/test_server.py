@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 pytestmark = pytest.mark.server
 
@@ -269,7 +270,14 @@ def test_models_health_metrics_and_auth(server: str, client: Any) -> None:
     if cpus > 1:
         assert h["wide_pass_threads"] == cpus and h["wide_pass_rows"] == 12
     assert h["prefill_in_step"] == 256  # batching: short prompts join the step's pass
-    assert "specdec_spec_decode_num_draft_tokens_total" in httpx.get(f"{server}/metrics", timeout=5).text
+    # No cost file measured on these models: the batch plans start from passes measured as the server started.
+    assert "measured now" in h["costs"], h["costs"]
+    metrics = httpx.get(f"{server}/metrics", timeout=5).text
+    assert "specdec_spec_decode_num_draft_tokens_total" in metrics
+    # The loaded heap is out of the garbage collector's scans, and its pauses are measured.
+    samples = {s.name: s for f in text_string_to_metric_families(metrics) for s in f.samples}
+    assert samples["specdec_gc_frozen_objects"].value > 10_000  # torch, the models, the engine
+    assert "specdec_gc_pause_seconds_count" in samples
     denied = httpx.post(f"{server}/v1/completions", json={"prompt": "x"}, timeout=5)
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
     wrong = openai.OpenAI(base_url=f"{server}/v1", api_key="nope", max_retries=0)

@@ -100,8 +100,11 @@ def test_tune_recommends_and_measures_on_tiny_checkpoints(
         assert report["measured"]["speedup"] > 0
     saved = json.loads(costs.read_text())
     assert saved["verify_base_s"] > 0
-    # The batched figures (issue 15): passes over 1..64 sequences on the native runtime, and what they belong to.
-    assert {"1", "16", "64"} <= set(saved["rows_table"]) and all(v > 0 for v in saved["rows_table"].values())
+    # The batched figures (issue 15): passes of 1..128 rows over up to 16 sequences on the native runtime, lockstep
+    # drafts by sequences (first forward, each further one), and what they belong to.
+    assert {"1", "16", "64", "128"} <= set(saved["rows_table"]) and all(v > 0 for v in saved["rows_table"].values())
+    assert set(saved["draft_lines"]) == {"1", "4", "16"}
+    assert all(first > 0 and further >= 0 for first, further in saved["draft_lines"].values())
     assert saved["model"]["target"] == str(tiny_models["llama"]) and saved["model"]["target_dtype"] == "float32"
     assert CostModel.from_json(saved).verify_rows(16) == saved["rows_table"]["16"]
 
@@ -126,27 +129,46 @@ def test_measured_batch_costs_prime_the_adaptive_policy_only_for_their_models(
     tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
     from specdec.api import load
-    from specdec.tune import matching_costs, model_identity
+    from specdec.tune import matching_costs, model_identity, starting_costs
 
     engine = load(tiny_models["llama"], tiny_models["draft"], dtype="float32", policy="adaptive")
     path = tmp_path / "costs.json"
-    assert matching_costs(engine, path)[0] == {}  # no file: nothing primed
+    assert not matching_costs(engine, path)[0]  # no file: nothing primed
     doc = {"verify_base_s": 1e-3, "draft_per_token_s": 1e-4, "rows_table": {"1": 0.001, "64": 0.004}}
     path.write_text(json.dumps({**doc, "model": {**model_identity(engine), "target": "/elsewhere"}}))
-    rows, drafts, note = matching_costs(engine, path)
-    assert rows == {} and "other models" in note
+    costs, note = matching_costs(engine, path)
+    assert not costs and "other models" in note
     # Measured with another number of compute threads (a server computes on the CPUs less one): not used, and said.
     other = model_identity(engine)["threads"] + 1
     path.write_text(json.dumps({**doc, "model": {**model_identity(engine), "threads": other}}))
-    rows, drafts, note = matching_costs(engine, path)
-    assert rows == {} and f"measured with {other} compute threads" in note and "--threads" in note
+    costs, note = matching_costs(engine, path)
+    assert not costs and f"measured with {other} compute threads" in note and "--threads" in note
+    lines = {"1": [3e-4, 1e-4], "16": [9e-4, 3e-4]}
     path.write_text(
-        json.dumps({**doc, "draft_forward_s": 2e-4, "draft_row_frac": 0.1, "model": model_identity(engine)})
+        json.dumps(
+            {
+                **doc,
+                "draft_forward_s": 2e-4,
+                "draft_row_frac": 0.1,
+                "draft_lines": lines,
+                "model": model_identity(engine),
+            }
+        )
     )
-    rows, drafts, note = matching_costs(engine, path)
-    assert rows == {1: 0.001, 64: 0.004} and drafts[16] == pytest.approx(2e-4 * 2.5)
-    engine.prime(rows, drafts)
-    curve = engine.policy.batch_costs.verify  # type: ignore[attr-defined]
+    costs, note = matching_costs(engine, path)
+    assert costs.passes == {1: 0.001, 64: 0.004} and costs.draft_forwards[16] == pytest.approx(2e-4 * 2.5)
+    assert costs.draft_lines == {1: (3e-4, 1e-4), 16: (9e-4, 3e-4)}
+    engine.prime(costs)
+    batch = engine.policy.batch_costs  # type: ignore[attr-defined]
+    curve = batch.verify
     assert curve(64, 1.0) == pytest.approx(0.004) and curve(32, 1.0) == pytest.approx(0.001 + 0.003 * 31 / 63)
+    # Draft lines: as measured, between the counts measured linearly.
+    assert batch.measured_line(16) == (9e-4, 3e-4) and batch.measured_line(6) == pytest.approx((5e-4, 1e-4 + 2e-4 / 3))
+    # No file, or none for these models: a server measures its passes as it starts (``starting_costs``).
+    missing = tmp_path / "none.json"
+    measured, note = starting_costs(engine, missing)
+    assert "measured now" in note and measured.passes and set(measured.draft_lines) == {1, 4, 16}
+    assert not starting_costs(engine, missing, measure=False)[0]
+    assert starting_costs(engine, path)[0] == costs  # a matching file is used as it is
     later = engine.get_policy("adaptive:max_tau=3")  # made after priming: primed too
     assert later.batch_costs.verify(64, 1.0) == pytest.approx(0.004)  # type: ignore[attr-defined]

@@ -27,6 +27,7 @@ from specdec.drafters.base import Draft, DraftAsk, Drafter
 from specdec.errors import ContextLengthError, InvalidRequestError
 from specdec.logits_rules import LogitsRules
 from specdec.policy import Decision, Policy, StepContext, make_policy, request_policy
+from specdec.policy.base import MeasuredCosts
 from specdec.records import FinishReason, GenerationStats, RequestSummary, StepRecord, Verdict
 from specdec.sampling_params import SamplingParams, TokenLogprob
 from specdec.target_side import Cache, TargetSide
@@ -115,7 +116,7 @@ class Engine:
         self.clock = clock
         self._named_policies: dict[str, Policy] = {self.policy.name: self.policy}
         self.eos_ids = self.side.eos_token_ids
-        self._measured: tuple[dict[int, float], dict[int, float]] = ({}, {})
+        self._measured = MeasuredCosts()
         # Seconds of every request's prefill so far: a request's step record leaves out the prefills that ran
         # between its steps (requests admitted meanwhile: their passes, not this step's overhead).
         self.prefill_seconds = 0.0
@@ -126,11 +127,11 @@ class Engine:
         self.prefill_in_step = 0
         self.costs_note = "batch costs learnt from steps"  # where the policies' batch cost curves start from
 
-    def prime(self, pass_seconds: dict[int, float], draft_forward_seconds: dict[int, float]) -> None:
+    def prime(self, costs: MeasuredCosts) -> None:
         """Measured batch costs for every policy the engine has or will make (``Policy.prime``)."""
-        self._measured = (dict(pass_seconds), dict(draft_forward_seconds))
+        self._measured = costs
         for policy in self._named_policies.values():
-            policy.prime(*self._measured)
+            policy.prime(costs)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -303,8 +304,8 @@ class Engine:
         """The engine's long-lived instance of a policy spec (stateful policies learn across requests)."""
         if spec not in self._named_policies:
             self._named_policies[spec] = policy = make_policy(spec)
-            if self._measured[0]:
-                policy.prime(*self._measured)
+            if self._measured:
+                policy.prime(self._measured)
         return self._named_policies[spec]
 
     # -- the step ---------------------------------------------------------------------------

@@ -12,7 +12,10 @@ against target-only on the same prompts, interleaved, to print predicted vs meas
 
 from __future__ import annotations
 
+import functools
 import json
+import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -22,6 +25,7 @@ from typing import Any
 from specdec.analysis import StepAggregate, calibration
 from specdec.bench.prompts import DEFAULT_PROMPTS
 from specdec.bench.prompts import load_prompts as load_prompt_file
+from specdec.policy.base import MeasuredCosts
 from specdec.policy.estimates import expected_emitted_all
 from specdec.records import StepRecord
 from specdec.simulate.costs import CostModel, fit_costs, measured_costs_path
@@ -187,33 +191,118 @@ def to_json(reports: list[DraftReport], rec: Recommendation, measured: dict[str,
     return {"drafts": [asdict(r) for r in reports], "recommendation": asdict(rec), "measured": measured}
 
 
-BATCH_ROWS = (1, 2, 4, 8, 16, 32, 64)
+BATCH_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
+STEP_SEQUENCES = 16  # a measured pass of r rows: min(r, 16) sequences of equal blocks, the shape of a speculative step
+DRAFT_SEQUENCES = (1, 4, 16)  # lockstep drafts measured over this many sequences ...
+DRAFT_DEPTHS = (1, 6)  # ... at these depths: the first forward and each further one
+CONTEXT = 64  # tokens in every measured sequence's cache
 
 
-def measure_batched_costs(engine: Any, rows: tuple[int, ...] = BATCH_ROWS, rounds: int = 3) -> dict[str, Any]:
-    """The batched cost fields of a cost file, measured on ``engine``: a target pass over r sequences of one
-    row each (``rows_table``, the shape of a busy server's plain step; a speculative step's ragged blocks cost
-    about the same per row), a lockstep draft forward over 1 and 16 sequences (``draft_forward_s``,
-    ``draft_row_frac``), and the models they were measured on (``model``), so a reader can tell whether they
-    apply. Empty where the target cannot batch (the transformers runtime runs one sequence per pass)."""
-    from specdec.real_shapes import pass_times  # torch-heavy; only when measuring
+def _timed(calls: dict[Any, Callable[[], float | None]], rounds: int, min_seconds: float) -> dict[Any, float]:
+    """Median seconds of each call over ``rounds``, the calls taking turns (machine noise hits them alike); a call
+    returning seconds times itself (the part of it that is measured), else the whole call is timed."""
+
+    def once(fn: Callable[[], float | None]) -> float:
+        t0 = time.perf_counter()
+        own = fn()
+        return own if own is not None else time.perf_counter() - t0
+
+    counts = {}
+    for key, fn in calls.items():  # warm up, then size each measurement to about min_seconds
+        once(fn)
+        counts[key] = max(1, math.ceil(min_seconds / max(once(fn), 1e-6)))
+    samples: dict[Any, list[float]] = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, fn in calls.items():
+            samples[key].append(sum(once(fn) for _ in range(counts[key])) / counts[key])
+    return {key: statistics.median(v) for key, v in samples.items()}
+
+
+def measure_batched_costs(
+    engine: Any, rows: tuple[int, ...] = BATCH_ROWS, rounds: int = 3, min_seconds: float = 0.02
+) -> dict[str, Any]:
+    """The batched cost fields of a cost file, measured on ``engine`` in the shapes a speculative step runs:
+    ``rows_table``, a target pass of r rows over min(r, 16) sequences of equal blocks (one row each up to 16; 16 × 2,
+    16 × 4 ... beyond: a step's ragged blocks, which cost 10-20% less than as many rows of one-row sequences on the
+    CPU kernel); ``draft_lines``, by sequences drafting, a lockstep greedy draft's first forward and each further one,
+    each draft run behind a target pass as in a step (the first forward finds the draft's weights cold and takes in
+    two tokens per sequence); ``draft_forward_s`` / ``draft_row_frac``, the mean forward of a 6-deep draft over one
+    sequence and its growth per further sequence (the simulator's batched cost model); and the models they were
+    measured on (``model``), so a reader can tell whether they apply. Empty where the target cannot batch (the
+    transformers runtime runs one sequence per pass). About a second on the default pair with ``rounds=1``."""
+    import torch
 
     target = engine.target
-    usable = tuple(r for r in rows if 64 + r <= target.max_context)
-    times = pass_times(target, usable, batches=True, rounds=rounds, min_seconds=0.02)
-    if not times.batch:
-        return {"batch_source": f"not measured: {times.batch_missing}"}
+    if getattr(target, "forward_batch", None) is None:
+        return {"batch_source": f"not measured: {type(target).__name__} runs one sequence per pass"}
+    rows = tuple(r for r in rows if CONTEXT + -(-r // STEP_SEQUENCES) <= target.max_context)
+    gen = torch.Generator().manual_seed(0)
+    vocab = int(target.vocab_size)
+
+    def filled(runner: Any, n: int) -> list[Any]:
+        caches = []
+        for _ in range(n):
+            cache = runner.new_cache()
+            runner.forward(torch.randint(0, vocab, (CONTEXT,), generator=gen), cache, last_only=True)
+            caches.append(cache)
+        return caches
+
+    sequences = max(min(r, STEP_SEQUENCES) for r in rows)
+    caches = filled(target, sequences)
+    tokens = torch.randint(0, vocab, (max(rows),), generator=gen)
+
+    def target_pass(n: int, k: int) -> None:
+        target.forward_batch([(tokens[i * k : (i + 1) * k], caches[i]) for i in range(n)], keep=[k] * n)
+        for c in caches[:n]:
+            c.crop(CONTEXT)
+
+    calls: dict[Any, Callable[[], float | None]] = {}
+    for r in rows:
+        n = min(r, STEP_SEQUENCES)
+        calls[("pass", r)] = functools.partial(target_pass, n, -(-r // n))
+    draft = getattr(engine.drafter, "runner", None)
+    if draft is not None and getattr(draft, "forward_batch", None) is not None:
+        draft_caches = filled(draft, max(DRAFT_SEQUENCES))
+        dvocab = min(vocab, int(draft.vocab_size))
+        pending = [[int(t) % dvocab for t in tokens[2 * i : 2 * i + 2]] for i in range(len(draft_caches))]
+
+        def draft_run(n: int, depth: int) -> float:
+            target_pass(n, 2)  # as in a step: the target's pass streams its weights through the caches first
+            t0 = time.perf_counter()
+            blocks = [(pending[i], draft_caches[i]) for i in range(n)]
+            if draft.drafts_natively:
+                draft.draft_greedy(blocks, [depth] * n, [None] * n, dvocab)
+            else:
+                feed = [torch.tensor(p) for p, _ in blocks]
+                for j in range(depth):
+                    draft.forward_batch([(f if j == 0 else f[-1:], c) for f, (_, c) in zip(feed, blocks)], True)
+            seconds = time.perf_counter() - t0
+            for c in draft_caches[:n]:
+                c.crop(CONTEXT)
+            return seconds
+
+        for n in DRAFT_SEQUENCES:
+            for depth in DRAFT_DEPTHS:
+                calls[("draft", n, depth)] = functools.partial(draft_run, n, depth)
+    times = _timed(calls, rounds, min_seconds)
     out: dict[str, Any] = {
-        "rows_table": {int(k): v for k, v in sorted(times.batch.items())},
-        "batch_source": "measured by specdec tune (one pass over r sequences of one row each, 64 tokens of context)",
+        "rows_table": {r: times[("pass", r)] for r in rows},
+        "batch_source": (
+            f"measured: a target pass of r rows over min(r, {STEP_SEQUENCES}) sequences of equal blocks, "
+            f"{CONTEXT} tokens of context"
+        ),
     }
-    draft_runner = getattr(engine.drafter, "runner", None)
-    if draft_runner is not None:
-        d = pass_times(draft_runner, (1, 16), batches=True, rounds=rounds, min_seconds=0.02)
-        if d.batch:
-            one, many = d.batch[1], d.batch[16]
-            out["draft_forward_s"] = one
-            out["draft_row_frac"] = max(0.0, (many / one - 1.0) / 15.0)
+    if draft is not None and ("draft", 1, 1) in times:
+        lo, hi = DRAFT_DEPTHS
+        lines = {}
+        for n in DRAFT_SEQUENCES:
+            further = max(0.0, (times[("draft", n, hi)] - times[("draft", n, lo)]) / (hi - lo))
+            lines[n] = (max(times[("draft", n, lo)] - (lo - 1) * further, 1e-9), further)
+        out["draft_lines"] = {n: list(v) for n, v in lines.items()}
+        mean = {n: times[("draft", n, hi)] / hi for n in DRAFT_SEQUENCES}
+        many = max(DRAFT_SEQUENCES)
+        out["draft_forward_s"] = mean[1]
+        out["draft_row_frac"] = max(0.0, (mean[many] / mean[1] - 1.0) / (many - 1))
     return out
 
 
@@ -243,37 +332,60 @@ def model_identity(engine: Any) -> dict[str, Any]:
     }
 
 
-def matching_costs(engine: Any, path: Path | None = None) -> tuple[dict[int, float], dict[int, float], str]:
-    """The batched pass costs of a cost file (``specdec tune --save-costs``; default ``$SPECDEC_COSTS`` or
-    ``~/.cache/specdec/costs.json``) when they were measured on the engine's models: (seconds of a target pass
-    by rows, seconds of a lockstep draft forward by sequences, a line saying what was used and why). A file
-    measured on other models, or none, gives empty tables: the policy then learns its curves from steps alone."""
-    path = path or measured_costs_path()
-    if not path.is_file():
-        return {}, {}, f"no measured costs ({path}): batch costs learnt from steps"
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        return {}, {}, f"measured costs {path} unreadable ({e}): not used"
-    here = model_identity(engine)
-    measured = doc.get("model") or {}
-    if measured != here:
-        if {**measured, "threads": here["threads"]} == here:
-            return (
-                {},
-                {},
-                (
-                    f"measured costs {path} were measured with {measured.get('threads')} compute threads, these passes "
-                    f"run on {here['threads']}: not used (specdec tune --threads "
-                    f"{'auto' if isinstance(here['threads'], str) else here['threads']} --save-costs)"
-                ),
-            )
-        return {}, {}, f"measured costs {path} are for other models or settings: not used (re-run specdec tune)"
-    rows = {int(k): float(v) for k, v in (doc.get("rows_table") or {}).items()}
+def costs_of(doc: dict[str, Any]) -> MeasuredCosts:
+    """The batched costs of a cost file's fields (``measure_batched_costs``) as a policy is primed with them."""
     drafts: dict[int, float] = {}
     if doc.get("draft_forward_s"):
         one, frac = float(doc["draft_forward_s"]), float(doc.get("draft_row_frac", 0.05))
         drafts = {n: one * (1.0 + frac * (n - 1)) for n in (1, 16)}
-    if not rows:
-        return {}, {}, f"measured costs {path} have no batched passes: batch costs learnt from steps"
-    return rows, drafts, f"batch costs from {path} ({len(rows)} pass sizes measured)"
+    return MeasuredCosts(
+        passes={int(k): float(v) for k, v in (doc.get("rows_table") or {}).items()},
+        draft_forwards=drafts,
+        draft_lines={int(k): (float(v[0]), float(v[1])) for k, v in (doc.get("draft_lines") or {}).items()},
+    )
+
+
+def matching_costs(engine: Any, path: Path | None = None) -> tuple[MeasuredCosts, str]:
+    """The batched pass costs of a cost file (``specdec tune --save-costs``; default ``$SPECDEC_COSTS`` or
+    ``~/.cache/specdec/costs.json``) when they were measured on the engine's models, and a line saying what was used
+    and why. A file measured on other models, or none, gives empty costs."""
+    path = path or measured_costs_path()
+    none = MeasuredCosts()
+    if not path.is_file():
+        return none, f"no measured costs ({path})"
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return none, f"measured costs {path} unreadable ({e}): not used"
+    here = model_identity(engine)
+    measured = doc.get("model") or {}
+    if measured != here:
+        if {**measured, "threads": here["threads"]} == here:
+            return none, (
+                f"measured costs {path} were measured with {measured.get('threads')} compute threads, these passes "
+                f"run on {here['threads']}: not used (specdec tune --threads "
+                f"{'auto' if isinstance(here['threads'], str) else here['threads']} --save-costs)"
+            )
+        return none, f"measured costs {path} are for other models or settings: not used (re-run specdec tune)"
+    costs = costs_of(doc)
+    if not costs.passes:
+        return none, f"measured costs {path} have no batched passes: not used"
+    return costs, f"batch costs from {path} ({len(costs.passes)} pass sizes measured)"
+
+
+def starting_costs(engine: Any, path: Path | None = None, measure: bool = True) -> tuple[MeasuredCosts, str]:
+    """What a server's batch cost curves start from, and a line saying so: a cost file measured on its models
+    (``matching_costs``), else, with ``measure``, its passes measured now (``measure_batched_costs`` in one round,
+    about a second: a server started cold priced deeper drafts from its first steps' noise and served 0.90-0.94x a
+    fixed τ at 16 clients), else nothing (the curves learnt from steps alone)."""
+    costs, note = matching_costs(engine, path)
+    if costs or not measure:
+        return costs, note if costs else note + ": batch costs learnt from steps"
+    t0 = time.perf_counter()
+    measured = costs_of(measure_batched_costs(engine, rounds=1, min_seconds=0.01))
+    if not measured:
+        return measured, note + ": batch costs learnt from steps (this target does not batch)"
+    return measured, (
+        f"{note}: batch costs measured now in {time.perf_counter() - t0:.1f} s "
+        "(specdec tune --threads auto --save-costs keeps them in a file)"
+    )

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from specdec.commands.common import ModelSettings, add_model_args
 from specdec.engine import Observer
 from specdec.errors import InvalidRequestError, ModelLoadError, UnsupportedError
+from specdec.runtime.heap import freeze_heap
 
 if TYPE_CHECKING:
     from specdec.server.settings import ServerSettings
@@ -80,7 +81,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="measured pass costs (specdec tune --save-costs) the adaptive policy starts its batch cost curves "
         "from, used only when measured on the served models (default: $SPECDEC_COSTS or "
-        "~/.cache/specdec/costs.json); 'none': learn from steps alone",
+        "~/.cache/specdec/costs.json when it matches, else measured at startup, about a second); "
+        "'none': learn from steps alone",
     )
     g.add_argument(
         "--threads",
@@ -169,12 +171,15 @@ def run(args: argparse.Namespace) -> int:
     threads, wide = apply_threads(args.threads)
     engine = ModelSettings.from_args(args).load()
     if args.costs != "none":
-        from specdec.tune import matching_costs
+        from specdec.tune import matching_costs, starting_costs
 
-        rows, drafts, note = matching_costs(engine, Path(args.costs) if args.costs else None)
-        if args.costs and not rows:
-            raise InvalidRequestError(f"--costs: {note}", "costs")
-        engine.prime(rows, drafts)
+        if args.costs:
+            costs, note = matching_costs(engine, Path(args.costs))
+            if not costs:
+                raise InvalidRequestError(f"--costs: {note}", "costs")
+        else:  # a matching cost file, else measured now (a batching server with a drafter: what the plans price)
+            costs, note = starting_costs(engine, measure=settings.max_batch > 1 and engine.drafter is not None)
+        engine.prime(costs)
         engine.costs_note = note
         print(f"specdec: {note}", file=sys.stderr)
     observers: list[Observer] = []
@@ -193,6 +198,9 @@ def run(args: argparse.Namespace) -> int:
         observers.append(JsonlTrace(args.trace, meta=meta))
         engine.observers.extend(observers)
     app = create_app(engine, settings)
+    # Loaded: keep the heap (torch, the models, the engine) out of the garbage collector's scans, or every full
+    # collection stops the worker for ~100-200 ms (``specdec.runtime.heap``).
+    freeze_heap()
     if args.host not in LOOPBACK and not settings.api_key:
         print(
             f"specdec: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",

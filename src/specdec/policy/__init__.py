@@ -7,7 +7,7 @@ from typing import Any
 
 from specdec.errors import InvalidRequestError
 from specdec.policy.adaptive import AdaptivePolicy, make_adaptive
-from specdec.policy.base import Decision, DraftRule, MinConfidence, Policy, ReachRule, StepContext
+from specdec.policy.base import Decision, DraftRule, MeasuredCosts, MinConfidence, Policy, ReachRule, StepContext
 from specdec.policy.budget import FleetBudget, FleetBudgetPolicy
 from specdec.policy.confidence import ConfidencePolicy
 from specdec.policy.fixed import DEFAULT_TAU, FixedPolicy
@@ -111,6 +111,7 @@ __all__ = [
     "FixedPolicy",
     "FleetBudget",
     "FleetBudgetPolicy",
+    "MeasuredCosts",
     "HeuristicPolicy",
     "Policy",
     "StepContext",

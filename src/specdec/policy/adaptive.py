@@ -14,12 +14,12 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.errors import InvalidRequestError
-from specdec.policy.base import Decision, Policy, ReachRule, StepContext
+from specdec.policy.base import Decision, MeasuredCosts, Policy, ReachRule, StepContext
 from specdec.policy.budget import FleetBudgetPolicy
 from specdec.policy.estimates import (
     ArmComparison,
@@ -514,14 +514,16 @@ class AdaptivePolicy(Policy):
 
     # -- learning ---------------------------------------------------------------------------
 
-    def prime(self, pass_seconds: Mapping[int, float], draft_forward_seconds: Mapping[int, float]) -> None:
+    def prime(self, costs: MeasuredCosts) -> None:
         """Start the batch cost curves from measured figures (each as one observation: steps soon outweigh
         them where they run; sizes never run keep them, which is their point: the cost of 64 rows is known
-        before a pass of 64 rows is risked)."""
-        for rows, seconds in pass_seconds.items():
+        before a pass of 64 rows is risked). Measured draft lines stay: the slope that the steps' lines are
+        ridged toward (``DraftLine.line``)."""
+        for rows, seconds in costs.passes.items():
             self.batch_costs.verify.observe(int(rows), float(seconds))
-        for sequences, seconds in draft_forward_seconds.items():
+        for sequences, seconds in costs.draft_forwards.items():
             self.batch_costs.draft_forward.observe(int(sequences), float(seconds))
+        self.batch_costs.measured_lines = {int(n): (float(a), float(b)) for n, (a, b) in costs.draft_lines.items()}
 
     def step_bias(self) -> float:
         """Seconds the recent batch steps measured beyond what their plans priced (mean over their records: each

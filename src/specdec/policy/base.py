@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from specdec.records import GenerationStats, StepRecord
 
@@ -31,6 +31,21 @@ class StepContext:
     max_tau: int  # the most the engine will draft (room left in the context window and in max_new_tokens)
     elapsed: float  # seconds since the request started
     batch_size: int = 1  # sequences sharing this step's passes
+
+
+@dataclass(frozen=True)
+class MeasuredCosts:
+    """Measured batch costs a policy starts from (``specdec tune --save-costs``, or measured as a server starts):
+    seconds of a target pass by its rows, of a lockstep draft forward by the sequences drafting (the mean over a
+    draft's forwards) and, by the sequences drafting, a draft's first forward and each further one (the first runs
+    with the draft's weights cold behind the target's pass, and takes in the tokens the last step accepted)."""
+
+    passes: Mapping[int, float] = field(default_factory=dict)
+    draft_forwards: Mapping[int, float] = field(default_factory=dict)
+    draft_lines: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.passes or self.draft_forwards or self.draft_lines)
 
 
 class DraftRule:
@@ -143,9 +158,9 @@ class Policy(ABC):
     def observe(self, record: StepRecord) -> None:  # noqa: B027 - optional hook
         """Called after every step with its record."""
 
-    def prime(self, pass_seconds: Mapping[int, float], draft_forward_seconds: Mapping[int, float]) -> None:  # noqa: B027
-        """Measured costs to start from (``specdec tune --save-costs``): seconds of a target pass by its rows
-        and of a lockstep draft forward by the sequences in it. Learning from steps goes on from there."""
+    def prime(self, costs: MeasuredCosts) -> None:  # noqa: B027
+        """Measured costs to start from (``specdec tune --save-costs``, or measured as a server starts). Learning
+        from steps goes on from there."""
 
     def begin(self, ctx: StepContext) -> None:  # noqa: B027 - optional hook
         """Called once when a request starts (before its first step)."""

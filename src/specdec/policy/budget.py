@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from specdec.errors import InvalidRequestError
-from specdec.policy.base import Decision, Policy, StepContext
+from specdec.policy.base import Decision, MeasuredCosts, Policy, StepContext
 from specdec.records import GenerationStats, StepRecord
 
 
@@ -93,8 +93,8 @@ class FleetBudgetPolicy(Policy):
     def plan(self, ctxs: Sequence[StepContext], other_rows: int = 0, prompt_rows: int = 0) -> list[Decision]:
         return self.inner.plan(ctxs, other_rows, prompt_rows)
 
-    def prime(self, pass_seconds: Mapping[int, float], draft_forward_seconds: Mapping[int, float]) -> None:
-        self.inner.prime(pass_seconds, draft_forward_seconds)
+    def prime(self, costs: MeasuredCosts) -> None:
+        self.inner.prime(costs)
 
     def observe(self, record: StepRecord) -> None:
         self.inner.observe(record)

@@ -80,6 +80,7 @@ class DraftLine:
 
     decay: float = 0.95
     spread: float = 0.5  # the proportional prior weighs as much as depths spread by this much
+    measured_spread: float = 1.0  # a measured slope (``line(prior_slope=)``) weighs as much as depths spread by this
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # S1, Sx, Sy, Sxx, Sxy over x = p - 1
 
     def observe(self, passes: int, seconds: float, weight: float = 1.0) -> None:
@@ -96,12 +97,19 @@ class DraftLine:
         """The observed steps' mean depth (weighted as the fit weighs them)."""
         return self._sums[1] / self._sums[0] + 1.0
 
-    def line(self) -> tuple[float, float]:
+    def line(self, prior_slope: float | None = None) -> tuple[float, float]:
+        """(d0, d1), the slope ridged toward ``prior_slope`` (seconds per further forward, measured apart from the
+        steps) where given, else toward the proportional line. Steps alone hardly spread in depth (a batch plan keeps
+        its depth, exploring one further now and then), so the prior decides the slope between the depths run and
+        those never run: proportional, every forward as dear as the cold first one, it priced a batch of 16 at depth
+        5 1.5-2 ms above what its steps measured, and the plans stayed at depth 2 where 4-5 served 15% more."""
         n, sx, sy, sxx, sxy = self._sums
         mx, my = sx / n, sy / n
         var, cov = max(sxx / n - mx * mx, 0.0), sxy / n - mx * my
-        prior = my / (mx + 1.0)  # proportional: every forward alike
-        lam = self.spread**2
+        if prior_slope is None:
+            prior, lam = my / (mx + 1.0), self.spread**2  # proportional: every forward alike
+        else:
+            prior, lam = prior_slope, self.measured_spread**2
         d1 = min(max(0.0, (cov + lam * prior) / (var + lam)), my / max(mx, 1e-9) if mx > 0 else math.inf)
         return max(my - d1 * mx, 0.0), d1
 
@@ -321,6 +329,9 @@ class CurveEWMA:
     decay: float = 0.9
     growth: float = 1.0
     spread: float = 4.0  # the prior slope weighs as much as sizes spread by this much
+    # A size's estimate is the fit over the sizes seen within this factor of it (1: its own mean alone), ...
+    window: float = 1.5
+    neighbours: float = 2.0  # ... weighing as much as this many observations of its own
     _at: dict[int, list[float]] = field(default_factory=dict)  # size -> [weight, mean]
     _sizes: list[int] = field(default_factory=list, repr=False, compare=False)  # sorted(_at), kept as sizes come
 
@@ -348,21 +359,56 @@ class CurveEWMA:
         lam = self.spread**2
         return max(0.0, (cov + lam * prior) / (var + lam))
 
+    def _local(self, size: int) -> float | None:
+        """The curve at ``size`` from the sizes seen within a factor ``window`` of it: a linear fit weighted by each
+        size's weight and its nearness (triangular in log size). None with fewer than two sizes there."""
+        sizes = self._sizes
+        lo, hi = bisect.bisect_left(sizes, size / self.window), bisect.bisect_right(sizes, size * self.window)
+        if hi - lo < 2:
+            return None
+        width = math.log(self.window)
+        sw = sx = sy = sxx = sxy = 0.0
+        for s in sizes[lo:hi]:
+            weight, mean = self._at[s]
+            w = weight * max(0.0, 1.0 - abs(math.log(s / size)) / width)
+            x = float(s - size)
+            sw, sx, sy, sxx, sxy = sw + w, sx + w * x, sy + w * mean, sxx + w * x * x, sxy + w * x * mean
+        if sw <= 0.0:
+            return None
+        mx, my = sx / sw, sy / sw
+        var = sxx / sw - mx * mx
+        return my - (((sxy / sw - mx * my) / var) if var > 1e-9 else 0.0) * mx
+
     def __call__(self, size: int, fallback: float) -> float:
         if not self._at:
             return fallback
+        sizes = self._sizes
+        if size < sizes[0]:  # below every seen size: flat
+            return self._within(sizes[0])
+        if size > sizes[-1]:  # beyond: along the fitted slope
+            return max(1e-9, self._within(sizes[-1]) + self.slope() * (size - sizes[-1]))
+        return self._within(size)
+
+    def _within(self, size: int) -> float:
+        """The curve at a size within the seen range."""
         at = self._at.get(size)
+        if self.window > 1.0:
+            # A busy server's steps scatter over many sizes, each seen a few times, and a step's time is noisy (±8%
+            # typical, 2x when a thread is pre-empted): each size's own mean alone made neighbouring depths' prices
+            # jump by 5-8 ms, and the plans followed the noise. The curve is its neighbourhood's fit, a size's own
+            # mean weighing in as its observations build up.
+            local = self._local(size)
+            if local is not None:
+                if at is None:
+                    return max(local, 1e-9)
+                return (at[0] * at[1] + self.neighbours * local) / (at[0] + self.neighbours)
         if at is not None:
             return at[1]
         sizes = self._sizes
         i = bisect.bisect_left(sizes, size)  # sizes[i - 1] < size < sizes[i]
-        if 0 < i < len(sizes):
-            lo, hi = sizes[i - 1], sizes[i]
-            a, b = self._at[lo][1], self._at[hi][1]
-            return a + (b - a) * (size - lo) / (hi - lo)
-        if i == 0:  # below every seen size: flat
-            return self._at[sizes[0]][1]
-        return max(1e-9, self._at[sizes[-1]][1] + self.slope() * (size - sizes[-1]))
+        lo, hi = sizes[i - 1], sizes[i]
+        a, b = self._at[lo][1], self._at[hi][1]
+        return a + (b - a) * (size - lo) / (hi - lo)
 
 
 DRAFT_ROW_GROWTH = 0.05  # until measured: a lockstep draft forward costs 5% more per further sequence
@@ -391,6 +437,8 @@ class BatchCosts:
     # Each count of drafting sequences' draft seconds by depth (the cold first forward apart from the others).
     draft_lines: dict[int, DraftLine] = field(default_factory=dict)
     other: CurveEWMA = field(default_factory=CurveEWMA)  # sequences -> seconds of the rest of the step
+    # Measured apart from the steps (``prime``): by sequences drafting, a draft's first forward and each further one.
+    measured_lines: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     _last_pass: tuple[float, float, int, int] | None = field(default=None, repr=False, compare=False)
     _step_other: tuple[int, float] | None = field(default=None, repr=False, compare=False)  # (sequences, least other)
@@ -427,6 +475,23 @@ class BatchCosts:
             self.other.observe(sequences, seconds)
             self._step_other = None
 
+    def measured_line(self, n: int) -> tuple[float, float] | None:
+        """(first forward, each further one) of a lockstep draft over ``n`` sequences as measured apart from the steps
+        (``measured_lines``): linear between the counts measured, flat below the least, along the last two beyond."""
+        lines = self.measured_lines
+        if not lines:
+            return None
+        if n in lines:
+            return lines[n]
+        sizes = sorted(lines)
+        i = bisect.bisect_left(sizes, n)
+        if i == 0 or len(sizes) == 1:
+            return lines[sizes[0] if i == 0 else sizes[-1]]
+        lo, hi = (sizes[i - 1], sizes[i]) if i < len(sizes) else (sizes[-2], sizes[-1])
+        f = (n - lo) / (hi - lo)
+        a, b = lines[lo], lines[hi]
+        return max(a[0] + f * (b[0] - a[0]), 1e-9), max(a[1] + f * (b[1] - a[1]), 0.0)
+
     def step_time(self, rows: int, depth: int, drafting: int, sequences: int, solo: StepCosts) -> float:
         """Predicted seconds of a step with ``rows`` target rows over ``sequences`` sequences, ``depth`` lockstep
         draft forwards over ``drafting`` of them. What is not measured yet falls back on the solo costs, and
@@ -448,12 +513,16 @@ class BatchCosts:
         drafts: dict[int, tuple[float, float, float]] = {}  # drafting -> (per forward, first, further), as below
 
         def draft_line(n: int) -> tuple[float, float, float]:
-            per_forward = self.draft_forward(n, d1 * (1 + DRAFT_ROW_GROWTH * (n - 1)))
+            measured = self.measured_line(n)
             line = self.draft_lines.get(n)
+            if measured is not None and (line is None or not line.seen):
+                return measured[1], measured[0], measured[1]  # as measured apart from the steps, until steps run
+            per_forward = self.draft_forward(n, d1 * (1 + DRAFT_ROW_GROWTH * (n - 1)))
             if line is None or not line.seen:
                 return per_forward, per_forward, per_forward
-            # The measured line's shape (its cold first forward), at the level of the smoothed curve by sequences.
-            d0, slope = line.line()
+            # The steps' line (its cold first forward; its slope ridged toward the measured one where there is one), at
+            # the level of the smoothed curve by sequences.
+            d0, slope = line.line(None if measured is None else measured[1])
             mean_depth = line.mean_depth()
             scale = per_forward * mean_depth / max(d0 + slope * (mean_depth - 1.0), 1e-12)
             return per_forward, scale * d0, scale * slope

@@ -6,11 +6,13 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram
 
 from specdec.engine import Engine
 from specdec.metrics import SpecMetrics
+from specdec.runtime.heap import GcPauses
 from specdec.server.scheduler import Scheduler
 
 
 class ServerMetrics:
-    """Registers a ``SpecMetrics`` observer on the engine and scheduler gauges in the same registry."""
+    """Registers a ``SpecMetrics`` observer on the engine, scheduler gauges and the garbage collector's pauses in the
+    same registry."""
 
     def __init__(self, engine: Engine, scheduler: Scheduler) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -29,6 +31,7 @@ class ServerMetrics:
         Gauge("specdec_server_max_batch", "Requests that may share one step's passes.", registry=r).set(
             scheduler.max_batch
         )
+        r.register(GcPauses.installed())
         self._sequences = Histogram(
             "specdec_batch_sequences_per_pass",
             "Requests sharing each step's draft and target passes.",

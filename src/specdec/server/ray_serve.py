@@ -54,6 +54,7 @@ from starlette.types import Message, Receive, Scope, Send
 from specdec.commands.common import ModelSettings
 from specdec.engine import Engine
 from specdec.errors import InvalidRequestError
+from specdec.runtime.heap import freeze_heap
 from specdec.server.errors import APIError
 from specdec.server.guard import Guard
 from specdec.server.settings import ServerSettings
@@ -272,7 +273,14 @@ class _EngineReplica:
             engine = model()
         else:
             engine = (model or default_model_settings()).load()
+        if not engine._measured:  # the batch plans' costs: a matching cost file, else measured now (~1 s)
+            from specdec.tune import starting_costs
+
+            costs, note = starting_costs(engine, measure=settings.max_batch > 1 and engine.drafter is not None)
+            engine.prime(costs)
+            engine.costs_note = note
         self.app = create_app(engine, settings)
+        freeze_heap()  # loaded: the heap out of the collector's scans (``specdec.runtime.heap``)
         self.hub = hub
         self._pusher = asyncio.get_running_loop().create_task(
             _push_forever(hub, self.replica_id, metrics_interval, self._metrics)

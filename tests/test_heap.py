@@ -1,0 +1,46 @@
+"""The garbage collector in a long-running engine: the loaded heap frozen out of its scans, its pauses measured."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import pytest
+
+from specdec.runtime.heap import PAUSE_BUCKETS, GcPauses, freeze_heap
+
+
+@pytest.fixture
+def unfrozen() -> Iterator[None]:
+    yield
+    gc.unfreeze()  # this test process goes on collecting as before
+
+
+def test_freeze_keeps_what_is_loaded_out_of_every_later_scan(unfrozen: None) -> None:
+    loaded = [[i] for i in range(1000)]  # containers alive at load time, as a model's modules and the engine's state
+    tracked = {id(o) for o in gc.get_objects()}
+    assert id(loaded) in tracked
+    frozen = freeze_heap()
+    assert frozen == gc.get_freeze_count() and frozen >= 1000
+    after = {id(o) for o in gc.get_objects()}  # what collections walk now
+    assert id(loaded) not in after and not any(id(x) in after for x in loaded)
+    served = [[1]]  # made while serving: collected as ever
+    assert id(served) in {id(o) for o in gc.get_objects()}
+    assert loaded[999] == [999]  # frozen objects are kept (and still freed by reference counting)
+
+
+def test_every_collection_pause_is_counted_by_generation() -> None:
+    pauses = GcPauses.installed()
+    assert GcPauses.installed() is pauses and gc.callbacks.count(pauses._callback) == 1  # once per process
+    before = (sum(pauses.counts[2]), pauses.sums[2])
+    gc.collect()
+    gc.collect(0)
+    assert sum(pauses.counts[2]) == before[0] + 1 and pauses.sums[2] > before[1]
+    assert sum(pauses.counts[0]) >= 1 and pauses.longest > 0
+    families = {f.name: f for f in pauses.collect()}
+    hist = families["specdec_gc_pause_seconds"]
+    buckets = [s for s in hist.samples if s.name.endswith("_bucket") and s.labels["generation"] == "2"]
+    assert [s.labels["le"] for s in buckets] == [*map(str, PAUSE_BUCKETS), "+Inf"]
+    counts = [s.value for s in buckets]
+    assert counts == sorted(counts) and counts[-1] == sum(pauses.counts[2])  # cumulative, +Inf holds all
+    assert families["specdec_gc_frozen_objects"].samples[0].value == gc.get_freeze_count()
