@@ -283,16 +283,17 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def spawned_servers(args: argparse.Namespace) -> Iterator[dict[str, str]]:
-    """Two ``specdec serve`` processes on loopback: the batched one and ``--max-batch 1``."""
+    """Two ``specdec serve`` processes on loopback: the batched one and ``--max-batch 1``, started one after the
+    other (a batching server measures its pass costs as it starts: not while the other one loads)."""
     procs, urls = [], {}
     try:
         for name, extra in (("batched", []), ("unbatched", ["--max-batch", "1"])):
             port = _free_port()
             cmd = [sys.executable, "-m", "specdec.cli", "serve", "--port", str(port), "--log-level", "warning"]
             cmd += shlex.split(args.serve_args) + extra
-            procs.append(subprocess.Popen(cmd))
-            urls[name] = f"http://127.0.0.1:{port}"
-        for url, proc in zip(urls.values(), procs):
+            proc = subprocess.Popen(cmd)
+            procs.append(proc)
+            url = urls[name] = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 300
             while True:
                 if proc.poll() is not None:
