@@ -204,3 +204,36 @@ def test_a_server_measures_its_costs_on_a_thread_that_ends(
     monkeypatch.setattr(tune, "measure_batched_costs", broken)
     with pytest.raises(RuntimeError, match="the pass failed"):
         tune.starting_costs(engine, tmp_path / "none.json")
+
+
+def test_a_server_primes_its_costs_as_its_costs_setting_says(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from specdec.api import load
+    from specdec.errors import InvalidRequestError
+    from specdec.server.settings import ServerSettings
+    from specdec.tune import model_identity, prime_for_serving
+
+    def engine() -> Any:
+        return load(tiny_models["llama"], tiny_models["draft"], dtype="float32", policy="adaptive")
+
+    none = engine()
+    assert "learnt from steps" in prime_for_serving(none, ServerSettings(costs="none"))
+    assert not none.measured_costs and none.costs_note.endswith("(--costs none)")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"rows_table": {"1": 1e-3}, "model": {"target": "/elsewhere"}}))
+    with pytest.raises(InvalidRequestError, match="--costs: .*other models"):
+        prime_for_serving(engine(), ServerSettings(costs=str(other)))
+    mine = tmp_path / "mine.json"
+    e = engine()
+    mine.write_text(json.dumps({"rows_table": {"1": 1e-3, "16": 2e-3}, "model": model_identity(e)}))
+    assert "batch costs from" in prime_for_serving(e, ServerSettings(costs=str(mine)))
+    assert e.measured_costs.passes == {1: 1e-3, 16: 2e-3}
+    with pytest.raises(InvalidRequestError, match="--costs: no measured costs"):
+        prime_for_serving(engine(), ServerSettings(costs=str(tmp_path / "missing.json")))
+    monkeypatch.setenv("SPECDEC_COSTS", str(tmp_path / "missing.json"))  # the default file: none here
+    unbatched = engine()  # one request per pass: no batch plans to measure for
+    note = prime_for_serving(unbatched, ServerSettings(max_batch=1))
+    assert note.endswith("batch costs learnt from steps") and not unbatched.measured_costs
+    batched = engine()
+    assert "measured now" in prime_for_serving(batched, ServerSettings()) and batched.measured_costs.draft_lines

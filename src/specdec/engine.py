@@ -127,6 +127,11 @@ class Engine:
         self.prefill_in_step = 0
         self.costs_note = "batch costs learnt from steps"  # where the policies' batch cost curves start from
 
+    @property
+    def measured_costs(self) -> MeasuredCosts:
+        """The measured batch costs the engine's policies were primed with (``prime``; empty: none)."""
+        return self._measured
+
     def prime(self, costs: MeasuredCosts) -> None:
         """Measured batch costs for every policy the engine has or will make (``Policy.prime``)."""
         self._measured = costs

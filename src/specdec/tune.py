@@ -417,3 +417,23 @@ def starting_costs(engine: Any, path: Path | None = None, measure: bool = True) 
         f"{note}: batch costs measured now in {time.perf_counter() - t0:.1f} s "
         "(specdec tune --threads auto --save-costs keeps them in a file)"
     )
+
+
+def prime_for_serving(engine: Any, settings: Any) -> str:
+    """Prime a server's engine with the pass costs ``settings.costs`` names (``ServerSettings.costs``) and return the
+    line that says where they came from (``/health``'s ``costs``). A cost file named but not measured on these models
+    is an error (``InvalidRequestError``); without one, a batching server with a drafter measures its passes now."""
+    from specdec.errors import InvalidRequestError
+
+    if settings.costs == "none":
+        note = "batch costs learnt from steps (--costs none)"
+    else:
+        if settings.costs:
+            costs, note = matching_costs(engine, Path(settings.costs))
+            if not costs:
+                raise InvalidRequestError(f"--costs: {note}", "costs")
+        else:
+            costs, note = starting_costs(engine, measure=settings.max_batch > 1 and engine.drafter is not None)
+        engine.prime(costs)
+    engine.costs_note = note
+    return note

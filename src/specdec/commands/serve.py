@@ -160,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
         prefill_in_step=args.prefill_in_step,
         request_timeout=args.request_timeout,
         max_body_bytes=args.max_body_bytes,
+        # replicas (--ray) run elsewhere: a cost file by its absolute path
+        costs=args.costs if args.costs in (None, "none") else str(Path(args.costs).expanduser().resolve()),
     )
     if args.ray or args.ray_address:
         if args.threads is not None:
@@ -170,18 +172,9 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"{', '.join(given)}: only with --ray (or --ray-address)", given[0])
     threads, wide = apply_threads(args.threads)
     engine = ModelSettings.from_args(args).load()
-    if args.costs != "none":
-        from specdec.tune import matching_costs, starting_costs
+    from specdec.tune import prime_for_serving
 
-        if args.costs:
-            costs, note = matching_costs(engine, Path(args.costs))
-            if not costs:
-                raise InvalidRequestError(f"--costs: {note}", "costs")
-        else:  # a matching cost file, else measured now (a batching server with a drafter: what the plans price)
-            costs, note = starting_costs(engine, measure=settings.max_batch > 1 and engine.drafter is not None)
-        engine.prime(costs)
-        engine.costs_note = note
-        print(f"specdec: {note}", file=sys.stderr)
+    print(f"specdec: {prime_for_serving(engine, settings)}", file=sys.stderr)
     observers: list[Observer] = []
     if args.trace:
         from specdec.trace import JsonlTrace

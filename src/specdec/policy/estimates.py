@@ -401,7 +401,7 @@ class CurveEWMA:
             if local is not None:
                 if at is None:
                     return max(local, 1e-9)
-                return (at[0] * at[1] + self.neighbours * local) / (at[0] + self.neighbours)
+                return max((at[0] * at[1] + self.neighbours * local) / (at[0] + self.neighbours), 1e-9)
         if at is not None:
             return at[1]
         sizes = self._sizes

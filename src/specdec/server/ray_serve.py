@@ -273,12 +273,10 @@ class _EngineReplica:
             engine = model()
         else:
             engine = (model or default_model_settings()).load()
-        if not engine._measured:  # the batch plans' costs: a matching cost file, else measured now (~1 s)
-            from specdec.tune import starting_costs
+        if not engine.measured_costs:  # the batch plans' costs as --costs says (a file, else measured now: ~1 s)
+            from specdec.tune import prime_for_serving
 
-            costs, note = starting_costs(engine, measure=settings.max_batch > 1 and engine.drafter is not None)
-            engine.prime(costs)
-            engine.costs_note = note
+            log.info("replica %s: %s", self.replica_id, prime_for_serving(engine, settings))
         self.app = create_app(engine, settings)
         freeze_heap()  # loaded: the heap out of the collector's scans (``specdec.runtime.heap``)
         self.hub = hub

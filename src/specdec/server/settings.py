@@ -24,6 +24,10 @@ class ServerSettings:
     request_timeout: float = 600.0  # seconds from arrival; then the request is cancelled (408)
     max_body_bytes: int = 2 * 1024 * 1024
     static_dir: Path | None = field(default=STATIC_DIR)  # the web playground, served at / when present
+    # Where the batch plans' pass costs start from (``tune.prime_for_serving``): None, a cost file measured on the served
+    # models ($SPECDEC_COSTS or ~/.cache/specdec/costs.json), else measured as the server starts; "none": learnt from
+    # steps alone; a path: that cost file, which must have been measured on the served models.
+    costs: str | None = None
 
     def __post_init__(self) -> None:
         from specdec.errors import InvalidRequestError
