@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import specdec
     from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts
-    from specdec.runtime.heap import freeze_heap
+    from specdec.runtime.heap import frozen_heap
 
     prompts = [p.text for p in load_prompts(DEFAULT_PROMPTS)[: args.n_prompts]]
     try:
@@ -54,30 +54,32 @@ def main(argv: list[str] | None = None) -> int:
         }
     except specdec.SpecdecError as e:
         raise SystemExit(f"draft_ab: {e}") from None
-    freeze_heap()  # no garbage-collector pause inside the timed runs
     names = list(engines)
     seconds = dict.fromkeys(names, 0.0)
     tokens = dict.fromkeys(names, 0)
     accepted = {n: [0, 0] for n in names}
     want: dict[int, list[int]] = {}
     differing = 0
-    for rep in range(args.repeats + 1):  # the first pass warms up and is not counted
-        for i, prompt in enumerate(prompts):
-            k = (i + rep) % len(names)
-            for name in names[k:] + names[:k]:
-                extra = {"tau": 0} if name == "target-only" else {}
-                t0 = time.perf_counter()
-                result = engines[name].generate(prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True, **extra)
-                dt = time.perf_counter() - t0
-                if name == "target-only":
-                    want.setdefault(i, result.token_ids)
-                elif i in want and result.token_ids != want[i]:
-                    differing += 1
-                if rep:
-                    seconds[name] += dt
-                    tokens[name] += len(result.token_ids)
-                    accepted[name][0] += result.stats.accepted
-                    accepted[name][1] += result.stats.drafted
+    with frozen_heap():  # no garbage-collector pause inside the timed runs
+        for rep in range(args.repeats + 1):  # the first pass warms up and is not counted
+            for i, prompt in enumerate(prompts):
+                k = (i + rep) % len(names)
+                for name in names[k:] + names[:k]:
+                    extra = {"tau": 0} if name == "target-only" else {}
+                    t0 = time.perf_counter()
+                    result = engines[name].generate(
+                        prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True, **extra
+                    )
+                    dt = time.perf_counter() - t0
+                    if name == "target-only":
+                        want.setdefault(i, result.token_ids)
+                    elif i in want and result.token_ids != want[i]:
+                        differing += 1
+                    if rep:
+                        seconds[name] += dt
+                        tokens[name] += len(result.token_ids)
+                        accepted[name][0] += result.stats.accepted
+                        accepted[name][1] += result.stats.drafted
     base = tokens["target-only"] / seconds["target-only"]
     report: dict[str, Any] = {"tau": args.tau, "a": args.a, "b": args.b, "prompts": len(prompts), "rows": []}
     for name in names:

@@ -44,3 +44,16 @@ def test_every_collection_pause_is_counted_by_generation() -> None:
     counts = [s.value for s in buckets]
     assert counts == sorted(counts) and counts[-1] == sum(pauses.counts[2])  # cumulative, +Inf holds all
     assert families["specdec_gc_frozen_objects"].samples[0].value == gc.get_freeze_count()
+
+
+def test_a_command_leaves_the_collector_as_it_found_it() -> None:
+    """``frozen_heap`` (bench, tune, serve): frozen for the command's body, unfrozen after it, error or not."""
+    from specdec.runtime.heap import frozen_heap
+
+    assert gc.get_freeze_count() == 0
+    with frozen_heap() as frozen:
+        assert frozen > 0 and gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError), frozen_heap():
+        raise RuntimeError("the command failed")
+    assert gc.get_freeze_count() == 0

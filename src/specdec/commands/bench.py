@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     from specdec.bench.report import markdown, plot, summary, table
     from specdec.bench.run import run_bench
     from specdec.errors import SpecdecError
-    from specdec.runtime.heap import freeze_heap
+    from specdec.runtime.heap import frozen_heap
 
     if args.plot is not None:
         try:
@@ -227,8 +227,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     log("loading models ...")
     models = load_models(ModelSettings.from_args(args), with_hf=cfg.hf)
-    freeze_heap()  # no collector pause of ~100 ms inside a timed run (``specdec.runtime.heap``)
-    report = run_bench(models, cfg, log)
+    with frozen_heap():  # no collector pause of ~100 ms inside a timed run (``specdec.runtime.heap``)
+        report = run_bench(models, cfg, log)
     report["elapsed_s"] = round(time.perf_counter() - t0, 1)  # loading included
     report["machine"] = machine()
     report["command"] = "specdec " + " ".join(sys.argv[1:])

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from specdec.commands.common import ModelSettings, add_model_args
 from specdec.engine import Observer
 from specdec.errors import InvalidRequestError, ModelLoadError, UnsupportedError
-from specdec.runtime.heap import freeze_heap
+from specdec.runtime.heap import frozen_heap
 
 if TYPE_CHECKING:
     from specdec.server.settings import ServerSettings
@@ -191,9 +191,6 @@ def run(args: argparse.Namespace) -> int:
         observers.append(JsonlTrace(args.trace, meta=meta))
         engine.observers.extend(observers)
     app = create_app(engine, settings)
-    # Loaded: keep the heap (torch, the models, the engine) out of the garbage collector's scans, or every full
-    # collection stops the worker for ~100-200 ms (``specdec.runtime.heap``).
-    freeze_heap()
     if args.host not in LOOPBACK and not settings.api_key:
         print(
             f"specdec: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
@@ -209,8 +206,11 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    # Loaded: the heap (torch, the models, the engine) out of the garbage collector's scans while serving, or every
+    # full collection stops the worker for ~100-200 ms (``specdec.runtime.heap``).
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        with frozen_heap():
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:
         for obs in observers:
             close = getattr(obs, "close", None)

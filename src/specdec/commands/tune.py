@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -73,7 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from specdec.api import default_draft, default_target, load
     from specdec.errors import InvalidRequestError
-    from specdec.runtime.heap import freeze_heap
+    from specdec.runtime.heap import frozen_heap
     from specdec.simulate.costs import measured_costs_path
     from specdec.tune import (
         load_prompts,
@@ -108,48 +109,53 @@ def run(args: argparse.Namespace) -> int:
         draft_vocab=args.draft_vocab,
         draft_window=args.draft_window,
     )
-    engines, reports = {}, []
-    print(
-        f"tune: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, greedy; measuring at tau={args.max_tau}"
-    )
-    for d in drafts:
-        engine = load(target, d, **opts)
-        freeze_heap()  # no collector pause inside the timed steps (``specdec.runtime.heap``)
-        engines[str(d)] = engine
-        rep = measure_draft(engine, str(d), prompts, args.max_new_tokens, args.max_tau)
-        reports.append(rep)
-        _print_report(rep)
-    rec = recommend(reports)
-    settings = ", ".join(f"{k}={v}" for k, v in rec.settings.items())
-    print(
-        f"\nrecommendation: draft {rec.draft or '(none)'}, policy {rec.policy} ({settings}); "
-        f"predicted {rec.predicted_speedup:.2f}x target-only. Why: {rec.why}"
-    )
-    measured = None
-    if rec.draft is not None and not args.no_measure:
-        measured = measure_recommended(engines[rec.draft], rec, prompts, args.max_new_tokens)
+    frozen: list[int] = []
+    with contextlib.ExitStack() as stack:
+        engines, reports = {}, []
         print(
-            f"measured: {measured['tokens_per_s']:.1f} tok/s vs target-only {measured['target_only_tokens_per_s']:.1f}"
-            f" tok/s = {measured['speedup']:.2f}x (predicted {rec.predicted_speedup:.2f}x)"
+            f"tune: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, greedy; measuring at tau={args.max_tau}"
         )
-    if args.save_costs is not None:
-        best = max(reports, key=lambda r: r.best_speedup)
-        engine = engines[best.draft]
-        print("measuring batched passes (1-128 rows over up to 16 sequences) for the cost file ...", file=sys.stderr)
-        batched = measure_batched_costs(engine)
-        path = Path(args.save_costs) if args.save_costs else measured_costs_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        doc = {**best.costs, **batched, "name": "cpu", "model": model_identity(engine)}
-        path.write_text(json.dumps(doc, indent=1) + "\n")
-        rows = batched.get("rows_table") or {}
-        if rows:
-            one = rows[min(rows)]
-            shown = ", ".join(f"{k}: {v / one:.2f}x" for k, v in rows.items())
-            print(f"batched passes by rows (vs one): {shown}", file=sys.stderr)
-        print(f"wrote measured costs to {path}", file=sys.stderr)
-    if args.json is not None:
-        args.json.write_text(json.dumps(to_json(reports, rec, measured), indent=1) + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
+        for d in drafts:
+            engine = load(target, d, **opts)
+            if not frozen:  # torch and the first engine: no collector pause inside the timed steps
+                frozen.append(stack.enter_context(frozen_heap()))
+            engines[str(d)] = engine
+            rep = measure_draft(engine, str(d), prompts, args.max_new_tokens, args.max_tau)
+            reports.append(rep)
+            _print_report(rep)
+        rec = recommend(reports)
+        settings = ", ".join(f"{k}={v}" for k, v in rec.settings.items())
+        print(
+            f"\nrecommendation: draft {rec.draft or '(none)'}, policy {rec.policy} ({settings}); "
+            f"predicted {rec.predicted_speedup:.2f}x target-only. Why: {rec.why}"
+        )
+        measured = None
+        if rec.draft is not None and not args.no_measure:
+            measured = measure_recommended(engines[rec.draft], rec, prompts, args.max_new_tokens)
+            print(
+                f"measured: {measured['tokens_per_s']:.1f} tok/s vs target-only {measured['target_only_tokens_per_s']:.1f}"
+                f" tok/s = {measured['speedup']:.2f}x (predicted {rec.predicted_speedup:.2f}x)"
+            )
+        if args.save_costs is not None:
+            best = max(reports, key=lambda r: r.best_speedup)
+            engine = engines[best.draft]
+            print(
+                "measuring batched passes (1-128 rows over up to 16 sequences) for the cost file ...", file=sys.stderr
+            )
+            batched = measure_batched_costs(engine)
+            path = Path(args.save_costs) if args.save_costs else measured_costs_path()
+            path.parent.mkdir(parents=True, exist_ok=True)
+            doc = {**best.costs, **batched, "name": "cpu", "model": model_identity(engine)}
+            path.write_text(json.dumps(doc, indent=1) + "\n")
+            rows = batched.get("rows_table") or {}
+            if rows:
+                one = rows[min(rows)]
+                shown = ", ".join(f"{k}: {v / one:.2f}x" for k, v in rows.items())
+                print(f"batched passes by rows (vs one): {shown}", file=sys.stderr)
+            print(f"wrote measured costs to {path}", file=sys.stderr)
+        if args.json is not None:
+            args.json.write_text(json.dumps(to_json(reports, rec, measured), indent=1) + "\n")
+            print(f"wrote {args.json}", file=sys.stderr)
     return 0
 
 

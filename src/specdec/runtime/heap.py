@@ -17,6 +17,7 @@ only cycles among them are never collected (there are none to speak of once load
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gc
 import threading
 import time
@@ -34,6 +35,17 @@ def freeze_heap() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[int]:
+    """``freeze_heap`` for the body of a command, undone after it (``gc.unfreeze``): a command run inside another
+    process (a test, a notebook calling ``specdec.cli.main``) leaves that process's collector as it found it, frozen
+    objects that became cyclic garbage meanwhile then collected as usual."""
+    try:
+        yield freeze_heap()
+    finally:
+        gc.unfreeze()
 
 
 class GcPauses:
