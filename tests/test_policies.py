@@ -512,6 +512,26 @@ def test_a_pass_curve_prices_a_size_from_its_neighbourhood_not_its_one_slow_step
     assert curve(1, 1.0) == curve(40, 1.0) and curve(10_000, 1.0) > curve(120, 1.0)  # flat below, growing beyond
 
 
+def test_a_pass_curve_answers_from_its_cache_what_it_would_compute_afresh() -> None:
+    """The curve keeps its neighbourhood fits between observations (a plan and the step bias ask for the same sizes);
+    any observation near a kept size must drop it. Random observations and queries (seed 5), every answer compared with
+    the same curve asked with nothing kept."""
+    from specdec.policy.estimates import CurveEWMA
+
+    rng = random.Random(5)
+    curve = CurveEWMA()
+    for _ in range(2000):
+        if rng.random() < 0.4:
+            rows = rng.choice([rng.randint(1, 24), rng.randint(1, 300)])
+            curve.observe(rows, 1e-3 + 1e-4 * rows * rng.uniform(0.8, 1.6))
+        elif curve.seen:
+            rows = rng.randint(1, 320)
+            got = curve(rows, 1.0)
+            kept, curve._within_cache = curve._within_cache, {}
+            assert got == curve(rows, 1.0), rows
+            curve._within_cache = kept
+
+
 def test_a_plain_batch_probes_one_deeper_whatever_its_costs_predict() -> None:
     """Drafting priced far above its worth (costs learnt at a bad moment): the batch plan goes plain, but one step
     in EXPLORE_EVERY drafts one token anyway, so the draft's cost gets measured again (a server at 4 clients had

@@ -334,13 +334,23 @@ class CurveEWMA:
     neighbours: float = 2.0  # ... weighing as much as this many observations of its own
     _at: dict[int, list[float]] = field(default_factory=dict)  # size -> [weight, mean]
     _sizes: list[int] = field(default_factory=list, repr=False, compare=False)  # sorted(_at), kept as sizes come
+    _logs: dict[int, float] = field(default_factory=dict, repr=False, compare=False)  # log of each size seen
+    # The curve within the seen range by size, until an observation within ``window`` of it (plans and the step bias
+    # ask for the same few sizes between observations; each answer is a fit over its neighbourhood).
+    _within_cache: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
 
     def observe(self, size: int, seconds: float, weight: float = 1.0) -> None:
         if size not in self._at:
             bisect.insort(self._sizes, size)
+            self._logs[size] = math.log(size) if size > 0 else 0.0
         w_mean = self._at.setdefault(size, [0.0, 0.0])
         w_mean[0] = self.decay**weight * w_mean[0] + weight
         w_mean[1] += weight * (seconds - w_mean[1]) / w_mean[0]
+        cache = self._within_cache
+        if cache:
+            lo, hi = size / self.window, size * self.window
+            for cached in [c for c in cache if lo <= c <= hi]:
+                del cache[cached]
 
     @property
     def seen(self) -> bool:
@@ -366,11 +376,12 @@ class CurveEWMA:
         lo, hi = bisect.bisect_left(sizes, size / self.window), bisect.bisect_right(sizes, size * self.window)
         if hi - lo < 2:
             return None
-        width = math.log(self.window)
+        scale = 1.0 / math.log(self.window)
+        at, logs, here = self._at, self._logs, math.log(size)
         sw = sx = sy = sxx = sxy = 0.0
         for s in sizes[lo:hi]:
-            weight, mean = self._at[s]
-            w = weight * max(0.0, 1.0 - abs(math.log(s / size)) / width)
+            weight, mean = at[s]
+            w = weight * max(0.0, 1.0 - abs(logs[s] - here) * scale)
             x = float(s - size)
             sw, sx, sy, sxx, sxy = sw + w, sx + w * x, sy + w * mean, sxx + w * x * x, sxy + w * x * mean
         if sw <= 0.0:
@@ -390,7 +401,11 @@ class CurveEWMA:
         return self._within(size)
 
     def _within(self, size: int) -> float:
-        """The curve at a size within the seen range."""
+        """The curve at a size within the seen range. A neighbourhood's fit is kept until an observation within
+        ``window`` of the size (plans and the step bias ask for the same few sizes between observations)."""
+        cached = self._within_cache.get(size)
+        if cached is not None:
+            return cached
         at = self._at.get(size)
         if self.window > 1.0:
             # A busy server's steps scatter over many sizes, each seen a few times, and a step's time is noisy (±8%
@@ -399,12 +414,13 @@ class CurveEWMA:
             # mean weighing in as its observations build up.
             local = self._local(size)
             if local is not None:
-                if at is None:
-                    return max(local, 1e-9)
-                return max((at[0] * at[1] + self.neighbours * local) / (at[0] + self.neighbours), 1e-9)
+                if at is not None:
+                    local = (at[0] * at[1] + self.neighbours * local) / (at[0] + self.neighbours)
+                value = self._within_cache[size] = max(local, 1e-9)
+                return value
         if at is not None:
             return at[1]
-        sizes = self._sizes
+        sizes = self._sizes  # between two seen sizes, none other near: the line between them (not kept)
         i = bisect.bisect_left(sizes, size)  # sizes[i - 1] < size < sizes[i]
         lo, hi = sizes[i - 1], sizes[i]
         a, b = self._at[lo][1], self._at[hi][1]
@@ -507,8 +523,10 @@ class BatchCosts:
         depend on those is read once (a batch plan prices a dozen shapes of the same step)."""
         self._learn_other()  # the last step is whole: every record of a step is observed before the next is priced
         v0, v1 = solo.line()
-        one_row = self.verify(1, v0)  # measured: the pass curve's floor (flat below its smallest size)
-        d1 = solo.draft_per_token if solo.draft_per_token is not None else solo.prior_draft_frac * one_row
+        if solo.draft_per_token is not None:
+            d1 = solo.draft_per_token
+        else:  # a share of the pass curve's floor (flat below its smallest size)
+            d1 = solo.prior_draft_frac * self.verify(1, v0)
         other = self.other(sequences, (solo.other or 0.0) * sequences)
         drafts: dict[int, tuple[float, float, float]] = {}  # drafting -> (per forward, first, further), as below
 
