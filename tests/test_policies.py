@@ -467,13 +467,10 @@ def test_a_measured_draft_slope_prices_the_depths_steps_never_ran() -> None:
     assert alone.line() == pytest.approx((1.5e-3, 1.5e-3))
     assert alone.line(prior_slope=0.3e-3) == pytest.approx((2.7e-3, 0.3e-3))
 
-    def record(depth: int, draft: float) -> StepRecord:
-        return StepRecord(
-            request_id="r", step=1, prompt_len=8, context_len=40, policy="adaptive", reason="", tau=depth,
-            draft_tokens=[1] * depth, accept_flags=[True] * depth, n_accepted=depth, correction="bonus",
-            emitted=[1] * (depth + 1), draft_time=draft, verify_time=9e-3, other_time=2e-3, batch_size=16,
-            rows=16 * (depth + 1), drafting=16, draft_passes=depth, draft_fed=32,
-        )  # fmt: skip
+    step = replace(
+        record_for("r", 1, 2, 2), draft_time=3.0e-3, verify_time=9e-3, other_time=2e-3, batch_size=16, rows=48,
+        drafting=16, draft_passes=2, draft_fed=32,
+    )  # fmt: skip
 
     for measured in ({}, {1: (0.4e-3, 0.12e-3), 16: (1.2e-3, 0.4e-3)}):
         batch = BatchCosts(measured_lines=dict(measured))
@@ -481,7 +478,7 @@ def test_a_measured_draft_slope_prices_the_depths_steps_never_ran() -> None:
         if measured:  # before any step: the measured line itself
             assert fresh(48, 2, 16) - fresh(48, 0, 0) == pytest.approx(1.6e-3)
         for i in range(30):
-            batch.observe(replace(record(2, 3.0e-3), verify_time=9e-3 + i * 1e-9))  # one depth, step after step
+            batch.observe(replace(step, verify_time=9e-3 + i * 1e-9))  # one depth, step after step
         price = batch.pricer(16, StepCosts())
         further = (price(96, 5, 16) - price(96, 2, 16)) / 3
         assert further == pytest.approx(0.4e-3 if measured else 1.5e-3, rel=0.05)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from specdec.engine import Engine
     from specdec.tune import DraftReport
 
 
@@ -109,16 +110,16 @@ def run(args: argparse.Namespace) -> int:
         draft_vocab=args.draft_vocab,
         draft_window=args.draft_window,
     )
-    frozen: list[int] = []
     with contextlib.ExitStack() as stack:
-        engines, reports = {}, []
+        engines: dict[str, Engine] = {}
+        reports: list[DraftReport] = []
         print(
             f"tune: {len(prompts)} prompts, {args.max_new_tokens} new tokens each, greedy; measuring at tau={args.max_tau}"
         )
         for d in drafts:
             engine = load(target, d, **opts)
-            if not frozen:  # torch and the first engine: no collector pause inside the timed steps
-                frozen.append(stack.enter_context(frozen_heap()))
+            if not engines:  # torch and the first engine loaded: no collector pause inside the timed steps
+                stack.enter_context(frozen_heap())
             engines[str(d)] = engine
             rep = measure_draft(engine, str(d), prompts, args.max_new_tokens, args.max_tau)
             reports.append(rep)
