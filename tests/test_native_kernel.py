@@ -476,6 +476,131 @@ def test_fp32_attention_is_the_same_on_both_builds(tmp_path: Path, monkeypatch: 
 
 
 # ---------------------------------------------------------------------------------------------
+# 16-bit KV caches (kv_dtype)
+
+KV16 = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("kv_dtype", KV16, ids=["bf16-cache", "fp16-cache"])
+def test_a_16_bit_cache_keeps_every_row_independent(isa: str, kv_dtype: torch.dtype, tmp_path: Path) -> None:
+    """With keys and values kept in 16 bits, blocks and prefills of every length equal one-token passes bit for bit,
+    a row in a batch of 12 sequences equals its block alone, and a forked cache continues like the original, on
+    the odd-size model (head_dim 18: the 8-column and single-column value sums) and on the GQA model (head_dim 80:
+    the 64-column value tiles, 7 queries per key/value head, a sliding window starting inside a key block)."""
+    gen = torch.Generator().manual_seed(31)
+    for path, vocab, n in ((odd_checkpoint(tmp_path), 97, 70), (gqa_checkpoint(tmp_path), 97, 100)):
+        runner = NativeRunner.from_pretrained(path, dtype=torch.bfloat16, kernel=True, kv_dtype=kv_dtype)
+        assert runner.cache_dtype == kv_dtype and runner.new_cache().kv.dtype == kv_dtype
+        ids = torch.randint(0, vocab, (n,), generator=gen)
+        steps = runner.new_cache()
+        singles = torch.cat([runner.forward(ids[i : i + 1], steps) for i in range(n)])
+        for k in (1, 5, 16, 17, 33, n):
+            assert torch.equal(prefill(runner, ids[:k]), singles[:k]), (path.name, k)
+        cache = runner.new_cache()
+        runner.forward(ids[:37], cache)
+        for k in (1, 2, 7, 9, 16):
+            assert torch.equal(runner.forward(ids[37 : 37 + k], cache), singles[37 : 37 + k]), (path.name, k)
+            cache.crop(37)
+        fork = runner.fork_cache(cache, ids[:37].tolist())
+        assert torch.equal(runner.forward(ids[37:45], fork), singles[37:45])
+        seqs = [torch.randint(0, vocab, (50,), generator=gen) for _ in range(12)]
+        caches, alone = [], []
+        for i, sq in enumerate(seqs):
+            caches.append(runner.new_cache())
+            runner.forward(sq[: 3 + 3 * i], caches[-1])
+            alone.append(runner.forward(sq[3 + 3 * i : 4 + 3 * i + i % 7], caches[-1]))
+            caches[-1].crop(3 + 3 * i)
+        together = runner.forward_batch(
+            [(sq[3 + 3 * i : 4 + 3 * i + i % 7], c) for i, (sq, c) in enumerate(zip(seqs, caches))]
+        )
+        for i, (a, b) in enumerate(zip(alone, together)):
+            assert torch.equal(a, b), (path.name, i)
+
+
+@pytest.mark.parametrize("kv_dtype", KV16, ids=["bf16-cache", "fp16-cache"])
+def test_a_16_bit_cache_holds_the_values_rounded_to_nearest(isa: str, kv_dtype: torch.dtype, tmp_path: Path) -> None:
+    """The first layer's keys and values (the same inputs whatever the cache) are the fp32 cache's rounded to the
+    nearest 16-bit value, ties to even (as torch rounds), and the logits stay close to the fp32 cache's."""
+    path = odd_checkpoint(tmp_path)
+    ids = torch.randint(0, 97, (32,), generator=torch.Generator().manual_seed(32))  # two whole key blocks
+    wide = NativeRunner.from_pretrained(path, dtype=torch.bfloat16, kernel=True, kv_dtype="fp32")
+    narrow = NativeRunner.from_pretrained(path, dtype=torch.bfloat16, kernel=True, kv_dtype=kv_dtype)
+    wc, nc = wide.new_cache(), narrow.new_cache()
+    ref, got = wide.forward(ids, wc), narrow.forward(ids, nc)
+    assert torch.equal(nc.kv[0, :, :, :32], wc.kv[0, :, :, :32].to(kv_dtype))
+    assert not torch.equal(nc.kv[0, :, :, :32].float(), wc.kv[0, :, :, :32])  # rounding did happen
+    assert rel_err(got, ref) < 0.02
+
+
+def test_the_cache_dtype_follows_the_weights_unless_named(tiny_models: dict[str, Path]) -> None:
+    """ "auto": 16 bits for 16-bit weights (bf16 for bf16 and int8 weights, fp16 for fp16), fp32 for fp32; a named
+    type wins; a bad name is refused; the operator path keeps its compute dtype and refuses another by name."""
+    from specdec.errors import ModelLoadError
+    from specdec.runtime.native import kv_cache_dtype, kv_dtype_of
+
+    for weights, want in ((torch.bfloat16, torch.bfloat16), (torch.int8, torch.bfloat16)):
+        assert kv_cache_dtype("auto", weights) == want and kv_cache_dtype(None, weights) == want
+    assert kv_cache_dtype("auto", torch.float16) == torch.float16
+    assert kv_cache_dtype("auto", torch.float32) == torch.float32
+    assert kv_cache_dtype("fp16", torch.bfloat16) == torch.float16
+    assert kv_cache_dtype("float32", torch.bfloat16) == torch.float32
+    assert kv_cache_dtype(torch.bfloat16, torch.float32) == torch.bfloat16
+    for bad in ("int8", "fp8", torch.int8, 16):
+        with pytest.raises(ModelLoadError, match="kv_dtype must be"):
+            kv_cache_dtype(bad, torch.bfloat16)  # type: ignore[arg-type]
+    path = tiny_models["llama"]
+    assert kv_dtype_of(NativeRunner.from_pretrained(path, dtype=torch.float32)) == "fp32"
+    assert kv_dtype_of(NativeRunner.from_pretrained(path, dtype=torch.bfloat16)) == "bf16"
+    ops = NativeRunner.from_pretrained(path, dtype=torch.float32, kernel=False, kv_dtype="fp32")
+    assert ops.cache_dtype == torch.float32
+    with pytest.raises(UnsupportedError, match="kv_dtype bf16 runs only on the CPU kernel"):
+        NativeRunner.from_pretrained(path, dtype=torch.float32, kernel=False, kv_dtype="bf16")
+    assert kv_dtype_of(object()) is None
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp16", "fp32"])
+def test_speculation_is_exact_whatever_the_cache_type(tiny_models: dict[str, Path], kv_dtype: str) -> None:
+    """Greedy speculative output equals target-only output with the same cache type (fp16 here, bf16 being the
+    default for these bf16 models), alone and batched with ragged τ; the option reaches both models; where it cannot
+    run it is refused by name."""
+    import specdec
+    from specdec.errors import InvalidRequestError
+
+    engine = specdec.load(tiny_models["llama"], tiny_models["draft"], dtype="bfloat16", kv_dtype=kv_dtype)
+    plain = specdec.load(tiny_models["llama"], dtype="bfloat16", kv_dtype=kv_dtype)
+    want = {"fp16": torch.float16, "fp32": torch.float32}[kv_dtype]
+    assert engine.target.cache_dtype == want and engine.drafter.runner.cache_dtype == want  # type: ignore[union-attr]
+    prompts = ["the cat sat", "a b c d e f", "once upon a time there was", "x"]
+    expected = [plain.generate(p, max_new_tokens=24).token_ids for p in prompts]
+    for p, e in zip(prompts, expected):
+        assert engine.generate(p, max_new_tokens=24, tau=5).token_ids == e
+    batch = [engine.start(p, max_new_tokens=24, tau=1 + i) for i, p in enumerate(prompts)]
+    while not all(g.done for g in batch):
+        engine.step(batch)
+    assert [g.result().token_ids for g in batch] == expected
+    with pytest.raises(InvalidRequestError, match="kv_dtype must be auto, fp32, bf16, fp16, got 'fp8'"):
+        specdec.load(tiny_models["llama"], kv_dtype="fp8")
+    with pytest.raises(UnsupportedError, match="kv_dtype.*native runtime"):
+        specdec.load(tiny_models["llama"], runtime="hf", kv_dtype=kv_dtype)
+    specdec.load(tiny_models["llama"], runtime="hf", kv_dtype="auto")  # auto: the runtime's own
+
+
+def test_cli_takes_the_cache_type_and_refuses_a_bad_one_in_one_line(tiny_models: dict[str, Path]) -> None:
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "specdec.cli", "generate", "x = 1", "--target", str(tiny_models["llama"])]
+    base += ["--draft", str(tiny_models["draft"]), "--max-new-tokens", "4", "--json", "--kv-dtype"]
+    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    ok = subprocess.run(base + ["fp16"], capture_output=True, text=True, timeout=120, env=env)
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run(base + ["int4"], capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr, bad.stderr
+    assert "kv_dtype must be auto, fp32, bf16, fp16, got 'int4'" in bad.stderr, bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------
 # int8 draft weights (per-output-channel scales)
 
 

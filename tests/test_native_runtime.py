@@ -272,7 +272,9 @@ def test_half_precision_runs_close_to_fp32(checkpoints: dict[str, Path], dtype: 
     ids = torch.randint(0, VOCAB, (60,), generator=torch.Generator().manual_seed(1))
     ref = run_script(NativeRunner.from_pretrained(path, dtype=torch.float32, kernel=False), ids)
     runner = load(path, backend, dtype=dtype)
-    assert runner.dtype == dtype and runner.new_cache().kv.dtype == runner.compute_dtype
+    # The kernel's cache follows the weights ("auto": 16 bits); the operator path keeps it in its compute dtype.
+    assert runner.dtype == dtype and runner.new_cache().kv.dtype == runner.cache_dtype
+    assert runner.cache_dtype == (dtype if backend == "kernel" else runner.compute_dtype)
     for i, (g, w) in enumerate(zip(run_script(runner, ids), ref)):
         assert g.dtype == torch.float32 and g.shape == w.shape
         assert rel_err(g, w) < 0.05, f"call {i}: relative error {rel_err(g, w):.2e}"

@@ -270,6 +270,8 @@ def test_models_health_metrics_and_auth(server: str, client: Any) -> None:
     if cpus > 1:
         assert h["wide_pass_threads"] == cpus and h["wide_pass_rows"] == 12
     assert h["prefill_in_step"] == 256  # batching: short prompts join the step's pass
+    if h["runtime"] == "cpu-kernel":  # bf16 weights: the caches in bf16 too (kv_dtype auto)
+        assert h["kv_dtype"] == "bf16"
     # No cost file measured on these models: the batch plans start from passes measured as the server started.
     assert "measured now" in h["costs"], h["costs"]
     metrics = httpx.get(f"{server}/metrics", timeout=5).text

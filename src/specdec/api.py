@@ -124,6 +124,7 @@ def load(
     draft_tokenizer: str = "auto",
     draft_vocab: int | str | None = "auto",
     draft_window: int | str | None = "auto",
+    kv_dtype: str | torch.dtype | None = "auto",
 ) -> Engine:
     """Build an engine.
 
@@ -143,8 +144,18 @@ def load(
     ``draft_window``: how many of the latest tokens the draft attends to (``specdec.draft_window``): a number N,
     "full", or "auto" (the length the draft was trained on where its ``specdec_training.json`` records it: 256 for
     the shipped draft; else the whole context). Native runtime; the output never changes.
+    ``kv_dtype``: the element type of both models' KV caches on the CPU kernel: "fp32", "bf16", "fp16", or "auto"
+    (16 bits for 16-bit weights, as a checkpoint run in its own dtype keeps its cache; fp32 for fp32 weights). A
+    16-bit cache halves the bytes each row's attention reads (docs/runtime.md); keys and values are rounded to it.
     """
     dev = resolve_device(device)
+    if kv_dtype not in (None, "auto"):
+        from specdec.runtime.native import kv_cache_dtype
+
+        try:
+            kv_cache_dtype(kv_dtype, torch.float32)
+        except ModelLoadError as e:
+            raise InvalidRequestError(str(e), "kv_dtype") from None
     # "auto" stays unresolved until the runtime of each checkpoint is known (see resolve_dtype).
     dt: torch.dtype | str = "auto" if dtype in (None, "auto") else resolve_dtype(dtype, dev)
     ddt = resolve_dtype(draft_dtype, dev) if draft_dtype not in (None, "auto") else dt
@@ -167,7 +178,7 @@ def load(
             "dtype",
         )
     target_runner, target_tok = _load_model(
-        target, tokenizer, runtime, dev, dt, trust_remote_code, "target", compile=compile
+        target, tokenizer, runtime, dev, dt, trust_remote_code, "target", compile=compile, kv_dtype=kv_dtype
     )
     draft_runner: ModelRunner | None = None
     draft_tok: Any = None
@@ -195,6 +206,7 @@ def load(
             head_required=draft_vocab != "auto",
             window=window,
             window_required=draft_window != "auto",
+            kv_dtype=kv_dtype,
         )
         kind = _draft_kind(draft_tokenizer, target_tok, draft_tok, target_runner, draft_runner)
         if kind == "model":  # positions are shared only when the ids are
@@ -266,10 +278,13 @@ def _load_model(
     head_required: bool = True,
     window: int | None = None,
     window_required: bool = True,
+    kv_dtype: str | torch.dtype | None = "auto",
 ) -> tuple[ModelRunner, Any]:
     if isinstance(spec, (str, Path)):
         path = check_checkpoint_dir(spec)
         extra: dict[str, Any] = {"trust_remote_code": True} if trust_remote_code else {}
+        if kv_dtype not in (None, "auto"):
+            extra["kv_dtype"] = kv_dtype
         if head_tokens is not None:
             extra.update(head_tokens=head_tokens, head_required=head_required)
         if window is not None:
@@ -286,6 +301,8 @@ def _load_model(
     if isinstance(spec, torch.nn.Module):
         if compile:
             raise UnsupportedError(f"--compile needs the native runtime; the {role} is a loaded transformers model")
+        if kv_dtype not in (None, "auto"):
+            raise UnsupportedError(f"kv_dtype needs the native runtime; the {role} is a loaded transformers model")
         runner = HFRunner(
             spec.to(device), name=getattr(getattr(spec, "config", None), "_name_or_path", "") or f"<{role} model>"
         )

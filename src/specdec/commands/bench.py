@@ -15,6 +15,7 @@ from typing import Any
 from specdec.commands.common import ModelSettings, add_model_args
 from specdec.draft_vocab import head_size
 from specdec.draft_window import window_of
+from specdec.runtime.native import kv_dtype_of
 
 # --quick: a few prompts and τ values, one timed repeat; finishes in about two minutes on 2 cores.
 QUICK: dict[str, Any] = {"n_prompts": 8, "taus": "2,3,4,6", "repeats": 1, "max_new_tokens": 128, "trace_prompts": 3}
@@ -178,6 +179,9 @@ def load_models(settings: ModelSettings, with_hf: bool) -> Any:
         "draft_head": head_size(draft_runner),
         # the latest tokens the draft attends to (draft_window): a number, or "full"
         "draft_window": window_of(draft_runner),
+        # the KV caches' element type on the CPU kernel (kv_dtype), target and draft; None elsewhere
+        "kv_dtype": kv_dtype_of(spec.target),
+        "draft_kv_dtype": kv_dtype_of(draft_runner),
         "cpu_kernel": kernel_status(),
     }
     return BenchModels(spec=spec if drafter is not None else None, target_only=target_only, hf=hf, info=info)

@@ -26,6 +26,7 @@ class ModelSettings:
     draft_tokenizer: str = "auto"  # auto | shared | bridge (a draft with a tokenizer of its own)
     draft_vocab: str = "auto"  # auto | full | N: the tokens the draft's output head keeps (specdec.draft_vocab)
     draft_window: str = "auto"  # auto | full | N: the latest tokens the draft attends to (specdec.draft_window)
+    kv_dtype: str = "auto"  # auto | fp32 | bf16 | fp16: the KV caches' element type on the CPU kernel
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSettings:
@@ -45,6 +46,7 @@ class ModelSettings:
             draft_tokenizer=getattr(args, "draft_tokenizer", "auto"),
             draft_vocab=getattr(args, "draft_vocab", "auto"),
             draft_window=getattr(args, "draft_window", "auto"),
+            kv_dtype=getattr(args, "kv_dtype", "auto"),
         )
 
     def load(self, observers: list | None = None) -> Engine:
@@ -71,6 +73,7 @@ class ModelSettings:
             draft_tokenizer=self.draft_tokenizer,
             draft_vocab=self.draft_vocab,
             draft_window=self.draft_window,
+            kv_dtype=self.kv_dtype,
         )
 
 
@@ -92,6 +95,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-dtype", default=None, help="dtype of the draft model (default: as --dtype)")
     add_draft_vocab_arg(g)
     add_draft_window_arg(g)
+    add_kv_dtype_arg(g)
     g.add_argument(
         "--compile",
         action="store_true",
@@ -112,6 +116,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
         "bound instead, e.g. adaptive:max_tau=N; default: 4)",
     )
     g.add_argument("--trust-remote-code", action="store_true", help="allow checkpoints with custom Python code")
+
+
+def add_kv_dtype_arg(g: argparse._ActionsContainer) -> None:
+    g.add_argument(
+        "--kv-dtype",
+        default="auto",
+        metavar="auto|fp32|bf16|fp16",
+        help="element type of the models' KV caches on the CPU kernel: auto (16 bits for 16-bit weights, fp32 for "
+        "fp32 weights), fp32, bf16 or fp16; a 16-bit cache halves the bytes attention reads (default: auto)",
+    )
 
 
 def add_draft_vocab_arg(g: argparse._ActionsContainer) -> None:

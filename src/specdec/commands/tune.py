@@ -40,11 +40,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--n-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default: 64)")
     p.add_argument("--max-tau", type=int, default=8, help="draft length measured, and the largest tau predicted")
-    from specdec.commands.common import add_draft_tokenizer_arg, add_draft_vocab_arg, add_draft_window_arg
+    from specdec.commands.common import (
+        add_draft_tokenizer_arg,
+        add_draft_vocab_arg,
+        add_draft_window_arg,
+        add_kv_dtype_arg,
+    )
 
     add_draft_tokenizer_arg(p)
     add_draft_vocab_arg(p)
     add_draft_window_arg(p)
+    add_kv_dtype_arg(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--draft-dtype", default=None)
@@ -109,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         draft_tokenizer=args.draft_tokenizer,
         draft_vocab=args.draft_vocab,
         draft_window=args.draft_window,
+        kv_dtype=args.kv_dtype,
     )
     with contextlib.ExitStack() as stack:
         engines: dict[str, Engine] = {}

@@ -125,6 +125,12 @@ def load_runner(
                     "transformers (a model type or feature the native runtime lacks, or --runtime hf)"
                 )
             kwargs.pop("window")
+    # The KV cache's element type is the CPU kernel's to choose; elsewhere only "auto" (the runtime's own).
+    if name != "native" and kwargs.pop("kv_dtype", "auto") not in (None, "auto"):
+        raise UnsupportedError(
+            f"a KV cache dtype (kv_dtype) needs the native runtime's CPU kernel, but {path} runs on "
+            "transformers (a model type or feature the native runtime lacks, or --runtime hf)"
+        )
     if compile:
         if name != "native":
             raise UnsupportedError(

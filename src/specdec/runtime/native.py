@@ -51,6 +51,33 @@ SUPPORTED_MODEL_TYPES = set(FAMILIES)
 BAND_ROWS = 16
 COMPILE_MODE = "max-autotune-no-cudagraphs"
 SPARE_CACHE_BYTES = 2 << 30  # released cache tensors kept for reuse, at most this many bytes in all
+# The KV cache's element types, by name (``--kv-dtype``; "auto": ``kv_cache_dtype``).
+KV_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+KV_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def kv_cache_dtype(kv_dtype: str | torch.dtype | None, weights: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for ``kv_dtype`` ("fp32", "bf16", "fp16", a torch dtype, or "auto"/None) with
+    weights of type ``weights``. "auto" follows the weights, as a checkpoint run in its own dtype would keep its
+    cache: 16 bits for 16-bit weights (bf16 for bf16 and int8 weights, fp16 for fp16), fp32 for fp32 weights."""
+    if kv_dtype is None or kv_dtype == "auto":
+        return {torch.float32: torch.float32, torch.float16: torch.float16}.get(weights, torch.bfloat16)
+    if isinstance(kv_dtype, torch.dtype):
+        if kv_dtype in KV_DTYPES.values():
+            return kv_dtype
+    elif isinstance(kv_dtype, str) and KV_DTYPE_NAMES.get(kv_dtype, kv_dtype) in KV_DTYPES:
+        return KV_DTYPES[KV_DTYPE_NAMES.get(kv_dtype, kv_dtype)]
+    raise ModelLoadError(f"kv_dtype must be auto, {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+
+
+def kv_dtype_of(runner: object) -> str | None:
+    """A loaded runner's KV cache element type, for reports ("fp32", "bf16", "fp16"), or None where the runner does
+    not say (the transformers runtime keeps its cache in the model's dtype)."""
+    dt = getattr(runner, "cache_dtype", None)
+    if dt is None:
+        return None
+    name = str(dt).removeprefix("torch.")
+    return KV_DTYPE_NAMES.get(name, name)
 
 
 class NativeCache(KVCache):
@@ -92,8 +119,9 @@ class NativeCache(KVCache):
 class NativeRunner(ModelRunner):
     """A Llama-family checkpoint on ``device`` in ``dtype``; batch size 1 per cache.
 
-    ``compute_dtype`` is the dtype of activations and of the KV cache: ``dtype``, except for bf16/fp16
-    on CPUs without native bf16 products, where weights are fp16 (fbgemm) and activations fp32.
+    ``compute_dtype`` is the dtype of activations: ``dtype``, except for bf16/fp16 on CPUs without native bf16
+    products, where weights are fp16 (fbgemm) and activations fp32, and on the CPU kernel (fp32). ``cache_dtype`` is
+    the KV cache's: ``compute_dtype`` on the operator path; on the CPU kernel the ``kv_dtype`` it was loaded with.
     """
 
     def __init__(
@@ -119,6 +147,7 @@ class NativeRunner(ModelRunner):
         self.device = device
         self.dtype = dtype
         self.compute_dtype = torch.float32 if ops.compute_fp32 or fused is not None else dtype
+        self.cache_dtype = self.compute_dtype if fused is None else fused.kv_dtype
         self.eos_token_ids = eos_token_ids
         self._embed = weights.embed  # [V, 2d]
         self._ops = ops
@@ -163,6 +192,7 @@ class NativeRunner(ModelRunner):
         head_tokens: Sequence[int] | None = None,
         head_required: bool = True,
         window: int | None = None,
+        kv_dtype: str | torch.dtype | None = "auto",
     ) -> NativeRunner:
         """Load ``path``. ``max_context`` caps the cache (default: the model's window, at most 8192 positions).
 
@@ -173,6 +203,9 @@ class NativeRunner(ModelRunner):
         frequent ones: ``specdec.draft_vocab``); every other token's logit is -inf, so it is never proposed, and
         the head costs ``len(head_tokens) / vocab`` of the full one. ``head_required=False``: where the kernel
         cannot run, the full head instead of an error.
+
+        ``kv_dtype``: the KV cache's element type on the CPU kernel (``KV_DTYPES``: "fp32", "bf16", "fp16"; "auto":
+        see ``kv_cache_dtype``). The operator path keeps its cache in the compute dtype and refuses another.
 
         ``kernel``: run the forward through the one-call CPU kernel (``native_kernel``); None (default) uses
         it on CPU whenever it is available and ``compile`` is off, False never, True insists (error if it
@@ -217,7 +250,7 @@ class NativeRunner(ModelRunner):
                     f"head_tokens must be token ids of {path} (0..{int(weights.lm_head.shape[0]) - 1}), "
                     f"got {len(head)} ids in {head[:1]}..{head[-1:]}"
                 )
-            fused = FusedLlama(cfg, weights, dtype, limit, head)
+            fused = FusedLlama(cfg, weights, dtype, limit, head, kv_cache_dtype(kv_dtype, dtype))
         else:
             ops = choose_ops(dev, dtype, compile)
             interleave = (torch.float32 if ops.compute_fp32 else dtype) in (
@@ -230,7 +263,7 @@ class NativeRunner(ModelRunner):
             if ops is HalfOps and not half_fits(matrices):
                 ops = DenseOps  # a weight beyond fp16's range: plain products in ``dtype`` instead
                 weights = load_weights(path, cfg, dev, dtype)
-        return cls(
+        runner = cls(
             cfg,
             weights,
             name=str(path),
@@ -243,6 +276,14 @@ class NativeRunner(ModelRunner):
             fused=fused,
             window_cap=window,
         )
+        if fused is None and kv_dtype not in (None, "auto"):
+            wanted = kv_cache_dtype(kv_dtype, dtype)  # a bad name is refused here too
+            if wanted != runner.cache_dtype:
+                raise UnsupportedError(
+                    f"kv_dtype {KV_DTYPE_NAMES[str(wanted).removeprefix('torch.')]} runs only on the CPU kernel; "
+                    f"{path} runs on {runner.backend}, whose cache is {str(runner.cache_dtype).removeprefix('torch.')}"
+                )
+        return runner
 
     def new_cache(self) -> NativeCache:
         """A cache slot: a released one when there is one (its memory already mapped), else a new tensor."""
@@ -251,7 +292,7 @@ class NativeRunner(ModelRunner):
         cfg = self.config
         shape = (cfg.layers, 2, cfg.kv_heads, self.cache_positions, cfg.head_dim)
         # empty, not zeros: positions at or beyond a cache's length are never read.
-        return NativeCache(torch.empty(shape, device=self.device, dtype=self.compute_dtype))
+        return NativeCache(torch.empty(shape, device=self.device, dtype=self.cache_dtype))
 
     def release(self, cache: KVCache) -> None:
         kept = sum(t.numel() * t.element_size() for t in self._spare)

@@ -35,7 +35,7 @@ from specdec.runtime.native_config import NativeConfig, rope_tables
 from specdec.runtime.native_weights import ModelWeights
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 9
+ABI_VERSION = 10
 # sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 # -ffp-contract=off: a multiply followed by an add stays two roundings wherever it is inlined (GCC fuses them into
@@ -48,6 +48,8 @@ ISA_FLAGS = {"avx2": [], "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl",
 ISA_SWITCH = "SPECDEC_CPU_KERNEL_ISA"
 # int8: per-output-channel symmetric int8 with fp32 scales (for draft models: see quantize_int8).
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
+# The KV cache's element types (SdModel.kv_type): 16-bit caches halve the bytes a row's attention reads.
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Prompts longer than this are prefilled in chunks of this many tokens (bounds the scratch memory).
 CHUNK = 128
 ENV_SWITCH = "SPECDEC_CPU_KERNEL"
@@ -138,6 +140,7 @@ class _Model(ctypes.Structure):
         ("layers", ctypes.POINTER(_Layer)),
         ("head_rows", ctypes.c_int64),
         ("head_ids", ctypes.c_void_p),
+        ("kv_type", ctypes.c_int64),
     ]
 
 
@@ -385,9 +388,14 @@ class FusedLlama:
         dtype: torch.dtype,
         max_context: int,
         head_ids: Sequence[int] | None = None,
+        kv_dtype: torch.dtype = torch.float32,
     ) -> None:
         """``head_ids``: the tokens the output head keeps (ascending; None: every token). Logits then have one column
-        per kept token, in that order, and ``draft_greedy`` returns token ids."""
+        per kept token, in that order, and ``draft_greedy`` returns token ids. ``kv_dtype``: the element type of
+        the caches this model reads and writes (``KV_TYPES``; keys and values are rounded to it when written)."""
+        if kv_dtype not in KV_TYPES:
+            raise ValueError(f"kv_dtype must be one of {', '.join(str(t) for t in KV_TYPES)}, got {kv_dtype}")
+        self.kv_dtype = kv_dtype
         lib = _library()
         if lib is None:
             raise RuntimeError(f"CPU kernel unavailable: {kernel_status()}")
@@ -458,6 +466,7 @@ class FusedLlama:
             layers,
             self.head_rows,
             None if self.head_ids is None else ptr(torch.tensor(self.head_ids, dtype=torch.int64), torch.int64),
+            KV_TYPES[kv_dtype],
         )
         self._layers, self._keep = layers, keep
         self._scratch = threading.local()  # per calling thread: concurrent requests never share scratch

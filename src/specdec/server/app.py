@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from specdec.draft_vocab import head_size
 from specdec.draft_window import window_of
 from specdec.engine import Engine, Generation, GenerationResult
+from specdec.runtime.native import kv_dtype_of
 from specdec.server.errors import APIError, install_handlers
 from specdec.server.guard import Guard
 from specdec.server.observe import ServerMetrics
@@ -128,6 +129,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             "costs": engine.costs_note,
             "prefill_in_step": engine.prefill_in_step,  # prompt tokens a batched step takes in, at most
             "runtime": getattr(engine.target, "backend", type(engine.target).__name__),
+            # the KV caches' element type on the CPU kernel (kv_dtype): "bf16", "fp16", "fp32"; None elsewhere
+            "kv_dtype": kv_dtype_of(engine.target),
             **_compute_threads(),
             **scheduler.snapshot(),
         }

@@ -17,8 +17,9 @@
 //   weights   in fp32, bf16, fp16 or int8 + per-output scales (wtype), packed in panels (see Projections);
 //             biases fp32 or null;
 //   embedding E[vocab][embed_stride] (first `hidden` entries of a row are the embedding);
-//   KV cache  kv[layer][2][kv_heads][max_ctx * head_dim] fp32 (0 = keys, 1 = values); max_ctx a multiple of
-//             KBLOCK; values [position][head_dim], keys in blocks of KBLOCK positions stored transposed (Attention);
+//   KV cache  kv[layer][2][kv_heads][max_ctx * head_dim] (0 = keys, 1 = values) in fp32, bf16 or fp16 (kv_type);
+//             max_ctx a multiple of KBLOCK; values [position][head_dim], keys in blocks of KBLOCK positions stored
+//             transposed (Attention);
 //   RoPE      cos/sin[max_ctx][head_dim/2] fp32, rotate-half ("x1 | x2") head layout.
 // RMSNorm weights and the attention scale are folded into the projections by the loader, so a norm
 // here is only x / rms(x).
@@ -65,9 +66,12 @@ struct SdModel {
     // proposes, so the output never changes, and its head costs head_rows / vocab of the full one.
     int64_t head_rows;
     const int64_t* head_ids;
+    // The KV cache's element type: WT_F32, WT_BF16 or WT_F16 (16-bit caches halve the bytes attention reads; values
+    // are rounded to nearest even when written and widened exactly to fp32 when read, so the arithmetic is unchanged).
+    int64_t kv_type;
 };
 
-extern "C" int sd_abi_version(void) { return 9; }
+extern "C" int sd_abi_version(void) { return 10; }
 
 // Which products this build uses for bf16 weights: 1 = AVX512-BF16 dot products, 0 = AVX2 fp32.
 extern "C" int sd_bf16_dot(void) {
@@ -684,11 +688,40 @@ enum { ATT_QMAX = 6, ATT_BLOCKS_MAX = 4 };  // up to 6 queries x 64 keys: 24 acc
 enum { ATT_QMAX = 3, ATT_BLOCKS_MAX = 2 };  // up to 3 queries x 32 keys: 12 accumulators
 #endif
 
+// The cache's element types: a value rounded to nearest even when stored, widened exactly when loaded (one
+// VLANES-wide vector, eight lanes, or one entry). The attention's chains are those of fp32 entries.
+struct KvF32 {
+    typedef float T;
+    static inline VF loadv(const T* p) { return vloadu(p); }
+    static inline __m256 load8(const T* p) { return _mm256_loadu_ps(p); }
+    static inline float load1(const T* p) { return *p; }
+    static inline T store1(float x) { return x; }
+};
+struct KvBF16 {
+    typedef uint16_t T;
+    static inline VF loadv(const T* p) { return BF16W::loadv(p); }
+    static inline __m256 load8(const T* p) { return load8_bf16(p); }
+    static inline float load1(const T* p) { return scalar_bf16(p); }
+    static inline T store1(float x) {
+        uint32_t u;
+        memcpy(&u, &x, 4);
+        if ((u & 0x7fffffffu) > 0x7f800000u) return (T)((u >> 16) | 0x40);  // NaN stays a (quiet) NaN
+        return (T)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+};
+struct KvF16 {
+    typedef uint16_t T;
+    static inline VF loadv(const T* p) { return F16W::loadv(p); }
+    static inline __m256 load8(const T* p) { return load8_f16(p); }
+    static inline float load1(const T* p) { return scalar_f16(p); }
+    static inline T store1(float x) { return (T)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+};
+
 // Scores of Q queries (query i at qs + i * hd) against NB key blocks starting at Kb (a block's first entry):
 // query i's score of the block's key j goes to sc[i * ss + KBLOCK * b + j].
-template <int Q, int NB>
-static inline __attribute__((always_inline)) void score_tile(const float* qs, int64_t hd, const float* Kb, float* sc,
-                                                             int64_t ss) {
+template <class KV, int Q, int NB>
+static inline __attribute__((always_inline)) void score_tile(const float* qs, int64_t hd, const typename KV::T* Kb,
+                                                             float* sc, int64_t ss) {
     constexpr int PER = KBLOCK / VLANES, NV = NB * PER;
     VF acc[Q][NV];
 #pragma GCC unroll 32
@@ -697,7 +730,7 @@ static inline __attribute__((always_inline)) void score_tile(const float* qs, in
         VF k[NV];
 #pragma GCC unroll 8
         for (int v = 0; v < NV; v++) {
-            k[v] = vloadu(Kb + (v / PER) * hd * KBLOCK + c * KBLOCK + (v % PER) * VLANES);
+            k[v] = KV::loadv(Kb + (v / PER) * hd * KBLOCK + c * KBLOCK + (v % PER) * VLANES);
             if constexpr (Q > 1) __asm__("" : "+v"(k[v]));  // in a register, not re-read by every query
         }
 #pragma GCC unroll 8
@@ -712,19 +745,20 @@ static inline __attribute__((always_inline)) void score_tile(const float* qs, in
 }
 
 // Blocks b0..b1 of Q queries' scores, ATT_BLOCKS_MAX blocks at a time.
-template <int Q>
-static void score_blocks(const float* qs, int64_t hd, const float* Kh, int64_t b0, int64_t b1, float* sc, int64_t ss) {
+template <class KV, int Q>
+static void score_blocks(const float* qs, int64_t hd, const typename KV::T* Kh, int64_t b0, int64_t b1, float* sc,
+                         int64_t ss) {
     for (int64_t b = b0; b <= b1;) {
         const int64_t nb = b1 - b + 1 < ATT_BLOCKS_MAX ? b1 - b + 1 : ATT_BLOCKS_MAX;
-        const float* Kb = Kh + b * hd * KBLOCK;
+        const typename KV::T* Kb = Kh + b * hd * KBLOCK;
         float* out = sc + (b - b0) * KBLOCK;
         switch (nb) {
-            case 1: score_tile<Q, 1>(qs, hd, Kb, out, ss); break;
-            case 2: score_tile<Q, 2>(qs, hd, Kb, out, ss); break;
+            case 1: score_tile<KV, Q, 1>(qs, hd, Kb, out, ss); break;
+            case 2: score_tile<KV, Q, 2>(qs, hd, Kb, out, ss); break;
             default:
                 if constexpr (ATT_BLOCKS_MAX >= 3) {
-                    if (nb == 3) score_tile<Q, 3>(qs, hd, Kb, out, ss);
-                    else score_tile<Q, ATT_BLOCKS_MAX>(qs, hd, Kb, out, ss);
+                    if (nb == 3) score_tile<KV, Q, 3>(qs, hd, Kb, out, ss);
+                    else score_tile<KV, Q, ATT_BLOCKS_MAX>(qs, hd, Kb, out, ss);
                 }
                 break;
         }
@@ -763,16 +797,18 @@ static float softmax_weights(float* scores, int64_t n) {
 // Columns c0.. of one query's out = inv * sum_j w[j] V[j]: each column one fp32 chain over the positions in
 // order, fma(w[j], V[j][c], o); 64 columns (8 chains) per pass over the positions, then 8, then single columns
 // (multiply, add). The vector width never changes a column's arithmetic.
-static void weighted_values(const float* w, int64_t n, const float* V, int64_t hd, int64_t c0, float inv, float* out) {
+template <class KV>
+static void weighted_values(const float* w, int64_t n, const typename KV::T* V, int64_t hd, int64_t c0, float inv,
+                            float* out) {
     int64_t c = c0;
     for (; c + 64 <= hd; c += 64) {
         __m256 o[8];
         for (int i = 0; i < 8; i++) o[i] = _mm256_setzero_ps();
         for (int64_t jj = 0; jj < n; jj++) {
             const __m256 sj = _mm256_set1_ps(w[jj]);
-            const float* v = V + jj * hd + c;
+            const typename KV::T* v = V + jj * hd + c;
 #pragma GCC unroll 8
-            for (int i = 0; i < 8; i++) o[i] = _mm256_fmadd_ps(sj, _mm256_loadu_ps(v + 8 * i), o[i]);
+            for (int i = 0; i < 8; i++) o[i] = _mm256_fmadd_ps(sj, KV::load8(v + 8 * i), o[i]);
         }
         const __m256 iv = _mm256_set1_ps(inv);
         for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + c + 8 * i, _mm256_mul_ps(o[i], iv));
@@ -780,12 +816,12 @@ static void weighted_values(const float* w, int64_t n, const float* V, int64_t h
     for (; c + 8 <= hd; c += 8) {
         __m256 o = _mm256_setzero_ps();
         for (int64_t jj = 0; jj < n; jj++)
-            o = _mm256_fmadd_ps(_mm256_set1_ps(w[jj]), _mm256_loadu_ps(V + jj * hd + c), o);
+            o = _mm256_fmadd_ps(_mm256_set1_ps(w[jj]), KV::load8(V + jj * hd + c), o);
         _mm256_storeu_ps(out + c, _mm256_mul_ps(o, _mm256_set1_ps(inv)));
     }
     for (; c < hd; c++) {
         float o = 0.0f;
-        for (int64_t jj = 0; jj < n; jj++) o += w[jj] * V[jj * hd + c];
+        for (int64_t jj = 0; jj < n; jj++) o += w[jj] * KV::load1(V + jj * hd + c);
         out[c] = o * inv;
     }
 }
@@ -793,9 +829,9 @@ static void weighted_values(const float* w, int64_t n, const float* V, int64_t h
 // weighted_values for Q queries over the same positions (weights of query i at w + i * ss, output at out + i * hd):
 // on AVX512 builds their first 64-column chunks share each value row's loads (4 x 16 lanes per query, the same
 // chains as above); the rest, and AVX2 builds, one query at a time.
-template <int Q>
-static void weighted_values_q(const float* w, int64_t ss, int64_t n, const float* V, int64_t hd, const float* inv,
-                              float* out) {
+template <class KV, int Q>
+static void weighted_values_q(const float* w, int64_t ss, int64_t n, const typename KV::T* V, int64_t hd,
+                              const float* inv, float* out) {
     int64_t c0 = 0;
 #ifdef SD_AVX512BF16
     for (; c0 + 64 <= hd; c0 += 64) {
@@ -803,9 +839,8 @@ static void weighted_values_q(const float* w, int64_t ss, int64_t n, const float
 #pragma GCC unroll 32
         for (int i = 0; i < Q * 4; i++) o[i / 4][i % 4] = _mm512_setzero_ps();
         for (int64_t jj = 0; jj < n; jj++) {
-            const float* v = V + jj * hd + c0;
-            __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
-                   v3 = _mm512_loadu_ps(v + 48);
+            const typename KV::T* v = V + jj * hd + c0;
+            __m512 v0 = KV::loadv(v), v1 = KV::loadv(v + 16), v2 = KV::loadv(v + 32), v3 = KV::loadv(v + 48);
             // Held in registers: left to itself the compiler folds the loads into each query's multiply-adds, and
             // the value rows (from L2) are then read Q times.
             __asm__("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3));
@@ -825,38 +860,71 @@ static void weighted_values_q(const float* w, int64_t ss, int64_t n, const float
         }
     }
 #endif
-    for (int i = 0; i < Q; i++) weighted_values(w + i * ss, n, V, hd, c0, inv[i], out + i * hd);
+    for (int i = 0; i < Q; i++) weighted_values<KV>(w + i * ss, n, V, hd, c0, inv[i], out + i * hd);
 }
 
 // Q query heads (consecutive in qs, outputs consecutive in out) that share one key/value head, attending to
 // positions lo..hi: Kh the head's blocked keys, Vh its values, sc Q * ss floats of scratch.
-template <int Q>
-static void attend_q(const float* qs, const float* Kh, const float* Vh, int64_t lo, int64_t hi, int64_t hd, float* sc,
-                     int64_t ss, float* out) {
+template <class KV, int Q>
+static void attend_q(const float* qs, const typename KV::T* Kh, const typename KV::T* Vh, int64_t lo, int64_t hi,
+                     int64_t hd, float* sc, int64_t ss, float* out) {
     const int64_t b0 = lo / KBLOCK, b1 = hi / KBLOCK, first = lo - b0 * KBLOCK;
-    score_blocks<Q>(qs, hd, Kh, b0, b1, sc, ss);
+    score_blocks<KV, Q>(qs, hd, Kh, b0, b1, sc, ss);
     float inv[Q];
     for (int i = 0; i < Q; i++) inv[i] = softmax_weights(sc + i * ss + first, hi - lo + 1);
-    weighted_values_q<Q>(sc + first, ss, hi - lo + 1, Vh + lo * hd, hd, inv, out);
+    weighted_values_q<KV, Q>(sc + first, ss, hi - lo + 1, Vh + lo * hd, hd, inv, out);
 }
 
-static void attend(const float* qs, int Q, const float* Kh, const float* Vh, int64_t lo, int64_t hi, int64_t hd,
-                   float* sc, int64_t ss, float* out) {
+template <class KV>
+static void attend(const float* qs, int Q, const typename KV::T* Kh, const typename KV::T* Vh, int64_t lo, int64_t hi,
+                   int64_t hd, float* sc, int64_t ss, float* out) {
     switch (Q) {
-        case 1: attend_q<1>(qs, Kh, Vh, lo, hi, hd, sc, ss, out); break;
-        case 2: attend_q<2>(qs, Kh, Vh, lo, hi, hd, sc, ss, out); break;
+        case 1: attend_q<KV, 1>(qs, Kh, Vh, lo, hi, hd, sc, ss, out); break;
+        case 2: attend_q<KV, 2>(qs, Kh, Vh, lo, hi, hd, sc, ss, out); break;
         default:
             if constexpr (ATT_QMAX >= 6) {
-                if (Q == 3) attend_q<3>(qs, Kh, Vh, lo, hi, hd, sc, ss, out);
-                else if (Q == 4) attend_q<4>(qs, Kh, Vh, lo, hi, hd, sc, ss, out);
-                else if (Q == 5) attend_q<5>(qs, Kh, Vh, lo, hi, hd, sc, ss, out);
-                else attend_q<6>(qs, Kh, Vh, lo, hi, hd, sc, ss, out);
+                if (Q == 3) attend_q<KV, 3>(qs, Kh, Vh, lo, hi, hd, sc, ss, out);
+                else if (Q == 4) attend_q<KV, 4>(qs, Kh, Vh, lo, hi, hd, sc, ss, out);
+                else if (Q == 5) attend_q<KV, 5>(qs, Kh, Vh, lo, hi, hd, sc, ss, out);
+                else attend_q<KV, 6>(qs, Kh, Vh, lo, hi, hd, sc, ss, out);
             } else {
-                attend_q<3>(qs, Kh, Vh, lo, hi, hd, sc, ss, out);
+                attend_q<KV, 3>(qs, Kh, Vh, lo, hi, hd, sc, ss, out);
             }
             break;
     }
 }
+
+// One row's keys and values (RoPE already applied to the keys) into its sequence's cache at position p: keys into
+// their transposed block, values row-major. `keys`/`vals`: the layer's first key/value head of the cache.
+template <class KV>
+static void cache_row(const float* row, int64_t H, int64_t KVH, int64_t hd, int64_t C, int64_t p, void* keys,
+                      void* vals) {
+    typedef typename KV::T T;
+    for (int64_t g = 0; g < KVH; g++) {
+        T* kb = (T*)keys + g * C * hd + (p / KBLOCK) * hd * KBLOCK + p % KBLOCK;  // blocked, transposed
+        const float* kr = row + (H + g) * hd;
+        for (int64_t c = 0; c < hd; c++) kb[c * KBLOCK] = KV::store1(kr[c]);
+        T* vr = (T*)vals + (g * C + p) * hd;
+        const float* vs = row + (H + KVH + g) * hd;
+        if constexpr (std::is_same<T, float>::value) {
+            memcpy(vr, vs, hd * sizeof(float));
+        } else {
+            for (int64_t c = 0; c < hd; c++) vr[c] = KV::store1(vs[c]);
+        }
+    }
+}
+
+// attend() on a cache of element type kv_type; `keys`/`vals` the key/value head's first entry.
+static void attend_kv(int64_t kv_type, const float* qs, int Q, const void* keys, const void* vals, int64_t lo,
+                      int64_t hi, int64_t hd, float* sc, int64_t ss, float* out) {
+    switch (kv_type) {
+        case WT_BF16: attend<KvBF16>(qs, Q, (const uint16_t*)keys, (const uint16_t*)vals, lo, hi, hd, sc, ss, out); break;
+        case WT_F16: attend<KvF16>(qs, Q, (const uint16_t*)keys, (const uint16_t*)vals, lo, hi, hd, sc, ss, out); break;
+        default: attend<KvF32>(qs, Q, (const float*)keys, (const float*)vals, lo, hi, hd, sc, ss, out); break;
+    }
+}
+
+static inline int64_t kv_bytes(int64_t kv_type) { return kv_type == WT_F32 ? 4 : 2; }
 
 // Per thread: the attention scores of up to ATT_QMAX queries over the whole cache, or (at another time) a packed
 // 16-row panel of weights.
@@ -881,10 +949,11 @@ extern "C" int64_t sd_scratch_floats(const SdModel* m, int64_t k, int64_t thread
 // go to logits[n_out][head_rows]. Every row's result is independent of the other rows in the pass (the products'
 // promise), so a row's logits are the same bit for bit whatever it is batched with. With `prof` (PH_COUNT doubles, else NULL) the seconds of each phase are added to it, timed by thread 0 after
 // each phase's barrier. Returns 0, or -1 on bad arguments.
-extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64_t* pos, float* const* kv, int64_t k,
+extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64_t* pos, void* const* kv, int64_t k,
                                const int64_t* out_idx, int64_t n_out, float* logits, float* scratch, int64_t threads,
                                double* prof) {
     if (k < 1 || n_out < 0 || n_out > k || threads < 1 || m->max_ctx % KBLOCK != 0) return -1;
+    if (m->kv_type != WT_F32 && m->kv_type != WT_BF16 && m->kv_type != WT_F16) return -1;
     for (int64_t t = 0; t < k; t++)
         if (ids[t] < 0 || ids[t] >= m->vocab || pos[t] < 0 || pos[t] >= m->max_ctx || kv[t] == NULL) return -1;
     for (int64_t j = 0; j < n_out; j++)
@@ -903,7 +972,7 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
     float* score_base = act + k * ff + (k * widest + 1) / 2 + 16;  // [threads][per_thread]
     const int64_t per_thread = att_scratch(C, widest), ss = C + KBLOCK;
     const int64_t chunks = (G + ATT_QMAX - 1) / ATT_QMAX;  // query heads of a group scored together, in chunks
-    const int64_t wt = m->wtype;
+    const int64_t wt = m->wtype, kvt = m->kv_type, kvb = kv_bytes(kvt);
 
     for (int64_t t = 0; t < k; t++) load_row(wt, m->embed, ids[t], m->embed_stride, x + t * d, d);
 
@@ -920,7 +989,8 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
     }
         for (int64_t l = 0; l < m->n_layers; l++) {
             const SdLayer* L = m->layers + l;
-            const int64_t key_off = ((l * 2 + 0) * KV) * C * hd, val_off = ((l * 2 + 1) * KV) * C * hd;
+            // Byte offsets of the layer's keys and values in a cache.
+            const int64_t key_off = ((l * 2 + 0) * KV) * C * hd * kvb, val_off = ((l * 2 + 1) * KV) * C * hd * kvb;
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < k; t++) rms_norm(x + t * d, h + t * d, d, m->eps);
             PHASE_DONE(PH_NORM)
@@ -930,15 +1000,14 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < k; t++) {
                 const int64_t p = pos[t];
-                float* keys = kv[t] + key_off;
-                float* vals = kv[t] + val_off;
+                char* keys = (char*)kv[t] + key_off;
+                char* vals = (char*)kv[t] + val_off;
                 float* row = qkv + t * nqkv;
                 for (int64_t i = 0; i < H + KV; i++) rope(row + i * hd, m->rope_cos + p * half, m->rope_sin + p * half, half);
-                for (int64_t g = 0; g < KV; g++) {
-                    float* kb = keys + g * C * hd + (p / KBLOCK) * hd * KBLOCK + p % KBLOCK;  // blocked, transposed
-                    const float* kr = row + (H + g) * hd;
-                    for (int64_t c = 0; c < hd; c++) kb[c * KBLOCK] = kr[c];
-                    memcpy(vals + (g * C + p) * hd, row + (H + KV + g) * hd, hd * sizeof(float));
+                switch (kvt) {
+                    case WT_BF16: cache_row<KvBF16>(row, H, KV, hd, C, p, keys, vals); break;
+                    case WT_F16: cache_row<KvF16>(row, H, KV, hd, C, p, keys, vals); break;
+                    default: cache_row<KvF32>(row, H, KV, hd, C, p, keys, vals); break;
                 }
             }
             PHASE_DONE(PH_ROPE_CACHE)
@@ -948,8 +1017,8 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
                 const int64_t g = item / (k * chunks), t = item / chunks % k, ch = item % chunks, p = pos[t];
                 const int64_t lo = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
                 const int64_t h0 = g * G + G * ch / chunks, h1 = g * G + G * (ch + 1) / chunks;
-                attend(qkv + t * nqkv + h0 * hd, (int)(h1 - h0), kv[t] + key_off + g * C * hd,
-                       kv[t] + val_off + g * C * hd, lo, p, hd, scores, ss, att + t * H * hd + h0 * hd);
+                attend_kv(kvt, qkv + t * nqkv + h0 * hd, (int)(h1 - h0), (const char*)kv[t] + key_off + g * C * hd * kvb,
+                          (const char*)kv[t] + val_off + g * C * hd * kvb, lo, p, hd, scores, ss, att + t * H * hd + h0 * hd);
             }
             PHASE_DONE(PH_ATTENTION)
             gemm(wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1, xb, scores);
@@ -1027,7 +1096,7 @@ struct SdDraftRule {
 // cache (pending + drafted - 1: the last drafted token is not fed). `logits` [n][head_rows] and `scratch` (for
 // max(off[n], n) rows) are the caller's. Returns 0, or -1 on bad arguments.
 extern "C" int sd_draft_greedy(const SdModel* m, int64_t n, const int64_t* ids, const int64_t* off, const int64_t* pos0,
-                               float* const* kv, const int64_t* tau, int64_t max_tau, const SdDraftRule* const* rules,
+                               void* const* kv, const int64_t* tau, int64_t max_tau, const SdDraftRule* const* rules,
                                int64_t vocab_used, int64_t* tokens, float* tops, int64_t* drafted, int64_t* fed,
                                float* logits, float* scratch, int64_t threads) {
     if (n < 1 || max_tau < 1 || vocab_used < 1 || vocab_used > m->head_rows) return -1;
@@ -1035,7 +1104,7 @@ extern "C" int sd_draft_greedy(const SdModel* m, int64_t n, const int64_t* ids, 
         if (off[s + 1] <= off[s] || tau[s] < 1 || tau[s] > max_tau) return -1;
     const int64_t V = m->head_rows;
     std::vector<int64_t> row_ids(off[n] > n ? off[n] : n), row_pos(row_ids.size()), out_idx(n), live(n), next_live;
-    std::vector<float*> row_kv(row_ids.size());
+    std::vector<void*> row_kv(row_ids.size());
     std::vector<double> reach(n, 1.0);
     // Depth 0: every sequence's pending tokens, its last row asked.
     int64_t k = 0;
