@@ -38,32 +38,38 @@ def load_baseline(checkout: Path) -> Any:
     return mod
 
 
-def runner_with(fused_cls: Any, path: Path, dtype: torch.dtype) -> Any:
+def runner_with(fused_cls: Any, path: Path, dtype: torch.dtype, kv_dtype: str) -> Any:
     import specdec.runtime.native as native
 
     base_cls = fused_cls
 
     class Fused(base_cls):  # type: ignore[misc, valid-type]
-        """Older kernels: no key blocks (caches of max_context positions), no restricted head."""
+        """Older kernels: no key blocks (caches of max_context positions), no restricted head, fp32 caches only."""
 
-        def __init__(self, cfg: Any, weights: Any, dtype: Any, max_context: int, head: Any = None) -> None:
-            if head is None:
+        def __init__(
+            self, cfg: Any, weights: Any, dtype: Any, max_context: int, head: Any = None, kv: Any = None
+        ) -> None:
+            try:
+                super().__init__(cfg, weights, dtype, max_context, head, kv)
+            except TypeError:
+                if kv not in (None, torch.float32):
+                    raise SystemExit("the baseline kernel keeps fp32 caches only: run with --kv-dtype fp32") from None
                 try:
                     super().__init__(cfg, weights, dtype, max_context, head)
                 except TypeError:
                     super().__init__(cfg, weights, dtype, max_context)
-            else:
-                super().__init__(cfg, weights, dtype, max_context, head)
             if not hasattr(self, "positions"):
                 self.positions, self.key_block = max_context, 1
             if not hasattr(self, "head_ids"):
                 self.head_ids = None
+            if not hasattr(self, "kv_dtype"):
+                self.kv_dtype = torch.float32
 
     fused_cls = Fused
     saved = native.FusedLlama
     native.FusedLlama = fused_cls
     try:
-        return native.NativeRunner.from_pretrained(path, dtype=dtype, kernel=True, max_context=1024)
+        return native.NativeRunner.from_pretrained(path, dtype=dtype, kernel=True, max_context=1024, kv_dtype=kv_dtype)
     finally:
         native.FusedLlama = saved
 
@@ -75,6 +81,7 @@ def main() -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16])
     ap.add_argument("--context", type=int, default=64)
+    ap.add_argument("--kv-dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto", help="both kernels' caches")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--min-seconds", type=float, default=0.05)
     ap.add_argument("--threads", type=int, default=0, help="kernel threads (default: torch's)")
@@ -86,12 +93,12 @@ def main() -> None:
 
     base = load_baseline(args.baseline.resolve())
     print(f"A = {args.baseline} ({base.kernel_status()}), B = this tree ({nk.kernel_status()}), {args.dtype}")
-    print(f"threads {torch.get_num_threads()}, context {args.context}")
+    print(f"threads {torch.get_num_threads()}, context {args.context}, caches {args.kv_dtype}")
     for shape in args.shapes:
         path = ROOT / "src/specdec/models/target" if shape == "default" else real_shapes.checkpoint(shape)
         runners = {
-            "A": runner_with(base.FusedLlama, path, DTYPES[args.dtype]),
-            "B": runner_with(nk.FusedLlama, path, DTYPES[args.dtype]),
+            "A": runner_with(base.FusedLlama, path, DTYPES[args.dtype], args.kv_dtype),
+            "B": runner_with(nk.FusedLlama, path, DTYPES[args.dtype], args.kv_dtype),
         }
         gen = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, 8192, (args.context,), generator=gen)

@@ -717,11 +717,11 @@ struct KvF16 {
     static inline T store1(float x) { return (T)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 };
 
-// Scores of Q queries (query i at qs + i * hd) against NB key blocks starting at Kb (a block's first entry):
-// query i's score of the block's key j goes to sc[i * ss + KBLOCK * b + j].
+// Scores of Q queries (query i at qs[i]) against NB key blocks starting at Kb (a block's first entry): query i's
+// score of the block's key j goes to sc[i * ss + KBLOCK * b + j].
 template <class KV, int Q, int NB>
-static inline __attribute__((always_inline)) void score_tile(const float* qs, int64_t hd, const typename KV::T* Kb,
-                                                             float* sc, int64_t ss) {
+static inline __attribute__((always_inline)) void score_tile(const float* const* qs, int64_t hd,
+                                                             const typename KV::T* Kb, float* sc, int64_t ss) {
     constexpr int PER = KBLOCK / VLANES, NV = NB * PER;
     VF acc[Q][NV];
 #pragma GCC unroll 32
@@ -735,7 +735,7 @@ static inline __attribute__((always_inline)) void score_tile(const float* qs, in
         }
 #pragma GCC unroll 8
         for (int i = 0; i < Q; i++) {
-            const VF qc = vbcast(qs + i * hd + c);
+            const VF qc = vbcast(qs[i] + c);
 #pragma GCC unroll 8
             for (int v = 0; v < NV; v++) acc[i][v] = vfma(qc, k[v], acc[i][v]);
         }
@@ -746,8 +746,8 @@ static inline __attribute__((always_inline)) void score_tile(const float* qs, in
 
 // Blocks b0..b1 of Q queries' scores, ATT_BLOCKS_MAX blocks at a time.
 template <class KV, int Q>
-static void score_blocks(const float* qs, int64_t hd, const typename KV::T* Kh, int64_t b0, int64_t b1, float* sc,
-                         int64_t ss) {
+static void score_blocks(const float* const* qs, int64_t hd, const typename KV::T* Kh, int64_t b0, int64_t b1,
+                         float* sc, int64_t ss) {
     for (int64_t b = b0; b <= b1;) {
         const int64_t nb = b1 - b + 1 < ATT_BLOCKS_MAX ? b1 - b + 1 : ATT_BLOCKS_MAX;
         const typename KV::T* Kb = Kh + b * hd * KBLOCK;
@@ -826,19 +826,22 @@ static void weighted_values(const float* w, int64_t n, const typename KV::T* V, 
     }
 }
 
-// weighted_values for Q queries over the same positions (weights of query i at w + i * ss, output at out + i * hd):
-// on AVX512 builds their first 64-column chunks share each value row's loads (4 x 16 lanes per query, the same
-// chains as above); the rest, and AVX2 builds, one query at a time.
+// weighted_values for Q queries over positions from the same first one (query i's n[i] weights at w + i * ss, its
+// output at out[i]): on AVX512 builds their first 64-column chunks share each value row's loads over the positions
+// every query attends to (4 x 16 lanes per query, the same chains as above), and each query's chains then go on
+// alone over its further positions; the rest, and AVX2 builds, one query at a time.
 template <class KV, int Q>
-static void weighted_values_q(const float* w, int64_t ss, int64_t n, const typename KV::T* V, int64_t hd,
-                              const float* inv, float* out) {
+static void weighted_values_q(const float* w, int64_t ss, const int64_t* n, const typename KV::T* V, int64_t hd,
+                              const float* inv, float* const* out) {
     int64_t c0 = 0;
 #ifdef SD_AVX512BF16
+    int64_t shared = n[0];
+    for (int i = 1; i < Q; i++) shared = n[i] < shared ? n[i] : shared;
     for (; c0 + 64 <= hd; c0 += 64) {
         __m512 o[Q][4];
 #pragma GCC unroll 32
         for (int i = 0; i < Q * 4; i++) o[i / 4][i % 4] = _mm512_setzero_ps();
-        for (int64_t jj = 0; jj < n; jj++) {
+        for (int64_t jj = 0; jj < shared; jj++) {
             const typename KV::T* v = V + jj * hd + c0;
             __m512 v0 = KV::loadv(v), v1 = KV::loadv(v + 16), v2 = KV::loadv(v + 32), v3 = KV::loadv(v + 48);
             // Held in registers: left to itself the compiler folds the loads into each query's multiply-adds, and
@@ -855,29 +858,44 @@ static void weighted_values_q(const float* w, int64_t ss, int64_t n, const typen
         }
 #pragma GCC unroll 8
         for (int i = 0; i < Q; i++) {
+            for (int64_t jj = shared; jj < n[i]; jj++) {  // the query's own further positions: its chains go on
+                const typename KV::T* v = V + jj * hd + c0;
+                const __m512 sj = _mm512_set1_ps(w[i * ss + jj]);
+                o[i][0] = _mm512_fmadd_ps(sj, KV::loadv(v), o[i][0]);
+                o[i][1] = _mm512_fmadd_ps(sj, KV::loadv(v + 16), o[i][1]);
+                o[i][2] = _mm512_fmadd_ps(sj, KV::loadv(v + 32), o[i][2]);
+                o[i][3] = _mm512_fmadd_ps(sj, KV::loadv(v + 48), o[i][3]);
+            }
             const __m512 iv = _mm512_set1_ps(inv[i]);
-            for (int u = 0; u < 4; u++) _mm512_storeu_ps(out + i * hd + c0 + 16 * u, _mm512_mul_ps(o[i][u], iv));
+            for (int u = 0; u < 4; u++) _mm512_storeu_ps(out[i] + c0 + 16 * u, _mm512_mul_ps(o[i][u], iv));
         }
     }
 #endif
-    for (int i = 0; i < Q; i++) weighted_values<KV>(w + i * ss, n, V, hd, c0, inv[i], out + i * hd);
+    for (int i = 0; i < Q; i++) weighted_values<KV>(w + i * ss, n[i], V, hd, c0, inv[i], out[i]);
 }
 
-// Q query heads (consecutive in qs, outputs consecutive in out) that share one key/value head, attending to
-// positions lo..hi: Kh the head's blocked keys, Vh its values, sc Q * ss floats of scratch.
+// Q queries (query i at qs[i], its output at out[i]) that share one key/value head of one sequence, query i
+// attending to positions lo..hi[i]: Kh the head's blocked keys, Vh its values, sc Q * ss floats of scratch. The
+// keys up to the last query's position are scored for all (a query's scores beyond its own position are not used).
 template <class KV, int Q>
-static void attend_q(const float* qs, const typename KV::T* Kh, const typename KV::T* Vh, int64_t lo, int64_t hi,
-                     int64_t hd, float* sc, int64_t ss, float* out) {
-    const int64_t b0 = lo / KBLOCK, b1 = hi / KBLOCK, first = lo - b0 * KBLOCK;
+static void attend_q(const float* const* qs, const typename KV::T* Kh, const typename KV::T* Vh, int64_t lo,
+                     const int64_t* hi, int64_t hd, float* sc, int64_t ss, float* const* out) {
+    int64_t top = hi[0];
+    for (int i = 1; i < Q; i++) top = hi[i] > top ? hi[i] : top;
+    const int64_t b0 = lo / KBLOCK, b1 = top / KBLOCK, first = lo - b0 * KBLOCK;
     score_blocks<KV, Q>(qs, hd, Kh, b0, b1, sc, ss);
     float inv[Q];
-    for (int i = 0; i < Q; i++) inv[i] = softmax_weights(sc + i * ss + first, hi - lo + 1);
-    weighted_values_q<KV, Q>(sc + first, ss, hi - lo + 1, Vh + lo * hd, hd, inv, out);
+    int64_t n[Q];
+    for (int i = 0; i < Q; i++) {
+        n[i] = hi[i] - lo + 1;
+        inv[i] = softmax_weights(sc + i * ss + first, n[i]);
+    }
+    weighted_values_q<KV, Q>(sc + first, ss, n, Vh + lo * hd, hd, inv, out);
 }
 
 template <class KV>
-static void attend(const float* qs, int Q, const typename KV::T* Kh, const typename KV::T* Vh, int64_t lo, int64_t hi,
-                   int64_t hd, float* sc, int64_t ss, float* out) {
+static void attend(const float* const* qs, int Q, const typename KV::T* Kh, const typename KV::T* Vh, int64_t lo,
+                   const int64_t* hi, int64_t hd, float* sc, int64_t ss, float* const* out) {
     switch (Q) {
         case 1: attend_q<KV, 1>(qs, Kh, Vh, lo, hi, hd, sc, ss, out); break;
         case 2: attend_q<KV, 2>(qs, Kh, Vh, lo, hi, hd, sc, ss, out); break;
@@ -915,12 +933,41 @@ static void cache_row(const float* row, int64_t H, int64_t KVH, int64_t hd, int6
 }
 
 // attend() on a cache of element type kv_type; `keys`/`vals` the key/value head's first entry.
-static void attend_kv(int64_t kv_type, const float* qs, int Q, const void* keys, const void* vals, int64_t lo,
-                      int64_t hi, int64_t hd, float* sc, int64_t ss, float* out) {
+static void attend_kv(int64_t kv_type, const float* const* qs, int Q, const void* keys, const void* vals, int64_t lo,
+                      const int64_t* hi, int64_t hd, float* sc, int64_t ss, float* const* out) {
     switch (kv_type) {
         case WT_BF16: attend<KvBF16>(qs, Q, (const uint16_t*)keys, (const uint16_t*)vals, lo, hi, hd, sc, ss, out); break;
         case WT_F16: attend<KvF16>(qs, Q, (const uint16_t*)keys, (const uint16_t*)vals, lo, hi, hd, sc, ss, out); break;
         default: attend<KvF32>(qs, Q, (const float*)keys, (const float*)vals, lo, hi, hd, sc, ss, out); break;
+    }
+}
+
+// A unit of the attention's work: queries of one key/value head g over one sequence's keys, attending from the same
+// first position, scored together. Its queries are q0..q1 of a run of that sequence's rows starting at row r0, query
+// q being head g * G + q % G of row r0 + q / G.
+struct AttUnit {
+    int64_t g, r0, q0, q1;
+};
+
+// A layer's units: each run of rows of one sequence (consecutive rows with the same cache and consecutive positions:
+// a verify block, or a prompt's rows) cut where the first attended position changes (sliding windows), its rows'
+// queries of each key/value head in balanced pieces of at most ATT_QMAX. So the G query heads of a block's rows
+// read the sequence's keys and values once per piece rather than once per row. Ordered head by head, so a thread's
+// share of the units reads one head's keys in turn.
+static void attention_units(int64_t k, const int64_t* pos, void* const* kv, int64_t window, int64_t KVH, int64_t G,
+                            std::vector<AttUnit>& units) {
+    units.clear();
+    for (int64_t g = 0; g < KVH; g++) {
+        for (int64_t r0 = 0; r0 < k;) {
+            const int64_t lo = window > 0 && pos[r0] - window + 1 > 0 ? pos[r0] - window + 1 : 0;
+            int64_t r1 = r0 + 1;
+            while (r1 < k && kv[r1] == kv[r0] && pos[r1] == pos[r1 - 1] + 1 &&
+                   (window > 0 && pos[r1] - window + 1 > 0 ? pos[r1] - window + 1 : 0) == lo)
+                r1++;
+            const int64_t nq = (r1 - r0) * G, pieces = (nq + ATT_QMAX - 1) / ATT_QMAX;
+            for (int64_t j = 0; j < pieces; j++) units.push_back({g, r0, nq * j / pieces, nq * (j + 1) / pieces});
+            r0 = r1;
+        }
     }
 }
 
@@ -971,7 +1018,6 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
     widest = widest > H * hd ? widest : H * hd;
     float* score_base = act + k * ff + (k * widest + 1) / 2 + 16;  // [threads][per_thread]
     const int64_t per_thread = att_scratch(C, widest), ss = C + KBLOCK;
-    const int64_t chunks = (G + ATT_QMAX - 1) / ATT_QMAX;  // query heads of a group scored together, in chunks
     const int64_t wt = m->wtype, kvt = m->kv_type, kvb = kv_bytes(kvt);
 
     for (int64_t t = 0; t < k; t++) load_row(wt, m->embed, ids[t], m->embed_stride, x + t * d, d);
@@ -979,6 +1025,8 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
 #pragma omp parallel num_threads((int)threads)
     {
         float* scores = score_base + (int64_t)omp_get_thread_num() * per_thread;  // also the packing panel
+        std::vector<AttUnit> units;  // the layer's attention units: every thread makes the same list
+        units.reserve(KV * (k + k * G / ATT_QMAX + 1));
         const int timer = prof != NULL && omp_get_thread_num() == 0;
         double last = timer ? now_s() : 0.0;
 #define PHASE_DONE(ph)                     \
@@ -1011,14 +1059,23 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
                 }
             }
             PHASE_DONE(PH_ROPE_CACHE)
+            attention_units(k, pos, kv, L->window, KV, G, units);
 #pragma omp for schedule(static)
-            for (int64_t item = 0; item < k * KV * chunks; item++) {  // (key/value head, row, chunk of its queries):
-                // a thread takes every row's queries of a head in turn, so a verify block reads its keys once
-                const int64_t g = item / (k * chunks), t = item / chunks % k, ch = item % chunks, p = pos[t];
-                const int64_t lo = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
-                const int64_t h0 = g * G + G * ch / chunks, h1 = g * G + G * (ch + 1) / chunks;
-                attend_kv(kvt, qkv + t * nqkv + h0 * hd, (int)(h1 - h0), (const char*)kv[t] + key_off + g * C * hd * kvb,
-                          (const char*)kv[t] + val_off + g * C * hd * kvb, lo, p, hd, scores, ss, att + t * H * hd + h0 * hd);
+            for (int64_t u = 0; u < (int64_t)units.size(); u++) {
+                const AttUnit& a = units[u];
+                const float* qs[ATT_QMAX];
+                float* outs[ATT_QMAX];
+                int64_t his[ATT_QMAX];
+                for (int64_t q = a.q0; q < a.q1; q++) {
+                    const int64_t t = a.r0 + q / G, h = a.g * G + q % G;
+                    qs[q - a.q0] = qkv + t * nqkv + h * hd;
+                    outs[q - a.q0] = att + t * H * hd + h * hd;
+                    his[q - a.q0] = pos[t];
+                }
+                const int64_t p = pos[a.r0], lo = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
+                const char* base = (const char*)kv[a.r0];
+                attend_kv(kvt, qs, (int)(a.q1 - a.q0), base + key_off + a.g * C * hd * kvb,
+                          base + val_off + a.g * C * hd * kvb, lo, his, hd, scores, ss, outs);
             }
             PHASE_DONE(PH_ATTENTION)
             gemm(wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1, xb, scores);
