@@ -68,7 +68,7 @@ class ModelTarget(TargetSide):
         starts = list(itertools.accumulate(keep, initial=0))
         plain = [g.params.greedy and g.rules_state is None for g in live]
         # Greedy rows without logit rules: one argmax over the whole pass (a row's argmax is its own).
-        best = flat.argmax(dim=-1).tolist() if any(plain) else []
+        best = self.runner.argmax_rows(flat) if any(plain) else []
         target_logits: list[torch.Tensor] = []
         verdicts: list[Verdict] = []
         for g, d, is_plain, lo, hi in zip(live, drafts, plain, starts, starts[1:]):

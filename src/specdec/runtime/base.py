@@ -82,6 +82,11 @@ class ModelRunner(ABC):
         tensors = [(torch.tensor(list(ids), dtype=torch.long, device=device), cache) for ids, cache in blocks]
         return torch.cat(self.forward_batch(tensors, keep=keep))
 
+    def argmax_rows(self, logits: torch.Tensor) -> list[int]:
+        """Each row's argmax of ``logits`` (``[rows, vocab]``, from this runner): the first index of the row's
+        maximum, ``torch.argmax``'s rule. Runtimes may compute it faster (the CPU kernel does)."""
+        return logits.argmax(dim=-1).tolist()
+
     # Whether ``draft_greedy`` runs a whole greedy draft in one call (the native runtime's CPU kernel).
     drafts_natively: bool = False
 

@@ -39,7 +39,15 @@ from specdec.runtime.native_config import (
     rope_cis,
     rope_tables,
 )
-from specdec.runtime.native_kernel import CHUNK, WEIGHT_TYPES, DraftRuleC, FusedLlama, kernel_available, kernel_status
+from specdec.runtime.native_kernel import (
+    CHUNK,
+    WEIGHT_TYPES,
+    DraftRuleC,
+    FusedLlama,
+    argmax_rows,
+    kernel_available,
+    kernel_status,
+)
 from specdec.runtime.native_ops import DenseOps, HalfOps, Ops, choose_ops, half_fits, prepare_layer
 from specdec.runtime.native_weights import ModelWeights, load_weights
 
@@ -369,6 +377,11 @@ class NativeRunner(ModelRunner):
         for ids, cache in blocks:
             cache._length += len(ids)  # type: ignore[attr-defined]
         return logits
+
+    def argmax_rows(self, logits: torch.Tensor) -> list[int]:
+        if self._fused is None:
+            return super().argmax_rows(logits)
+        return argmax_rows(logits)  # the kernel's: the same first index of the maximum, ~10x faster than torch's
 
     def _widen(self, logits: torch.Tensor) -> torch.Tensor:
         """The kernel's logits over the whole vocabulary: -inf for the tokens a restricted head leaves out."""

@@ -35,7 +35,7 @@ from specdec.runtime.native_config import NativeConfig, rope_tables
 from specdec.runtime.native_weights import ModelWeights
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 10
+ABI_VERSION = 11
 # sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 # -ffp-contract=off: a multiply followed by an add stays two roundings wherever it is inlined (GCC fuses them into
@@ -257,6 +257,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.sd_matmul.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 4, ctypes.c_void_p]
     lib.sd_matmul.argtypes += [ctypes.c_int64]
     lib.sd_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    lib.sd_argmax_rows.restype = None
+    lib.sd_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     lib.sd_draft_greedy.restype = ctypes.c_int
     # model, n, ids, off, pos0, kv, tau, max_tau, rules, vocab_used, tokens, tops, drafted, fed, logits, scratch, threads
     lib.sd_draft_greedy.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 5, ctypes.c_int64]
@@ -266,6 +268,24 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
 
 def _library() -> ctypes.CDLL | None:
     return _load()[0]
+
+
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first index of its maximum, as ``torch.argmax``) of a 2-D fp32 tensor, by the kernel
+    where it is available and the tensor is contiguous; rows holding a NaN, and everything else, by torch."""
+    lib = _library()
+    if lib is None or logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_contiguous():
+        return logits.argmax(dim=-1).tolist()
+    n, v = logits.shape
+    if n == 0 or v == 0:
+        return logits.argmax(dim=-1).tolist()
+    out = torch.empty(n, dtype=torch.int64)
+    lib.sd_argmax_rows(logits.data_ptr(), n, v, out.data_ptr())
+    best = out.tolist()
+    for r, b in enumerate(best):
+        if b < 0:  # a NaN in the row: torch's answer
+            best[r] = int(logits[r].argmax())
+    return best
 
 
 def kernel_available() -> bool:
