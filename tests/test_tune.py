@@ -144,6 +144,11 @@ def test_measured_batch_costs_prime_the_adaptive_policy_only_for_their_models(
     path.write_text(json.dumps({**doc, "model": {**model_identity(engine), "threads": other}}))
     costs, note = matching_costs(engine, path)
     assert not costs and f"measured with {other} compute threads" in note and "--threads" in note
+    # Measured with caches of another type (the attention reads twice the bytes of fp32 ones): not used.
+    assert model_identity(engine)["kv_dtype"] == "fp32"  # fp32 weights: fp32 caches
+    path.write_text(json.dumps({**doc, "model": {**model_identity(engine), "kv_dtype": "bf16"}}))
+    costs, note = matching_costs(engine, path)
+    assert not costs and "other models or settings" in note
     lines = {"1": [3e-4, 1e-4], "16": [9e-4, 3e-4]}
     path.write_text(
         json.dumps(

@@ -324,13 +324,15 @@ def measure_batched_costs(
 
 
 def model_identity(engine: Any) -> dict[str, Any]:
-    """What measured costs belong to: the target and draft checkpoints, their dtypes, the backend and the compute
-    threads (a pass on one thread costs up to twice one on two: ``specdec serve`` computes on the CPUs less one)."""
+    """What measured costs belong to: the target and draft checkpoints, their dtypes and KV cache types, the backend
+    and the compute threads (a pass on one thread costs up to twice one on two: ``specdec serve`` computes on the CPUs
+    less one; a 16-sequence pass at 500 tokens of context reads its fp32 caches in 2.6 ms, its bf16 ones in 1.6)."""
     import torch
 
     from specdec.draft_vocab import head_size
     from specdec.draft_window import window_of
     from specdec.runtime import native_kernel
+    from specdec.runtime.native import kv_dtype_of
 
     target, drafter = engine.target, engine.drafter
     draft_runner = getattr(drafter, "runner", None)
@@ -344,6 +346,7 @@ def model_identity(engine: Any) -> dict[str, Any]:
         # the draft's output head (draft_vocab): its forward's cost
         "draft_head": head_size(draft_runner),
         "draft_window": window_of(draft_runner),  # the draft's attention window (draft_window): its forward's cost
+        "kv_dtype": kv_dtype_of(target),  # the caches' element type (both models'): the attention's bytes
         "backend": str(getattr(target, "backend", type(target).__name__)),
         "device": str(target.device),
     }
