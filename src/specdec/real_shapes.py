@@ -234,17 +234,6 @@ def fma_peak(threads: int, kind: str = "fp32", seconds: float = 0.2, reps: int =
     return best
 
 
-def _clone_cache(runner: ModelRunner, src: KVCache) -> KVCache:
-    """A new cache holding ``src``'s tokens (copied where the cache is one tensor, as the native runtime's)."""
-    dst = runner.new_cache()
-    kv = getattr(src, "kv", None)
-    if isinstance(kv, torch.Tensor) and hasattr(dst, "_length"):
-        dst.kv.copy_(kv)  # type: ignore[attr-defined]
-        dst._length = src.length  # type: ignore[attr-defined]
-        return dst
-    raise TypeError(f"cannot copy a {type(src).__name__}; prefill each cache instead")
-
-
 def batch_forward(runner: ModelRunner) -> Callable[[list[tuple[torch.Tensor, KVCache]]], Any] | None:
     """The runner's one-pass batch (``forward_batch``: rows of several sequences in one pass), or None where the
     runner has none."""
@@ -301,7 +290,7 @@ def pass_times(
     if batches and fb is None:
         missing = f"{type(runner).__name__} has no forward_batch"
     if fb is not None:
-        caches = [base] + [_clone_cache(runner, base) for _ in range(ks[-1] - 1)]
+        caches = [base] + [runner.fork_cache(base, prompt.tolist()) for _ in range(ks[-1] - 1)]
 
         def batch(k: int) -> None:
             fb([(rows[i : i + 1], caches[i]) for i in range(k)])

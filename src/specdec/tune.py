@@ -248,21 +248,12 @@ def measure_batched_costs(
     vocab = int(target.vocab_size)
 
     def filled(runner: Any, n: int) -> list[Any]:
-        """``n`` caches holding the same CONTEXT tokens: one prefilled, copied into the rest where the runner can
-        (a prefill of a 1B model costs ~0.3 s on these CPUs)."""
+        """``n`` caches holding the same CONTEXT tokens: one prefilled, the rest its forks (``fork_cache``: a copy
+        where the runtime can make one; a prefill of a 1B model costs ~0.3 s on these CPUs)."""
         prompt = torch.randint(0, vocab, (CONTEXT,), generator=gen)
         first = runner.new_cache()
         runner.forward(prompt, first, last_only=True)
-        caches = [first]
-        fork = getattr(runner, "fork_cache", None)
-        for _ in range(n - 1):
-            if fork is not None:
-                caches.append(fork(first, prompt.tolist()))
-            else:
-                cache = runner.new_cache()
-                runner.forward(prompt, cache, last_only=True)
-                caches.append(cache)
-        return caches
+        return [first] + [runner.fork_cache(first, prompt.tolist()) for _ in range(n - 1)]
 
     sequences = max(min(r, STEP_SEQUENCES) for r in rows)
     caches = filled(target, sequences)

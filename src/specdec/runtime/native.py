@@ -73,8 +73,10 @@ def kv_cache_dtype(kv_dtype: str | torch.dtype | None, weights: torch.dtype) -> 
     if isinstance(kv_dtype, torch.dtype):
         if kv_dtype in KV_DTYPES.values():
             return kv_dtype
-    elif isinstance(kv_dtype, str) and KV_DTYPE_NAMES.get(kv_dtype, kv_dtype) in KV_DTYPES:
-        return KV_DTYPES[KV_DTYPE_NAMES.get(kv_dtype, kv_dtype)]
+    elif isinstance(kv_dtype, str):
+        name = KV_DTYPE_NAMES.get(kv_dtype, kv_dtype)
+        if name in KV_DTYPES:
+            return KV_DTYPES[name]
     raise ModelLoadError(f"kv_dtype must be auto, {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
 
 
@@ -82,9 +84,12 @@ def kv_dtype_of(runner: object) -> str | None:
     """A loaded runner's KV cache element type, for reports ("fp32", "bf16", "fp16"), or None where the runner does
     not say (the transformers runtime keeps its cache in the model's dtype)."""
     dt = getattr(runner, "cache_dtype", None)
-    if dt is None:
-        return None
-    name = str(dt).removeprefix("torch.")
+    return None if dt is None else _kv_name(dt)
+
+
+def _kv_name(dtype: torch.dtype) -> str:
+    """A cache element type's short name ("bf16"), or torch's for any other type."""
+    name = str(dtype).removeprefix("torch.")
     return KV_DTYPE_NAMES.get(name, name)
 
 
@@ -288,7 +293,7 @@ class NativeRunner(ModelRunner):
             wanted = kv_cache_dtype(kv_dtype, dtype)  # a bad name is refused here too
             if wanted != runner.cache_dtype:
                 raise UnsupportedError(
-                    f"kv_dtype {KV_DTYPE_NAMES[str(wanted).removeprefix('torch.')]} runs only on the CPU kernel; "
+                    f"kv_dtype {_kv_name(wanted)} runs only on the CPU kernel; "
                     f"{path} runs on {runner.backend}, whose cache is {str(runner.cache_dtype).removeprefix('torch.')}"
                 )
         return runner

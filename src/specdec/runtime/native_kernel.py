@@ -49,7 +49,7 @@ ISA_SWITCH = "SPECDEC_CPU_KERNEL_ISA"
 # int8: per-output-channel symmetric int8 with fp32 scales (for draft models: see quantize_int8).
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 # The KV cache's element types (SdModel.kv_type): 16-bit caches halve the bytes a row's attention reads.
-KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+KV_TYPES = {t: WEIGHT_TYPES[t] for t in (torch.float32, torch.bfloat16, torch.float16)}
 # Prompts longer than this are prefilled in chunks of this many tokens (bounds the scratch memory).
 CHUNK = 128
 ENV_SWITCH = "SPECDEC_CPU_KERNEL"

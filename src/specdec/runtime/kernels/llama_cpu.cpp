@@ -942,6 +942,11 @@ static void attend_kv(int64_t kv_type, const float* const* qs, int Q, const void
     }
 }
 
+// The first position a row at position p attends to: p - window + 1 under a sliding window, else 0.
+static inline int64_t first_attended(int64_t p, int64_t window) {
+    return window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+}
+
 // A unit of the attention's work: queries of one key/value head g over one sequence's keys, attending from the same
 // first position, scored together. Its queries are q0..q1 of a run of that sequence's rows starting at row r0, query
 // q being head g * G + q % G of row r0 + q / G.
@@ -959,10 +964,9 @@ static void attention_units(int64_t k, const int64_t* pos, void* const* kv, int6
     units.clear();
     for (int64_t g = 0; g < KVH; g++) {
         for (int64_t r0 = 0; r0 < k;) {
-            const int64_t lo = window > 0 && pos[r0] - window + 1 > 0 ? pos[r0] - window + 1 : 0;
+            const int64_t lo = first_attended(pos[r0], window);
             int64_t r1 = r0 + 1;
-            while (r1 < k && kv[r1] == kv[r0] && pos[r1] == pos[r1 - 1] + 1 &&
-                   (window > 0 && pos[r1] - window + 1 > 0 ? pos[r1] - window + 1 : 0) == lo)
+            while (r1 < k && kv[r1] == kv[r0] && pos[r1] == pos[r1 - 1] + 1 && first_attended(pos[r1], window) == lo)
                 r1++;
             const int64_t nq = (r1 - r0) * G, pieces = (nq + ATT_QMAX - 1) / ATT_QMAX;
             for (int64_t j = 0; j < pieces; j++) units.push_back({g, r0, nq * j / pieces, nq * (j + 1) / pieces});
@@ -1072,10 +1076,10 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
                     outs[q - a.q0] = att + t * H * hd + h * hd;
                     his[q - a.q0] = pos[t];
                 }
-                const int64_t p = pos[a.r0], lo = L->window > 0 && p - L->window + 1 > 0 ? p - L->window + 1 : 0;
                 const char* base = (const char*)kv[a.r0];
                 attend_kv(kvt, qs, (int)(a.q1 - a.q0), base + key_off + a.g * C * hd * kvb,
-                          base + val_off + a.g * C * hd * kvb, lo, his, hd, scores, ss, outs);
+                          base + val_off + a.g * C * hd * kvb, first_attended(pos[a.r0], L->window), his, hd, scores,
+                          ss, outs);
             }
             PHASE_DONE(PH_ATTENTION)
             gemm(wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1, xb, scores);
