@@ -294,7 +294,7 @@ class NativeRunner(ModelRunner):
             if wanted != runner.cache_dtype:
                 raise UnsupportedError(
                     f"kv_dtype {_kv_name(wanted)} runs only on the CPU kernel; "
-                    f"{path} runs on {runner.backend}, whose cache is {str(runner.cache_dtype).removeprefix('torch.')}"
+                    f"{path} runs on {runner.backend}, whose cache is {_kv_name(runner.cache_dtype)}"
                 )
         return runner
 

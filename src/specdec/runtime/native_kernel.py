@@ -274,11 +274,15 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (the first index of its maximum, as ``torch.argmax``) of a 2-D fp32 tensor, by the kernel
     where it is available and the tensor is contiguous; rows holding a NaN, and everything else, by torch."""
     lib = _library()
-    if lib is None or logits.dim() != 2 or logits.dtype != torch.float32 or not logits.is_contiguous():
+    if (
+        lib is None
+        or logits.dim() != 2
+        or logits.dtype != torch.float32
+        or not logits.is_contiguous()
+        or logits.numel() == 0
+    ):
         return logits.argmax(dim=-1).tolist()
     n, v = logits.shape
-    if n == 0 or v == 0:
-        return logits.argmax(dim=-1).tolist()
     out = torch.empty(n, dtype=torch.int64)
     lib.sd_argmax_rows(logits.data_ptr(), n, v, out.data_ptr())
     best = out.tolist()
