@@ -10,7 +10,8 @@ side by side in one run.
 ``--spawn`` starts two servers on loopback with the same models (``--serve-args``): one with the default
 ``--max-batch`` and one with ``--max-batch 1``; mode ``unbatched`` is the policy on the second, every
 other mode runs on the first (``plain`` asks for ``"speculative": {"tau": 0}``, ``spec`` for the policy,
-``tauN`` for fixed τ = N). Modes alternate within each concurrency level so machine noise hits all alike.
+``tauN`` for fixed τ = N). Modes alternate within each concurrency level so machine noise hits all alike, in an
+order rotated each round (``--rounds``), and the JSON keeps each round's tokens/s (``round_tokens_per_s``).
 Every request streams (``stream_options.include_usage``) so time to first token is measured too, each client on a
 keep-alive connection of its own read by a small HTTP/1.1 reader (``StreamConnection``: httpx took ~0.3 of a core at
 16 clients, on the machine it measures).
@@ -75,6 +76,7 @@ class Result:
     samples: list[Sample] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     texts: dict[int, set[str]] = field(default_factory=dict)  # prompt index -> outputs seen
+    rounds: list[float] = field(default_factory=list)  # output tokens/s of each round (the spread of the figure)
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(s.latency for s in self.samples)
@@ -91,6 +93,7 @@ class Result:
             # requests that produced no text (an immediate EOS) have no first token: left out
             "p50_ttft_s": _pct(sorted(s.ttft for s in self.samples if s.ttft == s.ttft), 50),
             "mean_tokens": tokens / len(self.samples) if self.samples else 0.0,
+            "round_tokens_per_s": [round(r, 1) for r in self.rounds],
         }
 
 
@@ -267,9 +270,12 @@ async def run_level(
     for conn in conns:
         conn._reader, conn._writer = await asyncio.open_connection(conn.host, conn.port)
     t0 = time.perf_counter()
+    before = sum(s.tokens for s in result.samples)
     try:
         await asyncio.gather(*(worker(conn) for conn in conns))
-        result.wall += time.perf_counter() - t0
+        wall = time.perf_counter() - t0
+        result.wall += wall
+        result.rounds.append((sum(s.tokens for s in result.samples) - before) / wall if wall else 0.0)
     finally:
         for conn in conns:
             await conn.close()
@@ -317,6 +323,13 @@ def spawned_servers(args: argparse.Namespace) -> Iterator[dict[str, str]]:
                 proc.kill()
 
 
+def round_order(modes: list[str], r: int) -> list[str]:
+    """The modes' order in round ``r`` at a level, rotated each round (A B C, B C A, C A B, ...): no mode always runs
+    first after a change of load (where a policy is still learning it) or always after the same other mode."""
+    k = r % len(modes) if modes else 0
+    return modes[k:] + modes[:k]
+
+
 async def main_async(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     conns = {name: StreamConnection(url, headers, args.timeout) for name, url in urls.items()}
@@ -342,8 +355,8 @@ async def main_async(args: argparse.Namespace, urls: dict[str, str]) -> dict[str
             await conn.close()
     results = {(m, c): Result(m, c) for c in args.concurrency for m in args.modes}
     for concurrency in args.concurrency:
-        for _ in range(args.rounds):
-            for mode in args.modes:
+        for r in range(args.rounds):
+            for mode in round_order(args.modes, r):
                 await run_level(url_for(mode), args, mode, concurrency, results[(mode, concurrency)], headers)
                 print(f"  {mode:>9} x{concurrency:<3} done", file=sys.stderr, flush=True)
     rows = [r.summary() for r in results.values()]

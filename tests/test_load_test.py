@@ -85,3 +85,13 @@ def test_a_file_that_is_not_a_report_is_one_line_of_error(tmp_path: Path) -> Non
     assert run.returncode == 2
     assert run.stderr.startswith(f"load_test: error: {bad}: not a report written by --json")
     assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr
+
+
+def test_the_modes_take_turns_in_an_order_rotated_each_round() -> None:
+    order = _module().round_order
+    modes = ["plain", "spec", "tau2"]
+    rounds = [order(modes, r) for r in range(4)]
+    assert rounds[0] == modes and rounds[3] == modes
+    assert [r[0] for r in rounds[:3]] == modes  # each mode first once in len(modes) rounds
+    assert all(sorted(r) == sorted(modes) for r in rounds)
+    assert order([], 2) == []
