@@ -33,6 +33,8 @@ import torch
 from specdec.runtime.cpu import cpu_flags, cpu_model
 from specdec.runtime.native_config import NativeConfig, rope_tables
 from specdec.runtime.native_weights import ModelWeights
+from specdec.runtime.pages import in_huge_pages
+from specdec.runtime.pages import wanted as pages_wanted
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
 ABI_VERSION = 11
@@ -447,10 +449,14 @@ class FusedLlama:
         # The products' weights in the kernel's panel layout (sd_weight_pairs / sd_panel_width).
         panel, pairs = int(lib.sd_panel_width()), int(lib.sd_weight_pairs(WEIGHT_TYPES[dtype]))
 
-        def packed(w: torch.Tensor) -> int:
-            t = pack_weight_int8(w, panel) if dtype == torch.int8 else pack_weight(w, dtype, panel, pairs)
-            keep.append(t)
-            return t.data_ptr()
+        def pack(w: torch.Tensor) -> torch.Tensor:
+            return pack_weight_int8(w, panel) if dtype == torch.int8 else pack_weight(w, dtype, panel, pairs)
+
+        # Every product's weights (what a pass streams from memory), in one huge-page arena where the OS has them
+        # (runtime/pages.py), in the order the pass reads them.
+        mats = in_huge_pages([pack(w) for lw in weights.layers for w in (lw.wqkv, lw.wo, lw.wgu, lw.wd)] + [pack(head)])
+        keep.extend(mats)
+        self.huge_pages = pages_wanted()
 
         # The kernel keeps keys in blocks of sd_key_block() positions: a cache holds a whole number of blocks.
         self.key_block = block = int(lib.sd_key_block())
@@ -461,13 +467,13 @@ class FusedLlama:
         layers = (_Layer * cfg.layers)()
         for i, (lw, win) in enumerate(zip(weights.layers, cfg.windows)):
             layers[i] = _Layer(
-                packed(lw.wqkv),
+                mats[4 * i].data_ptr(),
                 ptr(lw.bqkv, torch.float32),
-                packed(lw.wo),
+                mats[4 * i + 1].data_ptr(),
                 ptr(lw.bo, torch.float32),
-                packed(lw.wgu),
+                mats[4 * i + 2].data_ptr(),
                 ptr(lw.bgu, torch.float32),
-                packed(lw.wd),
+                mats[4 * i + 3].data_ptr(),
                 ptr(lw.bd, torch.float32),
                 0 if win is None else int(win),
             )
@@ -484,7 +490,7 @@ class FusedLlama:
             int(weights.embed.shape[1]),
             float(cfg.eps),
             ptr(weights.embed, torch.float32 if dtype == torch.int8 else dtype),  # int8 models: fp32 table
-            packed(head),
+            mats[-1].data_ptr(),
             ptr(rope_cos, torch.float32),
             ptr(rope_sin, torch.float32),
             layers,
