@@ -47,8 +47,11 @@ def test_the_thp_setting_is_read_from_the_os(tmp_path: Path, monkeypatch: pytest
     setting.write_text("always [madvise] never\n")
     monkeypatch.setenv(pages.SWITCH, "0")
     assert not pages.wanted()
-    t = torch.arange(10)
-    assert pages.in_huge_pages([t])[0] is t  # switched off: the tensors as they are
+    assert pages.arena_for([100, 200]) is None  # switched off: the tensors stay where they are
+    monkeypatch.delenv(pages.SWITCH)
+    arena = pages.arena_for([100, 200])
+    assert arena is not None and arena.nbytes >= 300
+    assert pages.arena_for([]) is None
 
 
 @pytest.mark.skipif(not nk.kernel_available(), reason=f"CPU kernel unavailable: {nk.kernel_status()}")
@@ -66,3 +69,20 @@ def test_a_model_in_huge_pages_gives_the_same_logits(
         outs[setting] = [runner.forward(ids[:16], cache), runner.forward(ids[16:], cache)]
     for a, b in zip(outs["1"], outs["0"], strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not nk.kernel_available(), reason=f"CPU kernel unavailable: {nk.kernel_status()}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+def test_the_arena_is_sized_without_packing(dtype: torch.dtype) -> None:
+    """``packed_nbytes`` (what the arena is sized by before any weight is packed) is the size of the packed weight,
+    odd sizes included, for both layouts (single columns, bf16 column pairs)."""
+    for m, n in ((16, 8), (37, 5), (100, 71), (8, 1)):
+        w = torch.randn(m, n)
+        for pairs in (1, 2):
+            if dtype == torch.int8:
+                if pairs == 2:
+                    continue
+                t = nk.pack_weight_int8(w, 16)
+            else:
+                t = nk.pack_weight(w, dtype, 16, pairs)
+            assert nk.packed_nbytes(m, n, dtype, 16, pairs) == t.numel() * t.element_size(), (m, n, pairs)

@@ -33,8 +33,7 @@ import torch
 from specdec.runtime.cpu import cpu_flags, cpu_model
 from specdec.runtime.native_config import NativeConfig, rope_tables
 from specdec.runtime.native_weights import ModelWeights
-from specdec.runtime.pages import in_huge_pages
-from specdec.runtime.pages import wanted as pages_wanted
+from specdec.runtime.pages import arena_for
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
 ABI_VERSION = 11
@@ -326,6 +325,14 @@ def pack_weight(w: torch.Tensor, dtype: torch.dtype, panel: int, pairs: int) -> 
     return w.view(rows // panel, panel, cols // pairs, pairs).transpose(1, 2).contiguous()
 
 
+def packed_nbytes(m: int, n: int, dtype: torch.dtype, panel: int, pairs: int) -> int:
+    """Bytes of ``pack_weight`` (or, for int8, ``pack_weight_int8``) of an ``[m, n]`` matrix, without packing it."""
+    rows = -(-m // panel) * panel
+    if dtype == torch.int8:
+        return rows * n + rows * 4  # int8 panels (single columns), then the fp32 scales
+    return rows * (-(-n // pairs) * pairs) * torch.empty(0, dtype=dtype).element_size()
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-output-channel symmetric int8: ``q = round(w / s)`` with ``s = max|w[r]| / 127`` per row ``r`` (rows of
     zeros get ``s = 1``); returns ``(q int8 [m, n], s float32 [m])``, ``w ≈ q * s[:, None]``."""
@@ -449,14 +456,18 @@ class FusedLlama:
         # The products' weights in the kernel's panel layout (sd_weight_pairs / sd_panel_width).
         panel, pairs = int(lib.sd_panel_width()), int(lib.sd_weight_pairs(WEIGHT_TYPES[dtype]))
 
-        def pack(w: torch.Tensor) -> torch.Tensor:
-            return pack_weight_int8(w, panel) if dtype == torch.int8 else pack_weight(w, dtype, panel, pairs)
-
-        # Every product's weights (what a pass streams from memory), in one huge-page arena where the OS has them
-        # (runtime/pages.py), in the order the pass reads them.
-        mats = in_huge_pages([pack(w) for lw in weights.layers for w in (lw.wqkv, lw.wo, lw.wgu, lw.wd)] + [pack(head)])
+        # Every product's weights (what a pass streams from memory), in the order the pass reads them, each packed and
+        # placed in one huge-page arena where the OS has them (runtime/pages.py), one at a time.
+        sources = [w for lw in weights.layers for w in (lw.wqkv, lw.wo, lw.wgu, lw.wd)] + [head]
+        sizes = [packed_nbytes(int(w.shape[0]), int(w.shape[1]), dtype, panel, pairs) for w in sources]
+        arena = arena_for(sizes)
+        mats = []
+        for w, size in zip(sources, sizes):
+            t = pack_weight_int8(w, panel) if dtype == torch.int8 else pack_weight(w, dtype, panel, pairs)
+            assert t.numel() * t.element_size() == size
+            mats.append(t if arena is None else arena.place(t))
         keep.extend(mats)
-        self.huge_pages = pages_wanted()
+        self.huge_pages = arena is not None and arena.advised
 
         # The kernel keeps keys in blocks of sd_key_block() positions: a cache holds a whole number of blocks.
         self.key_block = block = int(lib.sd_key_block())

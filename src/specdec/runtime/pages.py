@@ -53,13 +53,17 @@ class HugePageArena:
     def __init__(self, nbytes: int) -> None:
         self.nbytes = int(nbytes)
         self._map = mmap.mmap(-1, self.nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        self._map.madvise(mmap.MADV_HUGEPAGE)
+        self.advised = True
+        try:
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # a kernel built without THP, a sandbox that refuses the call: ordinary pages, same bytes
+            self.advised = False
         self._bytes = torch.frombuffer(self._map, dtype=torch.uint8)
         self._next = (-self._bytes.data_ptr()) % HUGE_PAGE  # the first tensor on a huge-page boundary
         self._end = self._next + self.nbytes
 
     def place(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of contiguous ``t`` in the arena (same dtype, shape and bytes)."""
+        """A copy of ``t`` in the arena (same dtype, shape and bytes, contiguous)."""
         t = t.contiguous()
         n = t.numel() * t.element_size()
         start = self._next + (-self._next) % ALIGN
@@ -71,11 +75,9 @@ class HugePageArena:
         return out
 
 
-def in_huge_pages(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """``tensors`` copied into one huge-page arena where ``wanted()``, else as they are (contiguous)."""
-    tensors = [t.contiguous() for t in tensors]
-    if not tensors or not wanted():
-        return tensors
-    size = sum(t.numel() * t.element_size() + ALIGN for t in tensors)
-    arena = HugePageArena(size)
-    return [arena.place(t) for t in tensors]
+def arena_for(sizes: Sequence[int]) -> HugePageArena | None:
+    """An arena for tensors of these byte sizes, placed in turn, where ``wanted()``; else None (keep them as they are).
+    Sized up front so that a caller can place each tensor as it makes it: loading never holds two copies of them all."""
+    if not sizes or not wanted():
+        return None
+    return HugePageArena(sum(int(n) + ALIGN for n in sizes))
