@@ -446,8 +446,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="model id to send (default: none, the server's)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
-    p.add_argument("--requests", type=int, default=32, help="requests per mode, concurrency level and round")
-    p.add_argument("--rounds", type=int, default=1, help="alternations of the modes at each level")
+    p.add_argument("--requests", type=int, default=64, help="requests per mode, concurrency level and round")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="alternations of the modes at each level, the order rotated each round (default 2: each mode early and late)",
+    )
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--policy", default="adaptive", help="policy of modes spec and unbatched (default: adaptive)")
