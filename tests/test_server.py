@@ -449,9 +449,10 @@ def test_the_load_test_client_reads_what_httpx_reads(server: str) -> None:
     assert samples[0].tokens == ref.tokens == 12 and samples[1].tokens == 5
     assert samples[1].text == ref.text[: len(samples[1].text)] and samples[0].ttft <= samples[0].latency
     assert "max_tokens" in error
-    argv = ["--url", server, "--api-key", API_KEY, "--concurrency", "3", "--requests", "5", "--modes", "plain", "tau2"]
-    args = lt.parse_args(argv)
+    argv = ["--url", server, "--api-key", API_KEY, "--concurrency", "3", "--requests", "5", "--rounds", "2"]
+    args = lt.parse_args([*argv, "--modes", "plain", "tau2"])
     args.max_tokens, args.prompt_list = 10, PROMPTS[:3]
     report = asyncio.run(lt.main_async(args, {"batched": server}))
     assert report["greedy_identity"] == {"prompt_mode_levels": 6, "differing": 0}
-    assert all(r["requests"] == 5 and r["errors"] == 0 and r["tokens_per_s"] > 0 for r in report["rows"])
+    assert all(r["requests"] == 10 and r["errors"] == 0 and r["tokens_per_s"] > 0 for r in report["rows"])
+    assert all(len(r["round_tokens_per_s"]) == 2 and min(r["round_tokens_per_s"]) > 0 for r in report["rows"])
