@@ -1,9 +1,19 @@
-"""What this machine's CPU offers, read once from ``/proc/cpuinfo`` (empty where it cannot be read)."""
+"""What this machine's CPU offers, read once from ``/proc/cpuinfo`` (empty where it cannot be read), and the
+environment switches that turn the fast paths built on it off."""
 
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
+
+# What an environment switch reads as "off" (any case, spaces around ignored).
+OFF = ("0", "off", "false", "no")
+
+
+def switched_off(name: str) -> bool:
+    """Whether the environment variable ``name`` turns its feature off (one of ``OFF``); unset is on."""
+    return os.environ.get(name, "").strip().lower() in OFF
 
 
 @functools.cache

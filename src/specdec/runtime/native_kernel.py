@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.runtime.cpu import cpu_flags, cpu_model
+from specdec.runtime.cpu import OFF, cpu_flags, cpu_model, switched_off
 from specdec.runtime.native_config import NativeConfig, rope_tables
 from specdec.runtime.native_weights import ModelWeights
 from specdec.runtime.pages import arena_for
@@ -192,7 +192,7 @@ def tuning_flags(isa: str, vendor: str, family: int, env: str | None = None) -> 
     if isa != "avx512bf16":
         return []
     choice = (env or "").strip().lower()
-    if choice in ("0", "off", "false", "no"):
+    if choice in OFF:
         on = False
     elif choice in ("1", "on", "true", "yes"):
         on = True
@@ -230,7 +230,7 @@ def _build(cxx: str) -> Path:
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     """The built kernel library, or None and why not (cached: decided once per process)."""
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "off", "false", "no"):
+    if switched_off(ENV_SWITCH):
         return None, f"disabled by {ENV_SWITCH}"
     why = _cpu_ok()
     if why is not None:
@@ -273,10 +273,12 @@ def _library() -> ctypes.CDLL | None:
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (the first index of its maximum, as ``torch.argmax``) of a 2-D fp32 tensor, by the kernel
-    where it is available and the tensor is contiguous; rows holding a NaN, and everything else, by torch."""
+    where it is available and the tensor is contiguous in CPU memory; rows holding a NaN, and everything else, by
+    torch."""
     lib = _library()
     if (
         lib is None
+        or logits.device.type != "cpu"
         or logits.dim() != 2
         or logits.dtype != torch.float32
         or not logits.is_contiguous()
@@ -330,7 +332,7 @@ def packed_nbytes(m: int, n: int, dtype: torch.dtype, panel: int, pairs: int) ->
     rows = -(-m // panel) * panel
     if dtype == torch.int8:
         return rows * n + rows * 4  # int8 panels (single columns), then the fp32 scales
-    return rows * (-(-n // pairs) * pairs) * torch.empty(0, dtype=dtype).element_size()
+    return rows * (-(-n // pairs) * pairs) * dtype.itemsize
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,11 +15,12 @@ are the same either way, so are the results.
 from __future__ import annotations
 
 import mmap
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+
+from specdec.runtime.cpu import switched_off
 
 HUGE_PAGE = 2 << 20
 SWITCH = "SPECDEC_HUGE_PAGES"
@@ -40,7 +41,7 @@ def thp_mode() -> str | None:
 def wanted() -> bool:
     """Whether weights go into huge pages: the OS gives them (``always``/``madvise``) and ``SPECDEC_HUGE_PAGES`` is
     not ``0``."""
-    if os.environ.get(SWITCH, "1").strip().lower() in ("0", "off", "false", "no"):
+    if switched_off(SWITCH):
         return False
     return thp_mode() in ("always", "madvise") and hasattr(mmap, "MADV_HUGEPAGE")
 
