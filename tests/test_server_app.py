@@ -309,3 +309,84 @@ def test_models_and_metrics(app: Any) -> None:
     assert "specdec_verify_passes_total" in metrics.text and "specdec_server_requests_running 0.0" in metrics.text
     paths = schema.json()["paths"]
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"} <= set(paths)
+
+
+def _sse_chunks(text: str) -> list[dict[str, Any]]:
+    events = [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_stream_interval_gathers_tokens_and_keeps_the_text(engine: Any) -> None:
+    """``--stream-interval 4``: after its first text a stream sends a chunk per 4 tokens at least (its last one at
+    once), the same text as every step's chunk at interval 1 and as the answer in one piece; a request asking for
+    logprobs still gets each step's chunk (its tokens' figures belong to the step)."""
+    body = {
+        "prompt": "def fibonacci(n):",
+        "max_tokens": 33,
+        "temperature": 0,
+        "ignore_eos": True,
+        "speculative": {"tau": 0},
+    }
+
+    def texts(interval: int, extra: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+        app = create_app(engine, ServerSettings(model_name="tiny", stream_interval=interval))
+
+        async def go(client: httpx.AsyncClient) -> tuple[httpx.Response, httpx.Response, dict[str, Any]]:
+            whole = await client.post("/v1/completions", json={**body, **extra})
+            streamed = await client.post("/v1/completions", json={**body, **extra, "stream": True})
+            return whole, streamed, (await client.get("/health")).json()
+
+        try:
+            whole, streamed, health = run(app, go)
+        finally:
+            engine.observers.clear()
+        assert whole.status_code == streamed.status_code == 200 and health["stream_interval"] == interval
+        chunks = [c for c in _sse_chunks(streamed.text) if c["choices"][0]["finish_reason"] is None]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == whole.json()["choices"][0]["text"]
+        return whole.json()["choices"][0]["text"], chunks
+
+    every, each_step = texts(1, {})
+    gathered, fewer = texts(4, {})
+    assert gathered == every
+    # Plain decoding, one token a step (the tiny model's random tokens: some steps' text is held back as partial
+    # characters): at interval 1 a chunk per step with text; at 4 the first text, then 4 tokens a chunk at least, the last.
+    assert len(fewer) <= 1 + -(-32 // 4) + 1 < len(each_step), (len(fewer), len(each_step))
+    # With logprobs every step is its own chunk: 33 tokens' figures over as many chunks as there were steps.
+    _, with_logprobs = texts(4, {"logprobs": 1})
+    figures = [t for c in with_logprobs for t in (c["choices"][0]["logprobs"] or {"tokens": []})["tokens"]]
+    assert len(figures) == 33 and len(with_logprobs) >= 30
+
+
+def test_stream_interval_setting() -> None:
+    assert ServerSettings().stream_interval == 1
+    with pytest.raises(InvalidRequestError, match="stream_interval=0"):
+        ServerSettings(stream_interval=0)
+
+
+def test_an_answer_in_one_piece_gets_no_step_messages(engine: Any) -> None:
+    """The scheduler posts a request that is not streamed its start and its result, not a message per step that
+    its event loop would read and drop; a streamed one gets its steps."""
+    from specdec.server.scheduler import Done, Job, Scheduler, Started, Step
+
+    scheduler = Scheduler(engine, max_active=4, max_queue=0, max_batch=4)
+
+    async def kinds(stream: bool) -> list[str]:
+        job = Job(
+            request_id=f"r{stream}",
+            build=lambda e: [e.start("import os", max_new_tokens=12, tau=0)],
+            loop=asyncio.get_running_loop(),
+            deadline=float("inf"),
+            stream=stream,
+        )
+        scheduler.submit(job)
+        return [type(m).__name__ async for m in job.messages()]
+
+    try:
+        whole = asyncio.run(kinds(False))
+        streamed = asyncio.run(kinds(True))
+    finally:
+        scheduler.stop()
+    assert whole == [Started.__name__, Done.__name__]
+    assert streamed[0] == Started.__name__ and streamed[-1] == Done.__name__
+    assert streamed.count(Step.__name__) >= 6

@@ -63,6 +63,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "their own between steps; 0: every prompt in a pass of its own (default: 256 with --max-batch > 1, else 0)",
     )
     g.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        metavar="TOKENS",
+        help="tokens a streamed choice gathers before its text is sent (its first text and its last go at once; "
+        "steps with logprobs or per-step records are each sent): fewer, larger chunks under load, a less smooth "
+        "stream (default: 1, every step's text as it is verified)",
+    )
+    g.add_argument(
         "--request-timeout",
         type=float,
         default=600.0,
@@ -159,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         prefill_in_step=args.prefill_in_step,
         request_timeout=args.request_timeout,
+        stream_interval=args.stream_interval,
         max_body_bytes=args.max_body_bytes,
         # replicas (--ray) run elsewhere: a cost file by its absolute path
         costs=args.costs if args.costs in (None, "none") else str(Path(args.costs).expanduser().resolve()),

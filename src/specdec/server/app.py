@@ -128,6 +128,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             "draft_window": window_of(getattr(engine.drafter, "runner", None)),
             "costs": engine.costs_note,
             "prefill_in_step": engine.prefill_in_step,  # prompt tokens a batched step takes in, at most
+            "stream_interval": settings.stream_interval,  # tokens a streamed choice gathers before its text is sent
             "runtime": getattr(engine.target, "backend", type(engine.target).__name__),
             # the KV caches' element type on the CPU kernel (kv_dtype): "bf16", "fp16", "fp32"; None elsewhere
             "kv_dtype": kv_dtype_of(engine.target),
@@ -197,6 +198,8 @@ class _Api:
             deadline=time.monotonic() + self.settings.request_timeout,
             want_steps=want_steps,
             n=body.n,
+            stream=bool(body.stream),
+            stream_interval=self.settings.stream_interval,
         )
         self.scheduler.submit(job)
         messages = job.messages()

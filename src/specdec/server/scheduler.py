@@ -74,11 +74,21 @@ class Job:
     deadline: float  # time.monotonic() after which the request is abandoned
     want_steps: bool = False
     n: int = 1  # sequences: what the job counts towards max_active, max_queue and max_batch
+    # Whether the client reads the text as it comes (a streaming response; ``want_steps`` has every step posted either
+    # way): a request answered at its end gets its Done alone, not a message per step for its event loop to drop.
+    stream: bool = True
+    # Tokens a streaming sample gathers before its text is posted (``specdec serve --stream-interval``): its first text
+    # and its last go at once, whatever was gathered; steps with logprobs or records are posted each on its own.
+    stream_interval: int = 1
     queue: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
     gens: list[Generation] = field(default_factory=list)
     reported: set[int] = field(default_factory=set)  # samples whose Done was posted
     finished: bool = False
+    # Per sample: its text gathered since its last post and the tokens of it (the stream interval), and whether any of
+    # its text was posted yet.
+    held: dict[int, tuple[StepEvent, int]] = field(default_factory=dict)
+    opened: set[int] = field(default_factory=set)
 
     def post(self, msg: Message) -> None:
         """Hand a message to the request's event loop (called from the worker thread)."""
@@ -295,9 +305,8 @@ class Scheduler:
     def _deliver(self, job: Job, events: list[StepEvent | None], outbox: list[tuple[Job, Message]]) -> None:
         finished: list[Done] = []
         for j, (gen, event) in enumerate(zip(job.gens, events)):
-            if event is not None:
-                detail = self._step_detail(event, j if job.n > 1 else None) if job.want_steps else None
-                outbox.append((job, Step(event, detail, j)))
+            if event is not None and (job.stream or job.want_steps):
+                self._post_step(job, j, event, gen.done, outbox)
             if gen.done and j not in job.reported:
                 job.reported.add(j)
                 finished.append(Done(gen.result(), j))
@@ -307,9 +316,37 @@ class Scheduler:
             self._end(job, None)  # out of the running set before the client hears of its last sample
         outbox.extend((job, msg) for msg in finished)
 
+    def _post_step(self, job: Job, index: int, event: StepEvent, done: bool, outbox: list[tuple[Job, Message]]) -> None:
+        """A step's message for sample ``index``, or its text held back until the sample has gathered the stream
+        interval's tokens (posted at once: its first text, its last, a step with logprobs or a record)."""
+        if job.want_steps or event.logprobs is not None or job.stream_interval <= 1:
+            detail = self._step_detail(event, index if job.n > 1 else None) if job.want_steps else None
+            outbox.append((job, Step(event, detail, index)))
+            return
+        tokens = len(event.record.emitted)
+        held = job.held.pop(index, None)
+        if held is not None:
+            event = StepEvent(event.record, held[0].text + event.text, event.finished)
+            tokens += held[1]
+        if not event.text:  # nothing to show yet (the decoder holds partial characters back): no message
+            if not done:
+                job.held[index] = (event, tokens)
+            return
+        if index in job.opened and tokens < job.stream_interval and not done:
+            job.held[index] = (event, tokens)
+            return
+        job.opened.add(index)
+        outbox.append((job, Step(event, None, index)))
+
+    def _flush(self, job: Job) -> None:
+        """Post the text each sample holds (before a failure ends the stream: what was verified is not dropped)."""
+        held, job.held = job.held, {}
+        post_all([(job, Step(event, None, index)) for index, (event, _) in sorted(held.items())])
+
     def _end(self, job: Job, failure: Failed | None) -> None:
         """Remove a running job, free its caches and, if it failed, tell the client (its ``Done``s were sent)."""
         if failure is not None:
+            self._flush(job)
             for gen in job.gens:
                 gen.cancel()  # a no-op for a sample already finished
         with self._cond:

@@ -22,6 +22,9 @@ class ServerSettings:
     # max_batch > 1, else 0; 0: every prompt in a pass of its own).
     prefill_in_step: int | None = None
     request_timeout: float = 600.0  # seconds from arrival; then the request is cancelled (408)
+    # Tokens a streamed choice gathers before its text is sent (its first text and its last at once): fewer, larger
+    # chunks for the event loop and the clients under load, against a smoother stream at 1.
+    stream_interval: int = 1
     max_body_bytes: int = 2 * 1024 * 1024
     static_dir: Path | None = field(default=STATIC_DIR)  # the web playground, served at / when present
     # Where the batch plans' pass costs start from (``tune.prime_for_serving``): None, a cost file measured on the served
@@ -38,6 +41,7 @@ class ServerSettings:
             "max_queue": self.max_queue >= 0,
             "prefill_in_step": self.prefill_in_step is None or self.prefill_in_step >= 0,
             "request_timeout": self.request_timeout > 0,
+            "stream_interval": self.stream_interval >= 1,
             "max_body_bytes": self.max_body_bytes > 0,
             "model_name": bool(self.model_name),
         }
