@@ -306,7 +306,7 @@ class Scheduler:
         finished: list[Done] = []
         for j, (gen, event) in enumerate(zip(job.gens, events)):
             if event is not None and (job.stream or job.want_steps):
-                self._post_step(job, j, event, gen.done, outbox)
+                self._post_step(job, j, event, outbox)
             if gen.done and j not in job.reported:
                 job.reported.add(j)
                 finished.append(Done(gen.result(), j))
@@ -316,7 +316,7 @@ class Scheduler:
             self._end(job, None)  # out of the running set before the client hears of its last sample
         outbox.extend((job, msg) for msg in finished)
 
-    def _post_step(self, job: Job, index: int, event: StepEvent, done: bool, outbox: list[tuple[Job, Message]]) -> None:
+    def _post_step(self, job: Job, index: int, event: StepEvent, outbox: list[tuple[Job, Message]]) -> None:
         """A step's message for sample ``index``, or its text held back until the sample has gathered the stream
         interval's tokens (posted at once: its first text, its last, a step with logprobs or a record)."""
         if job.want_steps or event.logprobs is not None or job.stream_interval <= 1:
@@ -328,20 +328,18 @@ class Scheduler:
         if held is not None:
             event = StepEvent(event.record, held[0].text + event.text, event.finished)
             tokens += held[1]
-        if not event.text:  # nothing to show yet (the decoder holds partial characters back): no message
-            if not done:
-                job.held[index] = (event, tokens)
-            return
-        if index in job.opened and tokens < job.stream_interval and not done:
+        # No text yet (the decoder holds partial characters back), or less than the interval after the first: held.
+        if not event.finished and (not event.text or (index in job.opened and tokens < job.stream_interval)):
             job.held[index] = (event, tokens)
             return
-        job.opened.add(index)
-        outbox.append((job, Step(event, None, index)))
+        if event.text:
+            job.opened.add(index)
+            outbox.append((job, Step(event, None, index)))
 
     def _flush(self, job: Job) -> None:
         """Post the text each sample holds (before a failure ends the stream: what was verified is not dropped)."""
         held, job.held = job.held, {}
-        post_all([(job, Step(event, None, index)) for index, (event, _) in sorted(held.items())])
+        post_all([(job, Step(event, None, index)) for index, (event, _) in sorted(held.items()) if event.text])
 
     def _end(self, job: Job, failure: Failed | None) -> None:
         """Remove a running job, free its caches and, if it failed, tell the client (its ``Done``s were sent)."""
