@@ -379,6 +379,7 @@ async def main_async(args: argparse.Namespace, urls: dict[str, str]) -> dict[str
         "prompts": args.prompt_list,
         "rows": rows,
         "greedy_identity": identity,
+        "by_level": ratios(rows),
     }
 
 
@@ -404,7 +405,82 @@ def render(report: dict[str, Any]) -> str:
             f"\nGreedy outputs differing from the solo target-only run: {same['differing']} of "
             f"{same['prompt_mode_levels']} (prompt, mode, level) groups."
         )
+    summary = ratios(rows)
+    if summary:
+        lines += [
+            "\nBy level (the batching issue's figures; rounds: the same ratio from each round's tokens/s alone, its spread"
+            " on this run):\n",
+            "| clients | policy ÷ best of plain and fixed τ (rounds) | best batched ÷ --max-batch 1 | policy ÷ --max-batch 1"
+            " | policy p95 s |",
+            "|---|---|---|---|---|",
+        ]
+        for r in summary:
+            lines.append(
+                f"| {r['concurrency']} | {_cell(r['policy_vs_best'], r['policy_vs_best_rounds'])} "
+                + (f"against {r['best_other']} " if r["best_other"] else "")
+                + f"| {_cell(r['best_batched_vs_unbatched'], unit='×')} | {_cell(r['policy_vs_unbatched'], unit='×')} | "
+                f"{_cell(r['policy_p95_s'], digits=3)} |"
+            )
     return "\n".join(lines)
+
+
+def _cell(value: float | None, spread: list[float] | None = None, unit: str = "", digits: int = 2) -> str:
+    if value is None:
+        return "–"
+    out = f"{value:.{digits}f}{unit}"
+    if spread:
+        out += f" ({min(spread):.{digits}f}-{max(spread):.{digits}f})"
+    return out
+
+
+BATCHED_OTHERS = ("plain", "tau")  # the modes the policy is held against: batched plain and every fixed τ
+
+
+def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per client count, what the batching issue's goals read: the policy ('spec') against the best of batched plain
+    and the fixed-τ modes present (overall, and round by round where the rows kept each round's tokens/s), the best
+    batched mode and the policy against '--max-batch 1' ('unbatched'), and the policy's p95 latency. Levels without a
+    'spec' row are left out; a ratio whose modes did not run is None."""
+    by = {(r["mode"], r["concurrency"]): r for r in rows}
+    out = []
+    for level in sorted({r["concurrency"] for r in rows}):
+        spec = by.get(("spec", level))
+        if spec is None:
+            continue
+        others = [r for (mode, c), r in by.items() if c == level and mode.startswith(BATCHED_OTHERS)]
+        best = max(others, key=lambda r: r["tokens_per_s"], default=None)
+        unbatched = by.get(("unbatched", level))
+        batched = [spec, *others]
+        per_round = None
+        rounds = spec.get("round_tokens_per_s") or []
+        if best is not None and rounds and all(len(r.get("round_tokens_per_s") or []) == len(rounds) for r in others):
+            per_round = [
+                spec_r / max(r["round_tokens_per_s"][i] for r in others)
+                for i, spec_r in enumerate(rounds)
+                if max(r["round_tokens_per_s"][i] for r in others) > 0
+            ]
+        out.append(
+            {
+                "concurrency": level,
+                "policy_vs_best": (
+                    spec["tokens_per_s"] / best["tokens_per_s"] if best and best["tokens_per_s"] else None
+                ),
+                "best_other": best["mode"] if best else None,
+                "policy_vs_best_rounds": per_round,
+                "best_batched_vs_unbatched": (
+                    max(r["tokens_per_s"] for r in batched) / unbatched["tokens_per_s"]
+                    if unbatched and unbatched["tokens_per_s"]
+                    else None
+                ),
+                "policy_vs_unbatched": (
+                    spec["tokens_per_s"] / unbatched["tokens_per_s"]
+                    if unbatched and unbatched["tokens_per_s"]
+                    else None
+                ),
+                "policy_p95_s": spec["p95_latency_s"],
+            }
+        )
+    return out
 
 
 def plot(report: dict[str, Any], path: str) -> None:

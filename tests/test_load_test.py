@@ -95,3 +95,29 @@ def test_the_modes_take_turns_in_an_order_rotated_each_round() -> None:
     assert [r[0] for r in rounds[:3]] == modes  # each mode first once in len(modes) rounds
     assert all(sorted(r) == sorted(modes) for r in rounds)
     assert order([], 2) == []
+
+
+def test_the_summary_reads_the_batching_goals_level_by_level() -> None:
+    """Policy ÷ the best of plain and fixed τ (overall and round by round), the best batched mode and the policy ÷
+    --max-batch 1, the policy's p95; a level without the policy is left out, a ratio without its modes is None."""
+    mod = _module()
+    rows = [
+        {**_row("plain", 16, 2000.0, 0.5), "round_tokens_per_s": [2000.0, 2000.0]},
+        {**_row("tau2", 16, 3200.0, 0.4), "round_tokens_per_s": [3000.0, 3400.0]},
+        {**_row("spec", 16, 3040.0, 0.35), "round_tokens_per_s": [3100.0, 2980.0]},
+        _row("unbatched", 16, 1000.0, 1.2),
+        _row("plain", 4, 900.0, 0.2),
+        _row("spec", 1, 1000.0, 0.08),
+    ]
+    by = {r["concurrency"]: r for r in mod.ratios(rows)}
+    assert sorted(by) == [1, 16]  # no policy at 4 clients
+    r16 = by[16]
+    assert r16["policy_vs_best"] == pytest.approx(3040 / 3200) and r16["best_other"] == "tau2"
+    assert r16["policy_vs_best_rounds"] == pytest.approx([3100 / 3000, 2980 / 3400])
+    assert r16["best_batched_vs_unbatched"] == pytest.approx(3.2) and r16["policy_vs_unbatched"] == pytest.approx(3.04)
+    assert r16["policy_p95_s"] == 0.35
+    assert by[1]["policy_vs_best"] is None and by[1]["best_batched_vs_unbatched"] is None
+    text = mod.render({"rows": rows, "greedy_identity": None})
+    line = next(x for x in text.splitlines() if x.startswith("| 16 | 0.95"))
+    assert "(0.88-1.03) against tau2" in line and "| 3.20× | 3.04× | 0.350 |" in line
+    assert next(x for x in text.splitlines() if x.startswith("| 1 | –"))
