@@ -453,12 +453,9 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         batched = [spec, *others]
         per_round = None
         rounds = spec.get("round_tokens_per_s") or []
-        if best is not None and rounds and all(len(r.get("round_tokens_per_s") or []) == len(rounds) for r in others):
-            per_round = [
-                spec_r / max(r["round_tokens_per_s"][i] for r in others)
-                for i, spec_r in enumerate(rounds)
-                if max(r["round_tokens_per_s"][i] for r in others) > 0
-            ]
+        if others and rounds and all(len(r.get("round_tokens_per_s") or []) == len(rounds) for r in others):
+            round_best = [max(column) for column in zip(*(r["round_tokens_per_s"] for r in others))]
+            per_round = [mine / top for mine, top in zip(rounds, round_best) if top > 0]
         out.append(
             {
                 "concurrency": level,
