@@ -6,6 +6,7 @@ side by side in one run.
     python benchmarks/load_test.py --url http://127.0.0.1:8000 --modes plain spec   # a server you started
     python benchmarks/load_test.py --from-json load.json --plot load.png             # re-draw a report
     python benchmarks/load_test.py --spawn --prompts benchmarks/long_prompts.jsonl   # prompts of 1-729 tokens
+    python benchmarks/load_test.py --spawn --other llama.cpp=http://127.0.0.1:8080    # another server beside ours
 
 ``--spawn`` starts two servers on loopback with the same models (``--serve-args``): one with the default
 ``--max-batch`` and one with ``--max-batch 1``; mode ``unbatched`` is the policy on the second, every
@@ -20,6 +21,12 @@ Reports, per mode and concurrency: output tokens/s (all clients together), reque
 latency, p50 time to first token, and each mode's throughput relative to batched plain. Every greedy output
 is compared with a solo target-only run of the same prompt on the same server (by its text): speculation and
 batching are lossless, so every output must match; the exit code is 1 if one does not.
+
+``--other NAME=URL`` adds another OpenAI-compatible server as mode NAME (llama.cpp's ``llama-server``, vLLM, ...;
+``benchmarks/vs_llama_cpp.py`` starts llama.cpp's): it gets the same prompts and clients, in turn with the other
+modes, with plain completion bodies (no ``speculative``; ``--other-body`` adds fields, e.g. ``{"cache_prompt":
+false}``). Its greedy outputs are compared with its own solo run of each prompt and with ours, and reported: they are
+not ours to promise, so they do not set the exit code.
 """
 
 from __future__ import annotations
@@ -177,6 +184,7 @@ class _Reading:
         self.ttft = float("nan")
         self.text: list[str] = []
         self.tokens = 0
+        self.usage = False
 
     def event(self, data: str | bytes) -> None:
         """One event's ``data:`` payload (``[DONE]`` included)."""
@@ -186,12 +194,14 @@ class _Reading:
         if "error" in chunk:
             raise RuntimeError(chunk["error"]["message"])
         if chunk.get("usage"):
-            self.tokens = chunk["usage"]["completion_tokens"]
+            self.tokens, self.usage = chunk["usage"]["completion_tokens"], True
         for choice in chunk.get("choices", ()):
             if choice.get("text"):
                 if not self.text:
                     self.ttft = time.perf_counter() - self.t0
                 self.text.append(choice["text"])
+                if not self.usage:  # a server that sends no usage chunk: one event per token (llama.cpp's does)
+                    self.tokens += 1
 
     def sample(self) -> Sample:
         return Sample(
@@ -239,6 +249,8 @@ def request_body(args: argparse.Namespace, mode: str, i: int) -> dict[str, Any]:
     }
     if args.model:
         body["model"] = args.model
+    if mode in args.other:  # another server: a plain OpenAI body and the fields given for it
+        return {**body, **args.other_body}
     if mode == "plain":
         body["speculative"] = {"tau": 0}
     elif mode.startswith("tau"):
@@ -332,46 +344,62 @@ def round_order(modes: list[str], r: int) -> list[str]:
 
 async def main_async(args: argparse.Namespace, urls: dict[str, str]) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    urls = {**urls, **args.other}
     conns = {name: StreamConnection(url, headers, args.timeout) for name, url in urls.items()}
+    modes = [*args.modes, *args.other]
 
-    def url_for(mode: str) -> str:
-        return urls["unbatched"] if mode == "unbatched" else urls["batched"]
+    def server_for(mode: str) -> str:  # where a mode runs
+        return mode if mode in args.other or mode == "unbatched" else "batched"
+
+    def reference_for(mode: str) -> str:  # whose solo outputs it is held to
+        return mode if mode in args.other else "batched"
 
     try:
-        async with httpx.AsyncClient(base_url=urls["batched"], headers=headers, timeout=args.timeout) as http:
-            health = {name: (await http.get(url + "/health")).json() for name, url in urls.items()}
-            models = (await http.get("/v1/models")).json()
-        main = conns["batched"]
-        for mode in args.modes:  # warm-up: first requests pay one-off costs
-            conn = conns["unbatched"] if mode == "unbatched" else main
-            await one_request(conn, {**request_body(args, mode, 0), "max_tokens": 8})
-        # The reference: each prompt alone, target-only, greedy.
-        solo: dict[int, str] = {}
+        async with httpx.AsyncClient(headers=headers, timeout=args.timeout) as http:
+            health = {name: await _health(http, url) for name, url in urls.items()}
+            models = (await http.get(urls["batched"] + "/v1/models")).json()
+        for mode in modes:  # warm-up: first requests pay one-off costs
+            await one_request(conns[server_for(mode)], {**request_body(args, mode, 0), "max_tokens": 8})
+        # The reference: each prompt alone, target-only, greedy (and on each other server, its own plain decoding).
+        solo: dict[str, dict[int, str]] = {}
         if args.temperature == 0:
-            for k in range(len(args.prompt_list)):
-                solo[k] = (await one_request(main, request_body(args, "plain", k))).text
+            for name in ("batched", *args.other):
+                mode = "plain" if name == "batched" else name
+                solo[name] = {
+                    k: (await one_request(conns[name], request_body(args, mode, k))).text
+                    for k in range(len(args.prompt_list))
+                }
     finally:
         for conn in conns.values():
             await conn.close()
-    results = {(m, c): Result(m, c) for c in args.concurrency for m in args.modes}
+    results = {(m, c): Result(m, c) for c in args.concurrency for m in modes}
     for concurrency in args.concurrency:
         for r in range(args.rounds):
-            for mode in round_order(args.modes, r):
-                await run_level(url_for(mode), args, mode, concurrency, results[(mode, concurrency)], headers)
+            for mode in round_order(modes, r):
+                await run_level(urls[server_for(mode)], args, mode, concurrency, results[(mode, concurrency)], headers)
                 print(f"  {mode:>9} x{concurrency:<3} done", file=sys.stderr, flush=True)
     rows = [r.summary() for r in results.values()]
     identity = None
+    others: dict[str, dict[str, Any]] = {}
     if solo:  # greedy: every output of every mode and load must equal the solo target-only output
         checked = differ = 0
         for r in results.values():
-            for k, texts in r.texts.items():
-                checked += 1
-                differ += any(t != solo[k] for t in texts)
-            r_id = sum(1 for k, texts in r.texts.items() if all(t == solo[k] for t in texts))
+            ref = solo[reference_for(r.mode)]
+            same = sum(1 for k, texts in r.texts.items() if all(t == ref[k] for t in texts))
             next(row for row in rows if row["mode"] == r.mode and row["concurrency"] == r.concurrency)[
                 "identical_prompts"
-            ] = f"{r_id}/{len(r.texts)}"
+            ] = f"{same}/{len(r.texts)}"
+            if r.mode in args.other:
+                seen = others.setdefault(r.mode, {"prompt_levels": 0, "differing": 0})
+                seen["prompt_levels"] += len(r.texts)
+                seen["differing"] += len(r.texts) - same
+            else:
+                checked += len(r.texts)
+                differ += len(r.texts) - same
         identity = {"prompt_mode_levels": checked, "differing": differ}
+        for name, seen in others.items():  # its plain decoding against ours, prompt by prompt
+            seen["solo_equal_to_specdec"] = sum(solo[name][k] == solo["batched"][k] for k in solo["batched"])
+            seen["prompts"] = len(solo["batched"])
     return {
         "server": health,
         "model": models["data"][0],
@@ -379,8 +407,20 @@ async def main_async(args: argparse.Namespace, urls: dict[str, str]) -> dict[str
         "prompts": args.prompt_list,
         "rows": rows,
         "greedy_identity": identity,
-        "by_level": ratios(rows),
+        "other_identity": others or None,
+        "by_level": ratios(rows, list(args.other)),
     }
+
+
+async def _health(http: httpx.AsyncClient, url: str) -> Any:
+    """A server's ``/health`` (its JSON, else its status code): what ran, kept with the report."""
+    try:
+        r = await http.get(url + "/health")
+        return r.json()
+    except ValueError:
+        return {"status_code": r.status_code}
+    except httpx.HTTPError as e:
+        return {"error": str(e)}
 
 
 def render(report: dict[str, Any]) -> str:
@@ -405,7 +445,16 @@ def render(report: dict[str, Any]) -> str:
             f"\nGreedy outputs differing from the solo target-only run: {same['differing']} of "
             f"{same['prompt_mode_levels']} (prompt, mode, level) groups."
         )
-    summary = ratios(rows)
+    for name, seen in (report.get("other_identity") or {}).items():
+        lines.append(
+            f"{name}: greedy outputs differing from its own solo run: {seen['differing']} of {seen['prompt_levels']}"
+            f" (prompt, level) groups; its solo outputs equal to specdec's on {seen['solo_equal_to_specdec']} of"
+            f" {seen['prompts']} prompts."
+        )
+    others = [name for name in (report.get("other_identity") or {})] or sorted(
+        {name for r in report.get("by_level") or () for name in r.get("vs_other", {})}
+    )
+    summary = ratios(rows, others)
     if summary:
         lines += [
             "\nBy level (the batching issue's figures; rounds: the same ratio from each round's tokens/s alone, its spread"
@@ -421,6 +470,18 @@ def render(report: dict[str, Any]) -> str:
                 + f"| {_cell(r['best_batched_vs_unbatched'], unit='×')} | {_cell(r['policy_vs_unbatched'], unit='×')} | "
                 f"{_cell(r['policy_p95_s'], digits=3)} |"
             )
+        for name in others:
+            lines += [
+                f"\nAgainst {name} (its tokens/s through the same clients):\n",
+                f"| clients | policy ÷ {name} | best batched ÷ {name} | {name} p95 s |",
+                "|---|---|---|---|",
+            ]
+            for r in summary:
+                vs = r["vs_other"].get(name)
+                if vs:
+                    lines.append(
+                        f"| {r['concurrency']} | {vs['policy']:.2f}× | {vs['best_batched']:.2f}× | {vs['p95_s']:.3f} |"
+                    )
     return "\n".join(lines)
 
 
@@ -436,11 +497,12 @@ def _cell(value: float | None, spread: list[float] | None = None, unit: str = ""
 BATCHED_OTHERS = ("plain", "tau")  # the modes the policy is held against: batched plain and every fixed τ
 
 
-def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def ratios(rows: list[dict[str, Any]], servers: list[str] | None = None) -> list[dict[str, Any]]:
     """Per client count, what the batching issue's goals read: the policy ('spec') against the best of batched plain
     and the fixed-τ modes present (overall, and round by round where the rows kept each round's tokens/s), the best
-    batched mode and the policy against '--max-batch 1' ('unbatched'), and the policy's p95 latency. Levels without a
-    'spec' row are left out; a ratio whose modes did not run is None."""
+    batched mode and the policy against '--max-batch 1' ('unbatched'), the policy's p95 latency, and the policy and
+    the best batched mode against each other server (``servers``: ``--other`` names). Levels without a 'spec' row are
+    left out; a ratio whose modes did not run is None."""
     by = {(r["mode"], r["concurrency"]): r for r in rows}
     out = []
     for level in sorted({r["concurrency"] for r in rows}):
@@ -475,6 +537,15 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     else None
                 ),
                 "policy_p95_s": spec["p95_latency_s"],
+                "vs_other": {
+                    name: {
+                        "policy": spec["tokens_per_s"] / other["tokens_per_s"],
+                        "best_batched": max(r["tokens_per_s"] for r in batched) / other["tokens_per_s"],
+                        "p95_s": other["p95_latency_s"],
+                    }
+                    for name in servers or ()
+                    if (other := by.get((name, level))) and other["tokens_per_s"]
+                },
             }
         )
     return out
@@ -535,6 +606,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=["plain", "spec", "unbatched", "tau1", "tau2", "tau3", "tau4"],
         help="plain, spec, unbatched, tauN (fixed τ = N on the batched server)",
     )
+    p.add_argument(
+        "--other",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="another OpenAI-compatible server, run as mode NAME beside ours (e.g. llama.cpp=http://127.0.0.1:8080)",
+    )
+    p.add_argument(
+        "--other-body",
+        default="{}",
+        metavar="JSON",
+        help="fields added to every request to the --other servers (e.g. '{\"cache_prompt\": false}')",
+    )
     p.add_argument("--prompts", default=None, metavar="FILE", help="prompts, one JSON string per line (JSONL)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", default=None, metavar="FILE", help="also write the full report as JSON")
@@ -553,6 +637,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for mode in args.modes:
         if mode not in ("plain", "spec", "unbatched") and not (mode.startswith("tau") and mode[3:].isdigit()):
             p.error(f"unknown mode {mode!r}: plain, spec, unbatched or tauN")
+    other: dict[str, str] = {}
+    for item in args.other:
+        name, sep, url = item.partition("=")
+        if not sep or not name or not url.startswith("http://"):
+            p.error(f"--other {item!r}: expected NAME=http://HOST:PORT")
+        if name in ("plain", "spec", "unbatched", "batched") or name.startswith("tau") or name in other:
+            p.error(f"--other {item!r}: the name {name!r} is taken")
+        other[name] = url.rstrip("/")
+    args.other = other
+    try:
+        args.other_body = json.loads(args.other_body)
+    except ValueError as e:
+        p.error(f"--other-body: not JSON ({e})")
+    if not isinstance(args.other_body, dict):
+        p.error("--other-body: expected a JSON object")
     if "unbatched" in args.modes and not (args.spawn or args.unbatched_url):
         p.error("mode 'unbatched' needs --spawn or --unbatched-url")
     args.prompt_list = PROMPTS

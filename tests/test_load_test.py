@@ -121,3 +121,39 @@ def test_the_summary_reads_the_batching_goals_level_by_level() -> None:
     line = next(x for x in text.splitlines() if x.startswith("| 16 | 0.95"))
     assert "(0.88-1.03) against tau2" in line and "| 3.20× | 3.04× | 0.350 |" in line
     assert next(x for x in text.splitlines() if x.startswith("| 1 | –"))
+
+
+def test_another_server_is_held_against_the_policy_and_the_best_batched_mode() -> None:
+    """``--other NAME=URL`` rows (llama.cpp's server, say): per level the policy and the best batched mode ÷ its
+    tokens/s and its p95; its identity line reports its own solo agreement and its agreement with ours."""
+    mod = _module()
+    rows = [
+        _row("plain", 16, 2000.0, 0.5),
+        _row("spec", 16, 3000.0, 0.35),
+        _row("llama.cpp", 16, 1500.0, 0.9),
+        _row("spec", 1, 1000.0, 0.08),
+        _row("llama.cpp", 1, 800.0, 0.1),
+    ]
+    by = {r["concurrency"]: r for r in mod.ratios(rows, ["llama.cpp"])}
+    assert by[16]["vs_other"]["llama.cpp"] == pytest.approx({"policy": 2.0, "best_batched": 2.0, "p95_s": 0.9})
+    assert by[1]["vs_other"]["llama.cpp"]["policy"] == pytest.approx(1.25)
+    assert mod.ratios(rows)[0]["vs_other"] == {}  # no --other named: nothing against it
+    seen = {"prompt_levels": 30, "differing": 4, "solo_equal_to_specdec": 11, "prompts": 15}
+    text = mod.render({"rows": rows, "greedy_identity": None, "other_identity": {"llama.cpp": seen}})
+    assert "llama.cpp: greedy outputs differing from its own solo run: 4 of 30" in text
+    assert "equal to specdec's on 11 of 15 prompts" in text
+    assert "| 16 | 2.00× | 2.00× | 0.900 |" in text and "| 1 | 1.25× | 1.25× | 0.100 |" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--other", "llama.cpp"], "expected NAME=http://HOST:PORT"),
+        (["--other", "tau3=http://127.0.0.1:1"], "the name 'tau3' is taken"),
+        (["--other", "x=http://127.0.0.1:1", "--other-body", "[1]"], "--other-body: expected a JSON object"),
+        (["--other", "x=http://127.0.0.1:1", "--other-body", "{"], "--other-body: not JSON"),
+    ],
+)
+def test_bad_other_servers_are_one_line_errors(argv: list[str], message: str) -> None:
+    run = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr

@@ -456,3 +456,13 @@ def test_the_load_test_client_reads_what_httpx_reads(server: str) -> None:
     assert report["greedy_identity"] == {"prompt_mode_levels": 6, "differing": 0}
     assert all(r["requests"] == 10 and r["errors"] == 0 and r["tokens_per_s"] > 0 for r in report["rows"])
     assert all(len(r["round_tokens_per_s"]) == 2 and min(r["round_tokens_per_s"]) > 0 for r in report["rows"])
+    # Another OpenAI server beside ours (here the same one, asked through plain bodies and --other-body's fields):
+    # its own mode, held to its own solo outputs, and those compared with ours.
+    other = ["--other", f"same={server}", "--other-body", '{"speculative": {"tau": 3}}', "--rounds", "1"]
+    args = lt.parse_args([*argv, "--modes", "plain", *other])
+    args.max_tokens, args.prompt_list = 10, PROMPTS[:3]
+    report = asyncio.run(lt.main_async(args, {"batched": server}))
+    assert [r["mode"] for r in report["rows"]] == ["plain", "same"] and report["rows"][1]["requests"] == 5
+    assert report["other_identity"] == {
+        "same": {"prompt_levels": 3, "differing": 0, "solo_equal_to_specdec": 3, "prompts": 3}
+    }
