@@ -1,0 +1,408 @@
+"""specdec beside llama.cpp on the same checkpoints converted to GGUF, measured in one run on this machine.
+
+Two parts, each a side-by-side comparison with ratios:
+
+- ``passes``: what a target pass of k rows costs, at ``--context`` tokens of cache, in specdec's CPU kernel
+  (``specdec.real_shapes.pass_times``) and in llama.cpp (``llama-bench`` and ``llama-batched-bench``), for the shipped
+  target (``default``) and random-init checkpoints with published bodies (``specdec.real_shapes``: SmolLM2-135M,
+  Qwen2.5-0.5B, Llama-3.2-1B, the vocabulary cut to the shipped 8,192-token tokenizer). A *block* is one sequence's k
+  consecutive tokens (a verify pass; llama.cpp's figure is its prompt pass of k tokens at that depth, which computes
+  the output head for the last row only, so it is a lower bound on a llama.cpp verify pass); a *batch* is k sequences
+  of one token each (llama.cpp's figure: ``llama-batched-bench``'s generation phase, k sequences per decode, every
+  row's logits, as in specdec's). The two systems take turns in ``--rounds`` rounds; medians.
+- ``serve``: ``llama-server`` (plain decoding with ``--parallel`` slots and continuous batching, and with
+  ``--spec`` also with the shipped draft as its speculative draft) beside ``specdec serve``, through
+  ``benchmarks/load_test.py``'s clients (``--other``): the same prompts, clients and requests, in turn; tokens/s,
+  latency, and each server's greedy outputs against its own solo run. Arguments after ``--`` go to load_test.
+
+    python benchmarks/vs_llama_cpp.py --llama-cpp ~/src/llama.cpp passes --shapes default qwen2.5-0.5b llama3.2-1b
+    python benchmarks/vs_llama_cpp.py --llama-cpp ~/src/llama.cpp serve --spec -- --concurrency 1 4 16 32
+
+``--llama-cpp`` is a llama.cpp source tree built with CMake (``convert_hf_to_gguf.py``, ``gguf-py/`` and the binaries
+under ``build/bin``; ``--bin`` names another binaries folder). Where only PyPI is reachable, the source distribution
+of ``llama-cpp-python`` carries one (``vendor/llama.cpp``): docs/benchmarks.md shows the commands. Checkpoints are
+converted once to bf16 GGUF under ``--out`` (default ``$SPECDEC_CACHE_DIR/llama_cpp``); the conversion uses the
+tree's own script, told that the shipped tokenizer (byte-level BPE with GPT-2's split, a hash it does not list) is
+GPT-2's, and to skip SentencePiece where a checkpoint has no ``tokenizer.model``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "src" / "specdec" / "models"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+# Run inside llama.cpp's converter: the two things it cannot know about a checkpoint with the shipped tokenizer.
+CONVERT = r"""
+import json, runpy, sys
+from pathlib import Path
+tree = sys.argv.pop(1)
+sys.path[:0] = [tree, tree + "/gguf-py"]
+try:
+    from conversion.base import TextModel
+except ImportError:  # an older tree: everything in the one script
+    sys.path.insert(0, tree)
+    from convert_hf_to_gguf import TextModel
+pre, spm = TextModel.get_vocab_base_pre, TextModel._set_vocab_sentencepiece
+
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return pre(self, tokenizer)
+    except NotImplementedError:  # a hash it does not list: GPT-2's split if the tokenizer says so
+        spec = json.loads((Path(self.dir_model) / "tokenizer.json").read_text()).get("pre_tokenizer") or {}
+        if spec.get("type") == "ByteLevel" and spec.get("use_regex", True):
+            return "gpt-2"
+        raise
+
+def set_vocab_sentencepiece(self, *a, **k):
+    if not (Path(self.dir_model) / "tokenizer.model").is_file():
+        raise FileNotFoundError("no tokenizer.model")  # what the converters catch to try the next vocabulary
+    return spm(self, *a, **k)
+
+TextModel.get_vocab_base_pre = get_vocab_base_pre
+TextModel._set_vocab_sentencepiece = set_vocab_sentencepiece
+sys.argv[0] = tree + "/convert_hf_to_gguf.py"
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+class Failure(Exception):
+    """A one-line error for the user (a missing tree, a tool that failed)."""
+
+
+def cache_root() -> Path:
+    base = os.environ.get("SPECDEC_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec"
+    )
+    return Path(base) / "llama_cpp"
+
+
+def find_tools(tree: Path, bin_dir: Path | None) -> dict[str, Path]:
+    """The tree's converter and the binaries this benchmark runs; a Failure naming what is missing."""
+    if not (tree / "convert_hf_to_gguf.py").is_file():
+        raise Failure(f"{tree}: not a llama.cpp source tree (no convert_hf_to_gguf.py)")
+    bins = bin_dir or tree / "build" / "bin"
+    tools = {"convert": tree / "convert_hf_to_gguf.py"}
+    for name in ("llama-bench", "llama-batched-bench", "llama-server"):
+        tools[name] = bins / name
+        if not os.access(tools[name], os.X_OK):
+            raise Failure(
+                f"{tools[name]}: missing; build it (cmake -B build && cmake --build build --target {name}) or name "
+                "the binaries' folder with --bin"
+            )
+    return tools
+
+
+def hf_dir(shape: str, out: Path) -> Path:
+    """The Hugging Face checkpoint of ``shape``: the shipped target or draft, or a real-shape checkpoint beside the
+    shipped tokenizer (llama.cpp's converter needs one; specdec's runner reads only the weights and config)."""
+    if shape in ("default", "draft"):
+        return SHIPPED / ("target" if shape == "default" else "draft")
+    from specdec import real_shapes as rs
+
+    weights = rs.checkpoint(shape)
+    side = out / "hf" / weights.name
+    side.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors"):
+        if not (side / name).exists():
+            (side / name).symlink_to(weights / name)
+    for name in TOKENIZER_FILES:
+        if not (side / name).exists():
+            shutil.copy(SHIPPED / "target" / name, side / name)
+    return side
+
+
+def gguf(shape: str, tree: Path, out: Path) -> Path:
+    """``shape`` converted to a bf16 GGUF by the tree's own converter (once; kept under ``out``)."""
+    src = hf_dir(shape, out)
+    dst = out / f"{shape}-bf16.gguf"
+    if dst.exists() and dst.stat().st_mtime >= (src / "model.safetensors").stat().st_mtime:
+        return dst
+    tmp = dst.with_suffix(f".tmp{os.getpid()}")
+    cmd = [sys.executable, "-c", CONVERT, str(tree), str(src), "--outtype", "bf16", "--outfile", str(tmp)]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    if run.returncode != 0 or not tmp.exists():
+        last = (run.stderr.strip().splitlines() or ["no output"])[-1]
+        raise Failure(f"converting {src} to GGUF failed: {last}")
+    tmp.rename(dst)
+    return dst
+
+
+def _run(cmd: list[str], timeout: float = 1800) -> str:
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if run.returncode != 0:
+        last = (run.stderr.strip().splitlines() or ["no output"])[-1]
+        raise Failure(f"{Path(cmd[0]).name} exited with {run.returncode}: {last}")
+    return run.stdout
+
+
+def parse_llama_bench(text: str) -> dict[tuple[int, int], float]:
+    """``llama-bench -o json``: seconds of one run per (prompt tokens, generated tokens), the median sample."""
+    return {(r["n_prompt"], r["n_gen"]): statistics.median(r["samples_ns"]) / 1e9 for r in json.loads(text)}
+
+
+def parse_batched_bench(text: str) -> dict[int, float]:
+    """``llama-batched-bench --output-format jsonl``: seconds of one decode of ``pl`` sequences' next tokens (its
+    generation phase: ``tg`` decodes of ``pl`` rows)."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("{"):
+            r = json.loads(line)
+            out[int(r["pl"])] = r["t_tg"] / r["tg"]
+    return out
+
+
+def llama_cpp_passes(tools: dict[str, Path], model: Path, ks: list[int], context: int, threads: int) -> dict[str, Any]:
+    """llama.cpp's t(k) at ``context`` tokens of cache: blocks (a prompt pass of k tokens at that depth; one token:
+    its generation pass) and batches (k sequences, one token each)."""
+    common = ["-m", str(model), "-t", str(threads)]
+    blocks = [k for k in ks if k > 1]
+    bench = parse_llama_bench(
+        _run(
+            [str(tools["llama-bench"]), *common, "-d", str(context), "-r", "5", "-o", "json"]
+            + (["-p", ",".join(map(str, blocks))] if blocks else ["-p", "0"])
+            + ["-n", "16"]
+        )
+    )
+    block = {k: bench[(k, 0)] for k in blocks}
+    block[1] = bench[(0, 16)] / 16
+    batched = parse_batched_bench(
+        _run(
+            [str(tools["llama-batched-bench"]), *common, "-c", str(max(ks) * (context + 40) + 256)]
+            + ["-npp", str(context), "-ntg", "16", "-npl", ",".join(map(str, ks)), "--output-format", "jsonl"]
+        )
+    )
+    return {"block": dict(sorted(block.items())), "batch": batched}
+
+
+def specdec_passes(path: Path, ks: list[int], context: int, rounds: int) -> dict[str, Any]:
+    import torch
+
+    from specdec import real_shapes as rs
+    from specdec.runtime.native import NativeRunner
+
+    runner = NativeRunner.from_pretrained(path, dtype=torch.bfloat16, kernel=True, max_context=context + max(ks) + 8)
+    times = rs.pass_times(runner, ks, context=context, rounds=rounds)
+    return {"block": times.block, "batch": times.batch}
+
+
+def cmd_passes(args: argparse.Namespace, tools: dict[str, Path]) -> int:
+    import torch
+
+    from specdec.runtime import native_kernel as nk
+
+    torch.set_num_threads(args.threads)
+    if not nk.kernel_available():
+        raise Failure(f"the CPU kernel is unavailable: {nk.kernel_status()}")
+    ks = sorted(set(args.ks))
+    shapes: dict[str, Any] = {}
+    for shape in args.shapes:
+        model = gguf(shape, args.llama_cpp, args.out)
+        path = hf_dir(shape, args.out)
+        runs: dict[str, list[dict[str, Any]]] = {"specdec": [], "llama.cpp": []}
+        for r in range(args.rounds):  # the two take turns, the order swapped each round
+            order = ["specdec", "llama.cpp"] if r % 2 == 0 else ["llama.cpp", "specdec"]
+            for who in order:
+                if who == "specdec":
+                    runs[who].append(specdec_passes(path, ks, args.context, rounds=3))
+                else:
+                    runs[who].append(llama_cpp_passes(tools, model, ks, args.context, args.threads))
+            print(f"  {shape}: round {r + 1} of {args.rounds} done", file=sys.stderr, flush=True)
+        med = {
+            who: {
+                kind: {k: statistics.median(r[kind][k] for r in done) for k in ks if all(k in r[kind] for r in done)}
+                for kind in ("block", "batch")
+            }
+            for who, done in runs.items()
+        }
+        shapes[shape] = {"gguf": str(model), "median_seconds": med, "rounds": runs}
+    report = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "cpu": _cpu(),
+        "kernel": nk.kernel_status(),
+        "llama_cpp": _llama_cpp_version(tools),
+        "threads": args.threads,
+        "context": args.context,
+        "shapes": shapes,
+    }
+    print(render_passes(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return 0
+
+
+def render_passes(report: dict[str, Any]) -> str:
+    lines = [
+        f"{report['cpu'].get('model', '?')}, {report['threads']} threads, {report['context']} tokens of context; "
+        f"specdec {report['kernel']}; llama.cpp {report['llama_cpp']}. Milliseconds per pass (medians over rounds)."
+    ]
+    for shape, s in report["shapes"].items():
+        med = s["median_seconds"]
+        lines += [
+            f"\n{shape}\n",
+            "| rows k | block: specdec | block: llama.cpp* | llama.cpp ÷ specdec | batch: specdec | batch: llama.cpp |"
+            " llama.cpp ÷ specdec |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        ks = sorted({int(k) for who in med.values() for kind in who.values() for k in kind})
+        for k in ks:
+            cells = []
+            for kind in ("block", "batch"):
+                mine, theirs = med["specdec"][kind].get(k), med["llama.cpp"][kind].get(k)
+                cells += [_ms(mine), _ms(theirs), f"{theirs / mine:.2f}×" if mine and theirs else "–"]
+            lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    lines.append(
+        "\n* llama.cpp's block is its prompt pass of k tokens at that depth (the output head on the last row only; a"
+        " verify pass needs every row's), its 1-row figure its generation pass: a lower bound on its verify pass."
+    )
+    return "\n".join(lines)
+
+
+def _ms(seconds: float | None) -> str:
+    return f"{seconds * 1e3:.2f}" if seconds else "–"
+
+
+def _cpu() -> dict[str, Any]:
+    info: dict[str, Any] = {"cores": os.cpu_count()}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["model"] = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                info["avx512_bf16"] = "avx512_bf16" in line.split()
+                break
+    return info
+
+
+def _llama_cpp_version(tools: dict[str, Path]) -> str:
+    run = subprocess.run([str(tools["llama-server"]), "--version"], capture_output=True, text=True, timeout=60)
+    text = (run.stdout + run.stderr).strip().splitlines()
+    return next((line for line in text if line.startswith("version")), text[-1] if text else "?")
+
+
+@contextlib.contextmanager
+def llama_servers(
+    tools: dict[str, Path], target: Path, draft: Path | None, slots: int, threads: int, draft_max: int
+) -> Iterator[dict[str, str]]:
+    """``llama-server`` on loopback: plain, and with ``draft`` a second one speculating with it."""
+    import httpx
+    from load_test import _free_port  # type: ignore[import-not-found]
+
+    procs: list[subprocess.Popen[bytes]] = []
+    urls: dict[str, str] = {}
+    logs = tempfile.TemporaryDirectory(prefix="vs_llama_cpp_")
+    variants: list[tuple[str, list[str]]] = [("llama.cpp", [])]
+    if draft is not None:
+        spec = ["-md", str(draft), "--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0"]
+        variants.append(("llama.cpp-spec", spec))
+    try:
+        for name, extra in variants:
+            port = _free_port()
+            cmd = [str(tools["llama-server"]), "-m", str(target), "-t", str(threads), "-np", str(slots)]
+            cmd += ["-c", str(slots * 1024), "--host", "127.0.0.1", "--port", str(port), *extra]
+            with open(Path(logs.name) / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
+            url = urls[name] = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 300
+            while True:
+                if procs[-1].poll() is not None:
+                    tail = (Path(logs.name) / f"{name}.log").read_text(errors="replace").strip().splitlines()
+                    raise Failure(f"llama-server ({name}) exited: {tail[-1] if tail else 'no output'}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url + "/health", timeout=2).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise Failure(f"llama-server ({name}) did not start within 300 s")
+                time.sleep(0.5)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        logs.cleanup()
+
+
+def cmd_serve(args: argparse.Namespace, tools: dict[str, Path]) -> int:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import load_test  # type: ignore[import-not-found]
+
+    target = gguf("default", args.llama_cpp, args.out)
+    draft = gguf("draft", args.llama_cpp, args.out) if args.spec else None
+    rest = list(args.load_test_args)
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    levels = load_test.parse_args(["--spawn", *rest]).concurrency
+    with llama_servers(tools, target, draft, max(levels), args.threads, args.draft_max) as urls:
+        others = [x for name, url in urls.items() for x in ("--other", f"{name}={url}")]
+        # llama-server keeps each slot's prompt for the next request on it (a prefix cache specdec does not have):
+        # off, so both do the same work per request.
+        argv = ["--spawn", *others, "--other-body", json.dumps({"cache_prompt": False}), *rest]
+        return int(load_test.main(argv))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--llama-cpp", type=Path, required=True, help="a llama.cpp source tree, built with CMake")
+    p.add_argument("--bin", type=Path, default=None, help="its binaries' folder (default: TREE/build/bin)")
+    p.add_argument("--out", type=Path, default=None, help="where GGUF files go (default: $SPECDEC_CACHE_DIR/llama_cpp)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for both (default: every CPU)")
+    sub = p.add_subparsers(dest="part", required=True)
+    pp = sub.add_parser("passes", help="t(k) of blocks and batches, both runtimes, alternating")
+    pp.add_argument("--shapes", nargs="+", default=["default", "qwen2.5-0.5b", "llama3.2-1b"])
+    pp.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    pp.add_argument("--context", type=int, default=64)
+    pp.add_argument("--rounds", type=int, default=2)
+    pp.add_argument("--json", default=None, metavar="FILE")
+    ps = sub.add_parser("serve", help="llama-server beside specdec serve through load_test.py (args after --)")
+    ps.add_argument("--spec", action="store_true", help="also llama-server speculating with the shipped draft")
+    ps.add_argument("--draft-max", type=int, default=4, help="llama-server --spec-draft-n-max (default 4)")
+    ps.add_argument("load_test_args", nargs=argparse.REMAINDER, help="-- then benchmarks/load_test.py arguments")
+    args = p.parse_args(argv)
+    args.out = args.out or cache_root()
+    if args.threads < 1:
+        p.error("--threads must be positive")
+    if args.part == "passes":
+        from specdec import real_shapes as rs
+
+        for shape in args.shapes:
+            if shape != "default" and shape not in rs.SHAPES:
+                p.error(f"unknown shape {shape!r}: default, {', '.join(rs.SHAPES)}")
+        if min(args.ks) < 1 or args.context < 1 or args.rounds < 1:
+            p.error("--ks, --context and --rounds must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        tools = find_tools(args.llama_cpp, args.bin)
+        args.out.mkdir(parents=True, exist_ok=True)
+        return cmd_passes(args, tools) if args.part == "passes" else cmd_serve(args, tools)
+    except (Failure, OSError, subprocess.TimeoutExpired) as e:
+        print(f"vs_llama_cpp: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
