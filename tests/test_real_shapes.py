@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -57,6 +58,11 @@ def test_pass_times_blocks_and_batches(tmp_path: Path) -> None:
     pt = rs.pass_times(runner, [3, 1, 2], context=16, rounds=2, min_seconds=0.001)
     assert sorted(pt.block) == [1, 2, 3] and all(t > 0 for t in pt.block.values())
     assert sorted(pt.batch) == [1, 2, 3] and pt.batch_missing is None
+    assert all(len(v) == 2 and pt.block[k] == statistics.median(v) for k, v in pt.block_rounds.items())
+    assert pt.probes == []
+    calls = iter(range(10, 20))  # a probe runs once per round, before the round's passes
+    pt = rs.pass_times(runner, [1, 2], context=16, rounds=3, min_seconds=0.001, probe=lambda: float(next(calls)))
+    assert pt.probes == [10.0, 11.0, 12.0] and next(calls) == 13
     with pytest.raises(ValueError, match="exceed"):
         rs.pass_times(runner, [1, 60], context=16)
     with pytest.raises(ValueError, match="positive"):

@@ -20,7 +20,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -247,11 +247,15 @@ def batch_forward(runner: ModelRunner) -> Callable[[list[tuple[torch.Tensor, KVC
 class PassTimes:
     """Median seconds of a pass per row count: ``block[k]`` (one sequence, k consecutive tokens, logits of every
     row as a verify pass asks) and ``batch[k]`` (k sequences, one token each); ``batch`` is empty, with
-    ``batch_missing`` saying why, where the runner cannot run batches."""
+    ``batch_missing`` saying why, where the runner cannot run batches. ``block_rounds[k]``: each round's figure (the
+    median's samples); ``probes``: what the ``probe`` given to ``pass_times`` returned at the start of each round,
+    just before that round's one-row block (e.g. the memory's read bandwidth of that moment)."""
 
     block: dict[int, float]
     batch: dict[int, float]
     batch_missing: str | None = None
+    block_rounds: dict[int, list[float]] = field(default_factory=dict)
+    probes: list[float] = field(default_factory=list)
 
 
 def pass_times(
@@ -263,10 +267,13 @@ def pass_times(
     rounds: int = 5,
     min_seconds: float = 0.05,
     seed: int = 0,
+    probe: Callable[[], float] | None = None,
 ) -> PassTimes:
     """t(k) of ``runner``: each pass runs at ``context`` tokens of cache and is rolled back, so every call sees the
     same context. Row counts take turns in rounds (k = 1, 2, ... then again), so machine noise hits them alike;
-    each entry is the median over ``rounds`` of the mean of enough calls to last ``min_seconds``."""
+    each entry is the median over ``rounds`` of the mean of enough calls to last ``min_seconds``. ``probe``, when
+    given, is called at the start of every round (its values in ``PassTimes.probes``): a limit measured beside the
+    passes it bounds, on a machine whose limits move while it runs."""
     ks = sorted(set(int(k) for k in ks))
     if not ks or ks[0] < 1:
         raise ValueError(f"row counts must be positive, got {list(ks)}")
@@ -305,7 +312,10 @@ def pass_times(
         fn()
         counts[key] = max(1, math.ceil(min_seconds / max(time.perf_counter() - t0, 1e-6)))
     samples: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
+    probes: list[float] = []
     for _ in range(rounds):
+        if probe is not None:
+            probes.append(float(probe()))
         for key, fn in calls.items():
             n = counts[key]
             t0 = time.perf_counter()
@@ -317,6 +327,8 @@ def pass_times(
         block={k: med[("block", k)] for k in ks},
         batch={k: med[("batch", k)] for k in ks if ("batch", k) in med},
         batch_missing=missing,
+        block_rounds={k: samples[("block", k)] for k in ks},
+        probes=probes,
     )
 
 
