@@ -7,7 +7,9 @@ taking turns (A B A B ...), so machine noise hits both alike. Prints medians and
     python benchmarks/kernel_ab.py --baseline /path/to/other/checkout --shapes default qwen2.5-0.5b --ks 1 2 4 6 8 16
     python benchmarks/kernel_ab.py --baseline ../main --ks 64 128 --context 16   # prefill-sized blocks
 
-Shapes: ``default`` (the shipped target's config) or a name of ``specdec.real_shapes.SHAPES``.
+Shapes: ``default`` (the shipped target), ``draft`` (the shipped draft) or a name of ``specdec.real_shapes.SHAPES``.
+Besides the ratio of the medians, each round's B/A (A and B alternate within a round) is reported as a median and
+range: on a machine whose memory changes speed within minutes, the two kernels' rounds are what share a state.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def runner_with(fused_cls: Any, path: Path, dtype: torch.dtype, kv_dtype: str) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", type=Path, required=True, help="a checkout whose kernel is A")
-    ap.add_argument("--shapes", nargs="+", default=["default"])
+    ap.add_argument("--shapes", nargs="+", default=["default"], help="default, draft or a real-shape name")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 2, 4, 6, 8, 16])
     ap.add_argument("--context", type=int, default=64)
@@ -95,7 +97,8 @@ def main() -> None:
     print(f"A = {args.baseline} ({base.kernel_status()}), B = this tree ({nk.kernel_status()}), {args.dtype}")
     print(f"threads {torch.get_num_threads()}, context {args.context}, caches {args.kv_dtype}")
     for shape in args.shapes:
-        path = ROOT / "src/specdec/models/target" if shape == "default" else real_shapes.checkpoint(shape)
+        shipped = {"default": "target", "draft": "draft"}
+        path = ROOT / "src/specdec/models" / shipped[shape] if shape in shipped else real_shapes.checkpoint(shape)
         runners = {
             "A": runner_with(base.FusedLlama, path, DTYPES[args.dtype], args.kv_dtype),
             "B": runner_with(nk.FusedLlama, path, DTYPES[args.dtype], args.kv_dtype),
@@ -134,14 +137,15 @@ def main() -> None:
                     samples[(name, k)].append((time.perf_counter() - t0) / n)
         med = {key: statistics.median(v) for key, v in samples.items()}
         low = {key: min(v) for key, v in samples.items()}
-        print("medians (and minima) over rounds; ratios of medians (of minima)")
-        print(f"{'k':>4} {'A ms':>15} {'B ms':>15} {'B/A':>13} {'A k/1':>6} {'B k/1':>6}")
+        print("medians (and minima) over rounds; ratios of medians (of minima); B/A round by round: median (range)")
+        print(f"{'k':>4} {'A ms':>15} {'B ms':>15} {'B/A':>13} {'A k/1':>6} {'B k/1':>6} {'B/A by round':>20}")
         for k in args.ks:
             a, b, la, lb = med[("A", k)], med[("B", k)], low[("A", k)], low[("B", k)]
             a1, b1 = med.get(("A", 1), float("nan")), med.get(("B", 1), float("nan"))
+            per = [y / x for x, y in zip(samples[("A", k)], samples[("B", k)])]
             print(
                 f"{k:>4} {a * 1e3:>7.2f} ({la * 1e3:>5.2f}) {b * 1e3:>7.2f} ({lb * 1e3:>5.2f}) {b / a:>6.3f} ({lb / la:.3f})"
-                f" {a / a1:>6.2f} {b / b1:>6.2f}"
+                f" {a / a1:>6.2f} {b / b1:>6.2f} {statistics.median(per):>7.3f} ({min(per):.2f}-{max(per):.2f})"
             )
         sys.stdout.flush()
 

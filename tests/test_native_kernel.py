@@ -314,6 +314,46 @@ def test_product_rows_are_independent_of_the_row_count(isa: str, dtype: torch.dt
             assert torch.equal(pw.matmul(x[t : t + 1], bias=b, threads=1), whole[t : t + 1]), (m, n, t)
 
 
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.int8], ids=["fp32", "bf16", "fp16", "int8"])
+def test_streamed_one_row_products_are_the_same_bit_for_bit(isa: str, dtype: torch.dtype) -> None:
+    """A model whose weights stream from memory takes its one-row products one panel at a time (``stream``): the
+    same outputs bit for bit as the four-panel tiles, and as those rows inside longer calls, on every panel tail."""
+    gen = torch.Generator().manual_seed(13)
+    for m, n in [(97, 72), (16, 17), (200, 100), (64, 257), (5, 3)]:
+        w = torch.randn(m, n, generator=gen)
+        b = torch.randn(m, generator=gen)
+        x = torch.randn(9, n, generator=gen)
+        pw = nk.PackedWeight(w, dtype)
+        whole = pw.matmul(x, bias=b, threads=2)
+        for t in range(9):
+            for threads in (1, 2, 3):
+                one = pw.matmul(x[t : t + 1], bias=b, threads=threads, stream=True)
+                assert torch.equal(one, whole[t : t + 1]), (m, n, t, threads)
+        assert torch.equal(pw.matmul(x, bias=b, threads=2, stream=True), whole), (m, n)  # more rows: unchanged
+
+
+def test_a_model_streams_its_weights_where_they_outgrow_the_last_level_cache(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rule, the switch (SPECDEC_CPU_KERNEL_STREAM) and a model run both ways: one-token passes, blocks and a
+    prefill give the same logits bit for bit."""
+    assert nk.streams_weights(48 << 20, cache_bytes=32 << 20) and not nk.streams_weights(6 << 20, cache_bytes=32 << 20)
+    assert not nk.streams_weights(48 << 20, cache_bytes=0)  # unknown cache: the four-panel tiles
+    assert nk.streams_weights(1, "1", cache_bytes=32 << 20) and not nk.streams_weights(1 << 40, "off", cache_bytes=1)
+    outs = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv(nk.STREAM_SWITCH, setting)
+        runner = NativeRunner.from_pretrained(tiny_models["llama"], dtype=torch.bfloat16, kernel=True)
+        assert runner._fused.stream == (setting == "1")
+        cache = runner.new_cache()
+        got = [runner.forward(torch.arange(20) * 7 % 50, cache)]
+        got += [runner.forward(torch.tensor([t]), cache) for t in (3, 9, 27)]
+        got.append(runner.forward(torch.tensor([1, 2, 3, 4]), cache))
+        outs[setting] = got
+    for a, b in zip(outs["0"], outs["1"], strict=True):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 def test_product_accumulates_into_the_output(isa: str, dtype: torch.dtype) -> None:
     """The residual form Y += X W^T + b: the product plus bias is computed first, then added to Y."""

@@ -49,3 +49,20 @@ def cpu_model() -> tuple[str, int, int]:
             return 0
 
     return fields.get("vendor_id", ""), number("cpu family"), number("model")
+
+
+@functools.cache
+def last_level_cache_bytes() -> int:
+    """Bytes of the first CPU's largest cache (its L3 on x86 servers), from sysfs; 0 where it cannot be read."""
+    best = 0
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            best = max(best, int(text.rstrip("KMG")) * scale)
+        except ValueError:
+            continue
+    return best
