@@ -35,12 +35,13 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import shlex
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -300,29 +301,36 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def spawned_servers(args: argparse.Namespace) -> Iterator[dict[str, str]]:
-    """Two ``specdec serve`` processes on loopback: the batched one and ``--max-batch 1``, started one after the
-    other (a batching server measures its pass costs as it starts: not while the other one loads)."""
-    procs, urls = [], {}
+def running_servers(
+    commands: list[tuple[str, Callable[[int], list[str]]]], log_dir: str | None = None
+) -> Iterator[dict[str, str]]:
+    """Servers on loopback, each started when the one before answers ``/health`` (a batching server measures its pass
+    costs as it starts: not while another one loads), all stopped after. ``commands``: a name and its command line
+    for a port. Output goes to ``log_dir/NAME.log`` where given (else this process's). A server that exits or does not
+    answer within 300 s is a RuntimeError naming it (and its last line of output, where logged)."""
+    procs: list[subprocess.Popen[bytes]] = []
+    urls: dict[str, str] = {}
     try:
-        for name, extra in (("batched", []), ("unbatched", ["--max-batch", "1"])):
+        for name, command in commands:
             port = _free_port()
-            cmd = [sys.executable, "-m", "specdec.cli", "serve", "--port", str(port), "--log-level", "warning"]
-            cmd += shlex.split(args.serve_args) + extra
-            proc = subprocess.Popen(cmd)
-            procs.append(proc)
+            log = os.path.join(log_dir, f"{name}.log") if log_dir else None
+            with open(log, "wb") if log else contextlib.nullcontext() as out:  # the child keeps its own descriptor
+                procs.append(subprocess.Popen(command(port), stdout=out, stderr=subprocess.STDOUT if out else None))
             url = urls[name] = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 300
             while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server for {url} exited with {proc.returncode}")
-                try:
+                if procs[-1].poll() is not None:
+                    last = ""
+                    if log:
+                        with open(log, errors="replace") as f:
+                            lines = f.read().strip().splitlines()
+                        last = f": {lines[-1] if lines else 'no output'}"
+                    raise RuntimeError(f"the {name} server ({url}) exited with {procs[-1].returncode}{last}")
+                with contextlib.suppress(httpx.HTTPError):
                     if httpx.get(url + "/health", timeout=2).status_code == 200:
                         break
-                except httpx.HTTPError:
-                    pass
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the server for {url} did not start within 300 s")
+                    raise RuntimeError(f"the {name} server ({url}) did not start within 300 s")
                 time.sleep(0.5)
         yield urls
     finally:
@@ -333,6 +341,16 @@ def spawned_servers(args: argparse.Namespace) -> Iterator[dict[str, str]]:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def spawned_servers(args: argparse.Namespace) -> contextlib.AbstractContextManager[dict[str, str]]:
+    """Two ``specdec serve`` processes on loopback: the batched one and ``--max-batch 1``."""
+
+    def serve(extra: list[str]) -> Callable[[int], list[str]]:
+        head = [sys.executable, "-m", "specdec.cli", "serve", "--log-level", "warning"]
+        return lambda port: [*head, "--port", str(port), *shlex.split(args.serve_args), *extra]
+
+    return running_servers([("batched", serve([])), ("unbatched", serve(["--max-batch", "1"]))])
 
 
 def round_order(modes: list[str], r: int) -> list[str]:

@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -301,46 +300,24 @@ def _llama_cpp_version(tools: dict[str, Path]) -> str:
 def llama_servers(
     tools: dict[str, Path], target: Path, draft: Path | None, slots: int, threads: int, draft_max: int
 ) -> Iterator[dict[str, str]]:
-    """``llama-server`` on loopback: plain, and with ``draft`` a second one speculating with it."""
-    import httpx
-    from load_test import _free_port  # type: ignore[import-not-found]
+    """``llama-server`` on loopback (load_test's ``running_servers``): plain, and with ``draft`` a second one
+    speculating with it; a server that will not start is a Failure with its last line of output."""
+    from load_test import running_servers  # type: ignore[import-not-found]
 
-    procs: list[subprocess.Popen[bytes]] = []
-    urls: dict[str, str] = {}
-    logs = tempfile.TemporaryDirectory(prefix="vs_llama_cpp_")
-    variants: list[tuple[str, list[str]]] = [("llama.cpp", [])]
+    def server(extra: list[str]) -> Any:
+        head = [str(tools["llama-server"]), "-m", str(target), "-t", str(threads), "-np", str(slots)]
+        return lambda port: [*head, "-c", str(slots * 1024), "--host", "127.0.0.1", "--port", str(port), *extra]
+
+    variants = [("llama.cpp", server([]))]
     if draft is not None:
         spec = ["-md", str(draft), "--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0"]
-        variants.append(("llama.cpp-spec", spec))
-    try:
-        for name, extra in variants:
-            port = _free_port()
-            cmd = [str(tools["llama-server"]), "-m", str(target), "-t", str(threads), "-np", str(slots)]
-            cmd += ["-c", str(slots * 1024), "--host", "127.0.0.1", "--port", str(port), *extra]
-            with open(Path(logs.name) / f"{name}.log", "wb") as log:  # the child keeps its own descriptor
-                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT))
-            url = urls[name] = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 300
-            while True:
-                if procs[-1].poll() is not None:
-                    tail = (Path(logs.name) / f"{name}.log").read_text(errors="replace").strip().splitlines()
-                    raise Failure(f"llama-server ({name}) exited: {tail[-1] if tail else 'no output'}")
-                with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(url + "/health", timeout=2).status_code == 200:
-                        break
-                if time.monotonic() > deadline:
-                    raise Failure(f"llama-server ({name}) did not start within 300 s")
-                time.sleep(0.5)
-        yield urls
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        logs.cleanup()
+        variants.append(("llama.cpp-spec", server(spec)))
+    with tempfile.TemporaryDirectory(prefix="vs_llama_cpp_") as logs:
+        try:
+            with running_servers(variants, log_dir=logs) as urls:
+                yield urls
+        except RuntimeError as e:  # one that would not start (or a failure of the run inside): one line
+            raise Failure(str(e)) from None
 
 
 def cmd_serve(args: argparse.Namespace, tools: dict[str, Path]) -> int:

@@ -154,7 +154,10 @@ def test_a_llama_server_that_exits_is_named_with_its_last_words(tmp_path: Path) 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         with (
-            pytest.raises(mod.Failure, match=r"llama-server \(llama.cpp\) exited: error: failed to load model"),
+            pytest.raises(
+                mod.Failure,
+                match=r"the llama.cpp server \(http://127.0.0.1:\d+\) exited with 1: error: failed to load model",
+            ),
             mod.llama_servers({"llama-server": fake}, tmp_path / "m.gguf", None, 4, 2, 4),
         ):
             pass
