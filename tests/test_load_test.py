@@ -4,7 +4,6 @@ report (``--from-json``), and a clear one-line error for a file that is not one.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,17 +12,14 @@ from typing import Any
 
 import pytest
 
+from specdec.testing import import_script
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "load_test.py"
 
 
 def _module() -> Any:
-    spec = importlib.util.spec_from_file_location("load_test_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up while being made
-    spec.loader.exec_module(mod)
-    return mod
+    return import_script(SCRIPT, "load_test_under_test")
 
 
 def _row(mode: str, clients: int, tok_s: float, p95: float) -> dict[str, Any]:

@@ -418,15 +418,10 @@ def test_the_load_test_client_reads_what_httpx_reads(server: str) -> None:
     16 clients on the machine it measured): the same text, token count and errors as through httpx, several requests
     on one connection, and a small run of the whole load test with every greedy output identical to solo."""
     import asyncio
-    import importlib.util
 
-    spec = importlib.util.spec_from_file_location(
-        "load_test_e2e", Path(__file__).parents[1] / "benchmarks/load_test.py"
-    )
-    assert spec is not None and spec.loader is not None
-    lt = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = lt
-    spec.loader.exec_module(lt)
+    from specdec.testing import import_script
+
+    lt = import_script(Path(__file__).parents[1] / "benchmarks/load_test.py", "load_test_e2e")
     headers = {"Authorization": f"Bearer {API_KEY}"}
     body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "stream": True}
     body["stream_options"] = {"include_usage": True}

@@ -5,7 +5,6 @@ start. The measurements themselves need a built llama.cpp (docs/benchmarks.md)."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,17 +13,14 @@ from typing import Any
 
 import pytest
 
+from specdec.testing import import_script
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "vs_llama_cpp.py"
 
 
 def _module() -> Any:
-    spec = importlib.util.spec_from_file_location("vs_llama_cpp_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return import_script(SCRIPT, "vs_llama_cpp_under_test")
 
 
 def test_llama_bench_and_batched_bench_outputs_are_read_as_seconds_per_pass() -> None:

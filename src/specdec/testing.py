@@ -7,7 +7,10 @@ model of the requested architecture with that tokenizer.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -117,3 +120,15 @@ def tiny_checkpoint(
             model.get_output_embeddings().weight.mul_(sharpen)
     model.save_pretrained(str(out), safe_serialization=True)
     return out
+
+
+def import_script(path: str | Path, name: str) -> ModuleType:
+    """A Python file that is not in a package (a benchmark script) imported as module ``name``, registered in
+    ``sys.modules`` first (its dataclasses look their module up while being made)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
