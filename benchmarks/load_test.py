@@ -469,7 +469,7 @@ def render(report: dict[str, Any]) -> str:
             f" (prompt, level) groups; its solo outputs equal to specdec's on {seen['solo_equal_to_specdec']} of"
             f" {seen['prompts']} prompts."
         )
-    others = [name for name in (report.get("other_identity") or {})] or sorted(
+    others = list(report.get("other_identity") or {}) or sorted(
         {name for r in report.get("by_level") or () for name in r.get("vs_other", {})}
     )
     summary = ratios(rows, others)
@@ -522,12 +522,15 @@ def ratios(rows: list[dict[str, Any]], servers: list[str] | None = None) -> list
     the best batched mode against each other server (``servers``: ``--other`` names). Levels without a 'spec' row are
     left out; a ratio whose modes did not run is None."""
     by = {(r["mode"], r["concurrency"]): r for r in rows}
+    servers_ = set(servers or ())
     out = []
     for level in sorted({r["concurrency"] for r in rows}):
         spec = by.get(("spec", level))
         if spec is None:
             continue
-        others = [r for (mode, c), r in by.items() if c == level and mode.startswith(BATCHED_OTHERS)]
+        others = [
+            r for (mode, c), r in by.items() if c == level and mode.startswith(BATCHED_OTHERS) and mode not in servers_
+        ]
         best = max(others, key=lambda r: r["tokens_per_s"], default=None)
         unbatched = by.get(("unbatched", level))
         batched = [spec, *others]

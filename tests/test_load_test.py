@@ -134,6 +134,9 @@ def test_another_server_is_held_against_the_policy_and_the_best_batched_mode() -
     assert by[16]["vs_other"]["llama.cpp"] == pytest.approx({"policy": 2.0, "best_batched": 2.0, "p95_s": 0.9})
     assert by[1]["vs_other"]["llama.cpp"]["policy"] == pytest.approx(1.25)
     assert mod.ratios(rows)[0]["vs_other"] == {}  # no --other named: nothing against it
+    # another server whose name starts like a batched mode is not one of the policy's rivals
+    named = [*rows, _row("plain-vllm", 16, 9000.0, 0.2)]
+    assert mod.ratios(named, ["plain-vllm"])[1]["best_other"] == "plain"
     seen = {"prompt_levels": 30, "differing": 4, "solo_equal_to_specdec": 11, "prompts": 15}
     text = mod.render({"rows": rows, "greedy_identity": None, "other_identity": {"llama.cpp": seen}})
     assert "llama.cpp: greedy outputs differing from its own solo run: 4 of 30" in text
