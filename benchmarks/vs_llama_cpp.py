@@ -17,6 +17,8 @@ Two parts, each a side-by-side comparison with ratios:
 
     python benchmarks/vs_llama_cpp.py --llama-cpp ~/src/llama.cpp passes --shapes default qwen2.5-0.5b llama3.2-1b
     python benchmarks/vs_llama_cpp.py --llama-cpp ~/src/llama.cpp serve --spec -- --concurrency 1 4 16 32
+    python benchmarks/vs_llama_cpp.py --llama-cpp ~/src/llama.cpp passes --shapes ~/models/Qwen2.5-0.5B   # your own
+    python benchmarks/vs_llama_cpp.py --llama-cpp ~/src/llama.cpp serve --target ~/models/T --draft ~/models/D --spec
 
 ``--llama-cpp`` is a llama.cpp source tree built with CMake (``convert_hf_to_gguf.py``, ``gguf-py/`` and the binaries
 under ``build/bin``; ``--bin`` names another binaries folder). Where only PyPI is reachable, the source distribution
@@ -31,8 +33,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import hashlib
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -109,10 +113,13 @@ def find_tools(tree: Path, bin_dir: Path | None) -> dict[str, Path]:
 
 
 def hf_dir(shape: str, out: Path) -> Path:
-    """The Hugging Face checkpoint of ``shape``: the shipped target or draft, or a real-shape checkpoint beside the
-    shipped tokenizer (llama.cpp's converter needs one; specdec's runner reads only the weights and config)."""
+    """The Hugging Face checkpoint of ``shape``: a checkpoint directory of your own, the shipped target or draft, or a
+    real-shape checkpoint beside the shipped tokenizer (llama.cpp's converter needs one; specdec's runner reads only
+    the weights and config)."""
     if shape in ("default", "draft"):
         return SHIPPED / ("target" if shape == "default" else "draft")
+    if Path(shape).is_dir():
+        return Path(shape).resolve()
     from specdec import real_shapes as rs
 
     weights = rs.checkpoint(shape)
@@ -130,8 +137,13 @@ def hf_dir(shape: str, out: Path) -> Path:
 def gguf(shape: str, tree: Path, out: Path) -> Path:
     """``shape`` converted to a bf16 GGUF by the tree's own converter (once; kept under ``out``)."""
     src = hf_dir(shape, out)
-    dst = out / f"{shape}-bf16.gguf"
-    if dst.exists() and dst.stat().st_mtime >= (src / "model.safetensors").stat().st_mtime:
+    name = shape
+    if Path(shape).is_dir():  # a directory of one's own: its name and a hash of where it is
+        name = f"{src.name}-{hashlib.sha1(str(src).encode()).hexdigest()[:8]}"
+    out.mkdir(parents=True, exist_ok=True)
+    dst = out / f"{name}-bf16.gguf"
+    weights = [p.stat().st_mtime for p in src.glob("*.safetensors")] or [(src / "config.json").stat().st_mtime]
+    if dst.exists() and dst.stat().st_mtime >= max(weights):
         return dst
     tmp = dst.with_suffix(f".tmp{os.getpid()}")
     cmd = [sys.executable, "-c", CONVERT, str(tree), str(src), "--outtype", "bf16", "--outfile", str(tmp)]
@@ -143,12 +155,12 @@ def gguf(shape: str, tree: Path, out: Path) -> Path:
     return dst
 
 
-def _run(cmd: list[str], timeout: float = 1800) -> str:
+def _run(cmd: list[str], timeout: float = 1800, stderr_too: bool = False) -> str:
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if run.returncode != 0:
         last = (run.stderr.strip().splitlines() or ["no output"])[-1]
         raise Failure(f"{Path(cmd[0]).name} exited with {run.returncode}: {last}")
-    return run.stdout
+    return run.stdout + (run.stderr if stderr_too else "")
 
 
 def parse_llama_bench(text: str) -> dict[tuple[int, int], float]:
@@ -184,7 +196,8 @@ def llama_cpp_passes(tools: dict[str, Path], model: Path, ks: list[int], context
     batched = parse_batched_bench(
         _run(
             [str(tools["llama-batched-bench"]), *common, "-c", str(max(ks) * (context + 40) + 256)]
-            + ["-npp", str(context), "-ntg", "16", "-npl", ",".join(map(str, ks)), "--output-format", "jsonl"]
+            + ["-npp", str(context), "-ntg", "16", "-npl", ",".join(map(str, ks)), "--output-format", "jsonl"],
+            stderr_too=True,  # its log lines, the JSON ones among them, reach either stream (seen: split between both)
         )
     )
     return {"block": dict(sorted(block.items())), "batch": batched}
@@ -324,11 +337,14 @@ def cmd_serve(args: argparse.Namespace, tools: dict[str, Path]) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     import load_test  # type: ignore[import-not-found]
 
-    target = gguf("default", args.llama_cpp, args.out)
-    draft = gguf("draft", args.llama_cpp, args.out) if args.spec else None
+    target = gguf(args.target or "default", args.llama_cpp, args.out)
+    draft = gguf(args.draft or "draft", args.llama_cpp, args.out) if args.spec else None
     rest = list(args.load_test_args)
     if rest[:1] == ["--"]:
         rest = rest[1:]
+    if args.target or args.draft:  # specdec serve on the same checkpoints
+        models = [x for flag, d in (("--target", args.target), ("--draft", args.draft)) if d for x in (flag, d)]
+        rest += ["--serve-args", " ".join(shlex.quote(x) for x in models)]
     levels = load_test.parse_args(["--spawn", *rest]).concurrency
     with llama_servers(tools, target, draft, max(levels), args.threads, args.draft_max) as urls:
         others = [x for name, url in urls.items() for x in ("--other", f"{name}={url}")]
@@ -354,17 +370,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ps = sub.add_parser("serve", help="llama-server beside specdec serve through load_test.py (args after --)")
     ps.add_argument("--spec", action="store_true", help="also llama-server speculating with the shipped draft")
     ps.add_argument("--draft-max", type=int, default=4, help="llama-server --spec-draft-n-max (default 4)")
+    ps.add_argument("--target", default=None, metavar="DIR", help="a target checkpoint for both (default: shipped)")
+    ps.add_argument("--draft", default=None, metavar="DIR", help="a draft checkpoint for both (default: shipped)")
     ps.add_argument("load_test_args", nargs=argparse.REMAINDER, help="-- then benchmarks/load_test.py arguments")
     args = p.parse_args(argv)
     args.out = args.out or cache_root()
     if args.threads < 1:
         p.error("--threads must be positive")
+    if args.part == "serve":
+        for flag, where in (("--target", args.target), ("--draft", args.draft)):
+            if where is not None and not (Path(where) / "config.json").is_file():
+                p.error(f"{flag} {where}: not a checkpoint directory (no config.json)")
+        if (args.target or args.draft) and "--serve-args" in args.load_test_args:
+            p.error("--target/--draft set both servers' models: leave --serve-args out")
     if args.part == "passes":
         from specdec import real_shapes as rs
 
         for shape in args.shapes:
-            if shape != "default" and shape not in rs.SHAPES:
-                p.error(f"unknown shape {shape!r}: default, {', '.join(rs.SHAPES)}")
+            if shape != "default" and shape not in rs.SHAPES and not (Path(shape) / "config.json").is_file():
+                p.error(f"unknown shape {shape!r}: default, {', '.join(rs.SHAPES)} or a checkpoint directory")
         if min(args.ks) < 1 or args.context < 1 or args.rounds < 1:
             p.error("--ks, --context and --rounds must be positive")
     return args

@@ -159,3 +159,28 @@ def test_a_llama_server_that_exits_is_named_with_its_last_words(tmp_path: Path) 
             pass
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_a_checkpoint_directory_of_ones_own_is_converted_once(tmp_path: Path) -> None:
+    """`--shapes DIR` / `serve --target DIR`: the directory itself goes to the converter (here the stand-in), its GGUF
+    named by the directory and a hash of where it is, and kept until its weights change."""
+    mod = _module()
+    tree = _fake_tree(tmp_path)
+    ckpt = tmp_path / "my-model"
+    ckpt.mkdir()
+    shipped = ROOT / "src" / "specdec" / "models" / "target"
+    for name in ("config.json", "tokenizer.json"):
+        (ckpt / name).write_bytes((shipped / name).read_bytes())
+    (ckpt / "model-00001-of-00002.safetensors").write_bytes(b"")
+    assert mod.hf_dir(str(ckpt), tmp_path / "out") == ckpt.resolve()
+    out = mod.gguf(str(ckpt), tree, tmp_path / "out")
+    assert out.parent == tmp_path / "out" and out.name.startswith("my-model-") and out.name.endswith("-bf16.gguf")
+    assert out.read_text().split("\n")[:2] == ["gpt-2", "next vocabulary"]
+    out.write_text("kept")
+    assert mod.gguf(str(ckpt), tree, tmp_path / "out") == out and out.read_text() == "kept"  # not converted again
+    run = _cli("--llama-cpp", str(tree), "passes", "--shapes", str(tmp_path))
+    assert run.returncode == 2 and "or a checkpoint directory" in run.stderr
+    run = _cli("--llama-cpp", str(tree), "serve", "--target", str(tmp_path))
+    assert run.returncode == 2 and "not a checkpoint directory (no config.json)" in run.stderr
+    run = _cli("--llama-cpp", str(tree), "serve", "--target", str(ckpt), "--", "--serve-args", "--tau 3")
+    assert run.returncode == 2 and "leave --serve-args out" in run.stderr
