@@ -25,11 +25,9 @@ Checkpoints go to ``$SPECDEC_CACHE_DIR/real_shapes`` (else ``~/.cache/specdec/re
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -43,26 +41,6 @@ ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ALPHAS = (0.6, 0.7, 0.8)
 DEFAULT_SHAPES = ["smollm2-135m", "qwen2.5-0.5b", "llama3.2-1b"]
-
-
-def cpu_info() -> dict[str, Any]:
-    info: dict[str, Any] = {"machine": platform.machine(), "cores": os.cpu_count()}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and "model" not in info:
-                info["model"] = line.split(":", 1)[1].strip()
-            if line.startswith("flags") and "isa" not in info:
-                flags = set(line.split(":", 1)[1].split())
-                info["isa"] = sorted(f for f in flags if f.startswith(("avx", "fma", "f16c", "amx")))
-    except OSError:
-        pass
-    for level, key in (("index3", "l3"), ("index2", "l2_per_core")):
-        p = Path(f"/sys/devices/system/cpu/cpu0/cache/{level}/size")
-        if p.exists():
-            info[key] = p.read_text().strip()
-    with contextlib.suppress(OSError):
-        info["load_average"] = list(os.getloadavg())
-    return info
 
 
 def plot(result: dict[str, Any], path: Path) -> str | None:
@@ -167,7 +145,7 @@ def main() -> None:
     result: dict[str, Any] = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "cpu": cpu_info(),
+        "cpu": rs.cpu_info(),
         "kernel": nk.kernel_status(),
         "torch": torch.__version__,
         "threads": threads,

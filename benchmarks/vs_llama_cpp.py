@@ -89,13 +89,6 @@ class Failure(Exception):
     """A one-line error for the user (a missing tree, a tool that failed)."""
 
 
-def cache_root() -> Path:
-    base = os.environ.get("SPECDEC_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specdec"
-    )
-    return Path(base) / "llama_cpp"
-
-
 def find_tools(tree: Path, bin_dir: Path | None) -> dict[str, Path]:
     """The tree's converter and the binaries this benchmark runs; a Failure naming what is missing."""
     if not (tree / "convert_hf_to_gguf.py").is_file():
@@ -217,6 +210,7 @@ def specdec_passes(path: Path, ks: list[int], context: int, rounds: int) -> dict
 def cmd_passes(args: argparse.Namespace, tools: dict[str, Path]) -> int:
     import torch
 
+    from specdec import real_shapes as rs
     from specdec.runtime import native_kernel as nk
 
     torch.set_num_threads(args.threads)
@@ -247,7 +241,7 @@ def cmd_passes(args: argparse.Namespace, tools: dict[str, Path]) -> int:
     report = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "cpu": _cpu(),
+        "cpu": rs.cpu_info(),
         "kernel": nk.kernel_status(),
         "llama_cpp": _llama_cpp_version(tools),
         "threads": args.threads,
@@ -289,18 +283,6 @@ def render_passes(report: dict[str, Any]) -> str:
 
 def _ms(seconds: float | None) -> str:
     return f"{seconds * 1e3:.2f}" if seconds else "–"
-
-
-def _cpu() -> dict[str, Any]:
-    info: dict[str, Any] = {"cores": os.cpu_count()}
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                info["model"] = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                info["avx512_bf16"] = "avx512_bf16" in line.split()
-                break
-    return info
 
 
 def _llama_cpp_version(tools: dict[str, Path]) -> str:
@@ -374,7 +356,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ps.add_argument("--draft", default=None, metavar="DIR", help="a draft checkpoint for both (default: shipped)")
     ps.add_argument("load_test_args", nargs=argparse.REMAINDER, help="-- then benchmarks/load_test.py arguments")
     args = p.parse_args(argv)
-    args.out = args.out or cache_root()
+    if args.out is None:
+        from specdec.runtime.native_kernel import cache_dir
+
+        args.out = cache_dir("llama_cpp")
     if args.threads < 1:
         p.error("--threads must be positive")
     if args.part == "serve":

@@ -12,11 +12,13 @@ parameters; the figures here leave that cost out.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
 import math
 import os
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -112,12 +114,32 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+def cpu_info() -> dict[str, Any]:
+    """The machine a benchmark's figures come from: CPU model, cores, vector extensions, cache sizes, load."""
+    info: dict[str, Any] = {"machine": platform.machine(), "cores": os.cpu_count()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and "model" not in info:
+                info["model"] = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and "isa" not in info:
+                flags = set(line.split(":", 1)[1].split())
+                info["isa"] = sorted(f for f in flags if f.startswith(("avx", "fma", "f16c", "amx")))
+    except OSError:
+        pass
+    for level, key in (("index3", "l3"), ("index2", "l2_per_core")):
+        p = Path(f"/sys/devices/system/cpu/cpu0/cache/{level}/size")
+        if p.exists():
+            info[key] = p.read_text().strip()
+    with contextlib.suppress(OSError):
+        info["load_average"] = list(os.getloadavg())
+    return info
+
+
 def cache_root() -> Path:
     """Where checkpoints are written: ``$SPECDEC_CACHE_DIR/real_shapes``, else ``~/.cache/specdec/real_shapes``."""
-    if os.environ.get("SPECDEC_CACHE_DIR"):
-        return Path(os.environ["SPECDEC_CACHE_DIR"]) / "real_shapes"
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specdec" / "real_shapes"
+    from specdec.runtime.native_kernel import cache_dir
+
+    return cache_dir("real_shapes")
 
 
 def checkpoint(name: str, root: Path | None = None, vocab: int = VOCAB, seed: int = 0) -> Path:

@@ -7,8 +7,9 @@ import functools
 import os
 from pathlib import Path
 
-# What an environment switch reads as "off" (any case, spaces around ignored).
+# What an environment switch reads as "off" / "on" (any case, spaces around ignored).
 OFF = ("0", "off", "false", "no")
+ON = ("1", "on", "true", "yes")
 
 
 def switched_off(name: str) -> bool:

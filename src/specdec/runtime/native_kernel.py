@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.runtime.cpu import OFF, cpu_flags, cpu_model, last_level_cache_bytes, switched_off
+from specdec.runtime.cpu import OFF, ON, cpu_flags, cpu_model, last_level_cache_bytes, switched_off
 from specdec.runtime.native_config import NativeConfig, rope_tables
 from specdec.runtime.native_weights import ModelWeights
 from specdec.runtime.pages import arena_for
@@ -146,11 +146,13 @@ class _Model(ctypes.Structure):
     ]
 
 
-def _cache_dir() -> Path:
+def cache_dir(name: str) -> Path:
+    """specdec's per-user cache folder ``name`` (``kernels``, ``real_shapes``, ...): ``$SPECDEC_CACHE_DIR/name``, else
+    ``$XDG_CACHE_HOME/specdec/name``, else ``~/.cache/specdec/name``."""
     if os.environ.get("SPECDEC_CACHE_DIR"):
-        return Path(os.environ["SPECDEC_CACHE_DIR"]) / "kernels"
+        return Path(os.environ["SPECDEC_CACHE_DIR"]) / name
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "specdec" / "kernels"
+    return Path(base) / "specdec" / name
 
 
 def _openmp_link() -> list[str]:
@@ -194,7 +196,7 @@ def streams_weights(weight_bytes: int, env: str | None = None, cache_bytes: int 
     choice = (env or "").strip().lower()
     if choice in OFF:
         return False
-    if choice in ("1", "on", "true", "yes"):
+    if choice in ON:
         return True
     cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
     return cache > 0 and weight_bytes > cache
@@ -212,7 +214,7 @@ def tuning_flags(isa: str, vendor: str, family: int, env: str | None = None) -> 
     choice = (env or "").strip().lower()
     if choice in OFF:
         on = False
-    elif choice in ("1", "on", "true", "yes"):
+    elif choice in ON:
         on = True
     else:
         on = not (vendor == "AuthenticAMD" and family == 25)
@@ -227,7 +229,7 @@ def _build(cxx: str) -> Path:
     flags = CXX_FLAGS + ISA_FLAGS[isa] + tuning_flags(isa, vendor, family, os.environ.get(PREFETCH_SWITCH))
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(b"\0".join([src, " ".join(flags + link).encode(), version.encode()])).hexdigest()[:16]
-    out = _cache_dir() / key / "llama_cpu.so"
+    out = cache_dir("kernels") / key / "llama_cpu.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
