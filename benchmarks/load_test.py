@@ -640,7 +640,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="JSON",
         help="fields added to every request to the --other servers (e.g. '{\"cache_prompt\": false}')",
     )
-    p.add_argument("--prompts", default=None, metavar="FILE", help="prompts, one JSON string per line (JSONL)")
+    p.add_argument(
+        "--prompts",
+        default=None,
+        metavar="FILE",
+        help='prompts: JSONL, a JSON string or an object with a "prompt" field per line (specdec bench\'s files too)',
+    )
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", default=None, metavar="FILE", help="also write the full report as JSON")
     p.add_argument("--plot", default=None, metavar="FILE", help="also draw tok/s and p95 against clients (PNG)")
@@ -677,10 +682,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("mode 'unbatched' needs --spawn or --unbatched-url")
     args.prompt_list = PROMPTS
     if args.prompts:
-        with open(args.prompts) as f:
-            args.prompt_list = [json.loads(line) for line in f if line.strip()]
-        if not args.prompt_list or not all(isinstance(x, str) and x for x in args.prompt_list):
-            p.error(f"{args.prompts}: expected one non-empty JSON string per line")
+        from specdec.bench.prompts import load_prompts
+        from specdec.errors import InvalidRequestError
+
+        try:
+            args.prompt_list = [q.text for q in load_prompts(args.prompts)]
+        except InvalidRequestError as e:
+            p.error(str(e))
     return args
 
 

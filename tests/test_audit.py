@@ -122,12 +122,16 @@ def test_cli_prompts_file_and_bad_input(
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     assert main(["audit", *models, "--prompts", str(prompts), "--max-new-tokens", "12"]) == 0
     assert "2 prompt(s)" in capsys.readouterr().out
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))  # bare JSON strings: load_test's form
+    assert main(["audit", *models, "--prompts", str(prompts), "--max-new-tokens", "12"]) == 0
+    assert "2 prompt(s)" in capsys.readouterr().out
     prompts.write_text('{"text": "no prompt field"}\n')
     assert main(["audit", *models, "--prompts", str(prompts)]) == 2
     err = capsys.readouterr().err
-    assert 'line 1: expected an object with a non-empty "prompt" string' in err and err.count("\n") == 1
+    assert 'p.jsonl:1: expected a non-empty JSON string or an object with a non-empty string "prompt"' in err
+    assert err.count("\n") == 1
     assert main(["audit", *models, "--prompts", str(tmp_path / "missing.jsonl")]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert "prompt file not found" in capsys.readouterr().err
 
 
 @pytest.mark.distribution

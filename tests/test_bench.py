@@ -56,6 +56,8 @@ def test_load_prompts_errors(tmp_path: Path) -> None:
     cases = {
         "nojson": ("not json\n", "not valid JSON"),
         "noprompt": ('{"id": "x"}\n', "non-empty string"),
+        "emptystring": ('""\n', "non-empty JSON string"),
+        "number": ("3\n", "non-empty JSON string"),
         "dup": ('{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n', "more than once"),
         "empty": ("\n", "holds no prompts"),
     }
@@ -66,6 +68,16 @@ def test_load_prompts_errors(tmp_path: Path) -> None:
             load_prompts(f)
     with pytest.raises(InvalidRequestError, match="not found"):
         load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_load_prompts_takes_strings_and_objects(tmp_path: Path) -> None:
+    """One reader for every --prompts: a line may be a bare JSON string (load_test's files) or an object."""
+    f = tmp_path / "mixed.jsonl"
+    f.write_text(
+        json.dumps("def f(x):\n") + "\n\n" + json.dumps({"prompt": "import os\n", "id": "b", "source": "s"}) + "\n"
+    )
+    prompts = load_prompts(f)
+    assert [(q.id, q.text, q.source) for q in prompts] == [("line1", "def f(x):\n", ""), ("b", "import os\n", "s")]
 
 
 def test_shipped_prompt_set() -> None:

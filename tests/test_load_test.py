@@ -156,3 +156,27 @@ def test_another_server_is_held_against_the_policy_and_the_best_batched_mode() -
 def test_bad_other_servers_are_one_line_errors(argv: list[str], message: str) -> None:
     run = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr
+
+
+def test_prompt_files_read_as_bench_reads_them(tmp_path: Path) -> None:
+    """--prompts takes bench's files (objects with "prompt") and bare strings; a bad file is a one-line error."""
+    mod = _module()
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "def f(x):\n", "id": "a"}) + "\n" + json.dumps("import os\n") + "\n")
+    assert mod.parse_args(["--modes", "plain", "--prompts", str(f)]).prompt_list == ["def f(x):\n", "import os\n"]
+    for text, message in [
+        (None, "prompt file not found"),
+        ("{\n", "p.jsonl:1: not valid JSON"),
+        ("[1]\n", "p.jsonl:1: expected"),
+    ]:
+        if text is None:
+            f.unlink()
+        else:
+            f.write_text(text)
+        run = subprocess.run(
+            [sys.executable, str(SCRIPT), "--modes", "plain", "--prompts", str(f)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 2 and message in run.stderr and "Traceback" not in run.stderr, run.stderr

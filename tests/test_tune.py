@@ -52,7 +52,7 @@ def test_predicted_speedup_is_one_at_tau_zero_and_follows_the_formula() -> None:
 def test_prompts_file_errors_name_the_line(tmp_path: Path) -> None:
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
-    with pytest.raises(ValueError, match="p.jsonl:2: expected an object"):
+    with pytest.raises(ValueError, match="p.jsonl:2: expected a non-empty JSON string or an object"):
         load_prompts(bad)
 
 

@@ -1,4 +1,5 @@
-"""The prompts ``specdec bench`` (and ``specdec tune``) run: a JSONL file, one object per line, and τ lists."""
+"""Prompt files, the one reader for every tool that takes ``--prompts`` (``specdec bench``, ``tune``, ``audit``,
+``benchmarks/load_test.py``): JSONL, each line a prompt; and ``bench``'s τ lists."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ class Prompt:
 
 
 def load_prompts(path: str | Path) -> list[Prompt]:
-    """A JSONL file with one object per line holding a non-empty string ``"prompt"`` (``"id"``, ``"source"`` optional)."""
+    """A JSONL file, one prompt per line: a JSON string, or an object with a non-empty string ``"prompt"``
+    (``"id"`` and ``"source"`` optional; a line without an id is ``line<N>``). Blank lines are skipped. Errors
+    (``InvalidRequestError``, param ``prompts``) name the file and the line."""
     p = Path(path)
     if not p.is_file():
         raise InvalidRequestError(f"prompt file not found: {p}", "prompts")
@@ -37,8 +40,12 @@ def load_prompts(path: str | Path) -> list[Prompt]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise InvalidRequestError(f"{p}:{n}: not valid JSON ({e.msg})", "prompts") from None
+        if isinstance(obj, str):
+            obj = {"prompt": obj}
         if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-            raise InvalidRequestError(f'{p}:{n}: expected an object with a non-empty string "prompt"', "prompts")
+            raise InvalidRequestError(
+                f'{p}:{n}: expected a non-empty JSON string or an object with a non-empty string "prompt"', "prompts"
+            )
         prompts.append(Prompt(id=str(obj.get("id", f"line{n}")), text=obj["prompt"], source=str(obj.get("source", ""))))
     if not prompts:
         raise InvalidRequestError(f"prompt file {p} holds no prompts", "prompts")

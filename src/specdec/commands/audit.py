@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         metavar="FILE.jsonl",
-        help='JSONL with a "prompt" field per line (default: the shipped held-out prompts)',
+        help='JSONL, one prompt per line: a JSON string or an object with a "prompt" field (default: the shipped held-out prompts)',
     )
     src.add_argument(
         "--trace",
@@ -115,22 +115,10 @@ def _prompts(args: argparse.Namespace) -> tuple[list[Any], list[list[int]] | Non
 
 
 def read_prompts(path: Path) -> list[str]:
-    if not path.is_file():
-        raise SpecdecError(f"prompts file {path} does not exist")
-    prompts = []
-    for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError:
-            raise SpecdecError(f"{path} line {no}: not JSON") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-            raise SpecdecError(f'{path} line {no}: expected an object with a non-empty "prompt" string')
-        prompts.append(obj["prompt"])
-    if not prompts:
-        raise SpecdecError(f"prompts file {path} holds no prompts")
-    return prompts
+    """The prompt texts of a prompt file (format and errors: ``specdec.bench.prompts.load_prompts``)."""
+    from specdec.bench.prompts import load_prompts
+
+    return [p.text for p in load_prompts(path)]
 
 
 def _trace_prompts(args: argparse.Namespace) -> tuple[list[Any], list[list[int]] | None]:

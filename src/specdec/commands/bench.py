@@ -37,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         metavar="FILE.jsonl",
-        help='JSONL with a "prompt" field per line (default: the shipped held-out code prompts)',
+        help='JSONL, one prompt per line: a JSON string or an object with a "prompt" field (default: the shipped held-out code prompts)',
     )
     g.add_argument("--n-prompts", type=int, default=None, help="use only the first N prompts")
     g.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default: 128)")
