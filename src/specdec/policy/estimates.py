@@ -189,7 +189,8 @@ class StepCosts:
         verify = [self.verify(tau + 1, line) for tau in range(max_tau + 1)]
         o = self.other or 0.0
         if self.draft.seen:
-            drafts = [self.draft(tau) for tau in range(max_tau + 1)]
+            d0, d1 = self.draft.line()  # once: DraftLine refits from its sums on every call
+            drafts = [0.0] + [d0 + d1 * (tau - 1) for tau in range(1, max_tau + 1)]
         else:
             drafts = [tau * self.prior_draft_frac * verify[0] for tau in range(max_tau + 1)]
         times = self._times[max_tau] = [d + v + o for d, v in zip(drafts, verify)]
