@@ -272,8 +272,9 @@ def test_models_health_metrics_and_auth(server: str, client: Any) -> None:
     assert h["prefill_in_step"] == 256  # batching: short prompts join the step's pass
     if h["runtime"] == "cpu-kernel":  # bf16 weights: the caches in bf16 too (kv_dtype auto)
         assert h["kv_dtype"] == "bf16"
-    # No cost file measured on these models: the batch plans start from passes measured as the server started.
-    assert "measured now" in h["costs"], h["costs"]
+    # No cost file measured on these models: the batch plans start from passes measured as the server started (or,
+    # where a busy machine made every try implausible, from the steps alone: tune.starting_costs says which).
+    assert "measured now" in h["costs"] or "implausible each time" in h["costs"], h["costs"]
     metrics = httpx.get(f"{server}/metrics", timeout=5).text
     assert "specdec_spec_decode_num_draft_tokens_total" in metrics
     # The loaded heap is out of the garbage collector's scans, and its pauses are measured.

@@ -211,6 +211,55 @@ def test_a_server_measures_its_costs_on_a_thread_that_ends(
         tune.starting_costs(engine, tmp_path / "none.json")
 
 
+def test_costs_a_busy_machine_measured_are_refused() -> None:
+    """What a pass pre-empted by another process leaves, seen on two servers started together (tune.implausible_costs):
+    a bigger pass measured cheaper, a pass of twice the rows more than twice as dear, a draft's further forwards free."""
+    from specdec.tune import implausible_costs
+
+    alone = {"rows_table": {1: 1.4e-3, 16: 3.0e-3, 32: 4.9e-3, 64: 9.0e-3}, "draft_lines": {1: (3.6e-4, 1e-4)}}
+    assert implausible_costs(alone) is None
+    assert implausible_costs({}) is None
+    cheaper = {"rows_table": {1: 1.4e-3, 16: 18.2e-3, 32: 8.9e-3}}
+    assert "a pass of 32 rows measured 8.90 ms, of 16 rows 18.20 ms" in str(implausible_costs(cheaper))
+    dearer = {"rows_table": {16: 2.7e-3, 32: 8.4e-3}}
+    assert "32 rows" in str(implausible_costs(dearer))
+    assert implausible_costs({"rows_table": {16: 2.7e-3, 32: 6.2e-3}}) is None  # 2.3x: within 15% of twice
+    free = {"rows_table": alone["rows_table"], "draft_lines": {1: (3.6e-4, 1e-4), 16: (8.5e-3, 0.0)}}
+    assert implausible_costs(free) == "a draft over 16 sequences measured no cost per further forward"
+
+
+def test_a_server_measures_again_while_the_machine_is_busy(
+    tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Implausible start costs are measured again after a pause, and after START_ATTEMPTS tries not used at all (the
+    curves then learn from the steps); every try takes the least of START_ROUNDS rounds."""
+    import specdec.tune as tune
+    from specdec.api import load
+
+    engine = load(tiny_models["llama"], tiny_models["draft"], dtype="float32", policy="adaptive")
+    busy = {"rows_table": {1: 5e-3, 16: 2e-3}}
+    quiet = {"rows_table": {1: 1e-3, 16: 2e-3}}
+    answers: list[dict[str, Any]] = []
+    asked: list[dict[str, Any]] = []
+    pauses: list[float] = []
+
+    def fake(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        asked.append(kwargs)
+        return answers.pop(0)
+
+    monkeypatch.setattr(tune, "measure_batched_costs", fake)
+    monkeypatch.setattr(tune.time, "sleep", pauses.append)
+    answers[:] = [busy, busy, quiet]
+    costs, note = tune.starting_costs(engine, tmp_path / "none.json")
+    assert costs.passes == {1: 1e-3, 16: 2e-3} and "measured now" in note and "3 tries: the machine was busy" in note
+    assert len(pauses) == 2 and all(0 < p <= tune.START_PAUSE_S for p in pauses)
+    assert asked[0]["pick"] is min and asked[0]["rounds"] == tune.START_ROUNDS
+    answers[:] = [busy] * tune.START_ATTEMPTS
+    costs, note = tune.starting_costs(engine, tmp_path / "none.json")
+    assert not costs and "learnt from steps" in note and "a pass of 16 rows measured 2.00 ms" in note
+    assert not answers  # every try was made
+
+
 def test_a_server_primes_its_costs_as_its_costs_setting_says(
     tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

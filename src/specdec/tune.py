@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import random
 import statistics
 import threading
 import time
@@ -199,11 +200,16 @@ DRAFT_DEPTHS = (1, 6)  # ... at these depths: the first forward and each further
 CONTEXT = 64  # tokens in every measured sequence's cache
 
 
-def _timed(calls: dict[Any, Callable[[], float | None]], rounds: int, min_seconds: float) -> dict[Any, float]:
-    """Median seconds of each call over ``rounds``, the calls taking turns (machine noise hits them alike); a call
-    returning seconds times itself (the part of it that is measured), else the whole call is timed. Each sample is
-    the mean of as many calls as last ``min_seconds`` of wall time (a call that lasts that long alone is one sample,
-    its sizing call the first)."""
+def _timed(
+    calls: dict[Any, Callable[[], float | None]],
+    rounds: int,
+    min_seconds: float,
+    pick: Callable[[list[float]], float] = statistics.median,
+) -> dict[Any, float]:
+    """Seconds of each call over ``rounds`` (their median, or ``pick``: ``min`` where only a busy machine can make a
+    call slower), the calls taking turns (machine noise hits them alike); a call returning seconds times itself (the
+    part of it that is measured), else the whole call is timed. Each sample is the mean of as many calls as last
+    ``min_seconds`` of wall time (a call that lasts that long alone is one sample, its sizing call the first)."""
 
     def once(fn: Callable[[], float | None]) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -223,11 +229,15 @@ def _timed(calls: dict[Any, Callable[[], float | None]], rounds: int, min_second
         for key, fn in calls.items():
             if len(samples[key]) < rounds:
                 samples[key].append(sum(once(fn)[0] for _ in range(counts[key])) / counts[key])
-    return {key: statistics.median(v) for key, v in samples.items()}
+    return {key: pick(v) for key, v in samples.items()}
 
 
 def measure_batched_costs(
-    engine: Any, rows: tuple[int, ...] = BATCH_ROWS, rounds: int = 3, min_seconds: float = 0.02
+    engine: Any,
+    rows: tuple[int, ...] = BATCH_ROWS,
+    rounds: int = 3,
+    min_seconds: float = 0.02,
+    pick: Callable[[list[float]], float] = statistics.median,
 ) -> dict[str, Any]:
     """The batched cost fields of a cost file, measured on ``engine`` in the shapes a speculative step runs:
     ``rows_table``, a target pass of r rows over min(r, 16) sequences of equal blocks (one row each up to 16; 16 × 2,
@@ -292,7 +302,7 @@ def measure_batched_costs(
         for n in DRAFT_SEQUENCES:
             for depth in DRAFT_DEPTHS:
                 calls[("draft", n, depth)] = functools.partial(draft_run, n, depth)
-    times = _timed(calls, rounds, min_seconds)
+    times = _timed(calls, rounds, min_seconds, pick)
     out: dict[str, Any] = {
         "rows_table": {r: times[("pass", r)] for r in rows},
         "batch_source": (
@@ -407,13 +417,41 @@ def _on_own_thread(fn: Callable[[], Any]) -> Any:
     return box["out"]
 
 
+# A server's start: batch costs measured over this many rounds (the least of each), up to this many times while what
+# they say cannot be the machine's own (``implausible_costs``), a random pause of up to this many seconds between.
+START_ROUNDS = 3
+START_ATTEMPTS = 4
+START_PAUSE_S = 2.0
+
+
+def implausible_costs(measured: dict[str, Any]) -> str | None:
+    """Why batch costs measured at a start cannot be the machine's own, or None: a pass of more rows measured well
+    below one of fewer (a pass of 16 rows at 18 ms and one of 32 at 9) or well above its share of rows (32 rows at
+    8.4 ms where 16 took 2.7: a pass of twice the rows costs at most twice as much), or a lockstep draft whose further
+    forwards cost nothing (its deeper draft measured faster than its shallower one). Both are what a pass pre-empted by another
+    process leaves: two servers started at the same moment on two cores measured each other's loading, 16-sequence
+    draft lines of (8.5 ms, 0) and (44 ms, 0) against (1.0, 0.43) alone, and the one whose policy started from them
+    served 0.73-0.83x a fixed tau = 2 for its whole life where the others served 0.90-1.00x."""
+    table = measured.get("rows_table") or {}
+    sizes = sorted(table)
+    for a, b in zip(sizes, sizes[1:]):
+        if table[b] < 0.85 * table[a] or table[b] > 1.15 * table[a] * b / a:
+            return f"a pass of {b} rows measured {table[b] * 1e3:.2f} ms, of {a} rows {table[a] * 1e3:.2f} ms"
+    for n, (_, further) in sorted((measured.get("draft_lines") or {}).items()):
+        if further <= 0.0:
+            return f"a draft over {n} sequences measured no cost per further forward"
+    return None
+
+
 def starting_costs(engine: Any, path: Path | None = None, measure: bool = True) -> tuple[MeasuredCosts, str]:
     """What a server's batch cost curves start from, and a line saying so: a cost file measured on its models
-    (``matching_costs``), else, with ``measure``, its passes measured now (``measure_batched_costs`` in one round,
-    about a second: a server started cold priced deeper drafts from its first steps' noise and served 0.90-0.94x a
-    fixed τ at 16 clients), else nothing (the curves learnt from steps alone). Measured only where the target's
-    passes batch (the CPU kernel): elsewhere a step runs one pass per sequence, and a larger model's measurement would
-    take minutes."""
+    (``matching_costs``), else, with ``measure``, its passes measured now (``measure_batched_costs``, the least of
+    START_ROUNDS rounds, about a second: a server started cold priced deeper drafts from its first steps' noise and
+    served 0.90-0.94x a fixed τ at 16 clients), again after a random pause while they are implausible (a busy
+    machine: ``implausible_costs``), and nothing after START_ATTEMPTS such tries (the curves then learn from steps
+    alone, which served better than starting from a busy machine's figures), else nothing (learnt from steps).
+    Measured only where the target's passes batch (the CPU kernel): elsewhere a step runs one pass per sequence,
+    and a larger model's measurement would take minutes."""
     costs, note = matching_costs(engine, path)
     if costs:
         return costs, note
@@ -422,10 +460,23 @@ def starting_costs(engine: Any, path: Path | None = None, measure: bool = True) 
     if not measure:
         return costs, note + ": batch costs learnt from steps"
     t0 = time.perf_counter()
-    measured = costs_of(_on_own_thread(lambda: measure_batched_costs(engine, rounds=1, min_seconds=0.01)))
-    return measured, (
-        f"{note}: batch costs measured now in {time.perf_counter() - t0:.1f} s "
-        "(specdec tune --threads auto --save-costs keeps them in a file)"
+    pause = random.Random()  # seeded from the OS: servers started together pause for different times
+    for attempt in range(1, START_ATTEMPTS + 1):
+        measured = _on_own_thread(
+            lambda: measure_batched_costs(engine, rounds=START_ROUNDS, min_seconds=0.01, pick=min)
+        )
+        why = implausible_costs(measured)
+        if why is None:
+            again = f", {attempt} tries: the machine was busy" if attempt > 1 else ""
+            return costs_of(measured), (
+                f"{note}: batch costs measured now in {time.perf_counter() - t0:.1f} s{again} "
+                "(specdec tune --threads auto --save-costs keeps them in a file)"
+            )
+        if attempt < START_ATTEMPTS:
+            time.sleep(pause.uniform(0.25, 1.0) * START_PAUSE_S)
+    return costs, (
+        f"{note}: batch costs learnt from steps (measured {START_ATTEMPTS} times at start, implausible each time, "
+        f"the machine busy: {why})"
     )
 
 

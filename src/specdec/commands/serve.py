@@ -90,7 +90,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="FILE",
         help="measured pass costs (specdec tune --save-costs) the adaptive policy starts its batch cost curves "
         "from, used only when measured on the served models (default: $SPECDEC_COSTS or "
-        "~/.cache/specdec/costs.json when it matches, else measured at startup, about a second); "
+        "~/.cache/specdec/costs.json when it matches, else measured at startup, about a second, again while a busy "
+        "machine makes them implausible); "
         "'none': learn from steps alone",
     )
     g.add_argument(
