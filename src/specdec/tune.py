@@ -428,10 +428,10 @@ def implausible_costs(measured: dict[str, Any]) -> str | None:
     """Why batch costs measured at a start cannot be the machine's own, or None: a pass of more rows measured well
     below one of fewer (a pass of 16 rows at 18 ms and one of 32 at 9) or well above its share of rows (32 rows at
     8.4 ms where 16 took 2.7: a pass of twice the rows costs at most twice as much), or a lockstep draft whose further
-    forwards cost nothing (its deeper draft measured faster than its shallower one). Both are what a pass pre-empted by another
-    process leaves: two servers started at the same moment on two cores measured each other's loading, 16-sequence
-    draft lines of (8.5 ms, 0) and (44 ms, 0) against (1.0, 0.43) alone, and the one whose policy started from them
-    served 0.73-0.83x a fixed tau = 2 for its whole life where the others served 0.90-1.00x."""
+    forwards cost nothing (its deeper draft measured faster than its shallower one). All are what passes pre-empted
+    by another process leave: two servers started at the same moment on two cores measured each other's loading,
+    16-sequence draft lines of (8.5 ms, 0) and (44 ms, 0) against (1.0, 0.43) alone, and the one whose policy started
+    from them served 0.73-0.83x a fixed tau = 2 for its whole life where the others served 0.90-1.00x."""
     table = measured.get("rows_table") or {}
     sizes = sorted(table)
     for a, b in zip(sizes, sizes[1:]):
@@ -449,7 +449,7 @@ def starting_costs(engine: Any, path: Path | None = None, measure: bool = True) 
     START_ROUNDS rounds, about a second: a server started cold priced deeper drafts from its first steps' noise and
     served 0.90-0.94x a fixed τ at 16 clients), again after a random pause while they are implausible (a busy
     machine: ``implausible_costs``), and nothing after START_ATTEMPTS such tries (the curves then learn from steps
-    alone, which served better than starting from a busy machine's figures), else nothing (learnt from steps).
+    alone, which served better than starting from a busy machine's figures); without ``measure``, nothing.
     Measured only where the target's passes batch (the CPU kernel): elsewhere a step runs one pass per sequence,
     and a larger model's measurement would take minutes."""
     costs, note = matching_costs(engine, path)
