@@ -114,10 +114,12 @@ class DraftLine:
         return max(my - d1 * mx, 0.0), d1
 
     def __call__(self, depth: int) -> float:
-        if depth <= 0:
-            return 0.0
+        return self.upto(max(depth, 0))[-1]
+
+    def upto(self, depth: int) -> list[float]:
+        """Seconds of a draft of 0..``depth`` forwards, from one fit of the line (``line`` refits from the sums)."""
         d0, d1 = self.line()
-        return d0 + d1 * (depth - 1)
+        return [0.0] + [d0 + d1 * (p - 1) for p in range(1, depth + 1)]
 
 
 @dataclass
@@ -189,8 +191,7 @@ class StepCosts:
         verify = [self.verify(tau + 1, line) for tau in range(max_tau + 1)]
         o = self.other or 0.0
         if self.draft.seen:
-            d0, d1 = self.draft.line()  # once: DraftLine refits from its sums on every call
-            drafts = [0.0] + [d0 + d1 * (tau - 1) for tau in range(1, max_tau + 1)]
+            drafts = self.draft.upto(max_tau)
         else:
             drafts = [tau * self.prior_draft_frac * verify[0] for tau in range(max_tau + 1)]
         times = self._times[max_tau] = [d + v + o for d, v in zip(drafts, verify)]
