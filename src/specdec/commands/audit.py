@@ -11,7 +11,6 @@ from typing import Any
 from specdec.commands.common import ModelSettings, add_model_args
 from specdec.errors import InvalidRequestError, SpecdecError
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "heldout_prompts.jsonl"
 FALLBACK_PROMPTS = [
     "def fibonacci(n):\n",
     "import os\nimport sys\n\n",
@@ -105,20 +104,15 @@ def _prompts(args: argparse.Namespace) -> tuple[list[Any], list[list[int]] | Non
     """Prompts to replay and, for a greedy trace, the outputs it recorded."""
     if args.trace is not None:
         return _trace_prompts(args)
+    from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts  # the prompt files bench and tune read
+
     path = args.prompts or (DEFAULT_PROMPTS if DEFAULT_PROMPTS.exists() else None)
     if path is None:
         return FALLBACK_PROMPTS[: args.samples], None
-    prompts = read_prompts(path)
+    prompts = [p.text for p in load_prompts(path)]
     if len(prompts) > args.samples:
         prompts = random.Random(args.seed).sample(prompts, args.samples)
     return prompts, None
-
-
-def read_prompts(path: Path) -> list[str]:
-    """The prompt texts of a prompt file (format and errors: ``specdec.bench.prompts.load_prompts``)."""
-    from specdec.bench.prompts import load_prompts
-
-    return [p.text for p in load_prompts(path)]
 
 
 def _trace_prompts(args: argparse.Namespace) -> tuple[list[Any], list[list[int]] | None]:
