@@ -1,11 +1,12 @@
 """A/B of the CPU kernel against another checkout's kernel, in one process, interleaved.
 
 Loads ``<baseline>/src/specdec/runtime/native_kernel.py`` (its own C++ source and weight layout) next to this
-tree's kernel, runs the same checkpoint through both, and times verify blocks of k rows with the two kernels
-taking turns (A B A B ...), so machine noise hits both alike. Prints medians and the B/A ratio per k.
+tree's kernel, runs the same checkpoint through both, and times verify blocks of k rows (``--batch``: batches of k sequences, one row
+each, every sequence with its own cache of ``--context`` tokens) with the two kernels taking turns (A B A B ...), so machine noise hits both alike. Prints medians and the B/A ratio per k.
 
     python benchmarks/kernel_ab.py --baseline /path/to/other/checkout --shapes default qwen2.5-0.5b --ks 1 2 4 6 8 16
     python benchmarks/kernel_ab.py --baseline ../main --ks 64 128 --context 16   # prefill-sized blocks
+    python benchmarks/kernel_ab.py --baseline ../main --batch --ks 1 4 16 --context 300  # k sequences, a row each
 
 Shapes: ``default`` (the shipped target), ``draft`` (the shipped draft) or a name of ``specdec.real_shapes.SHAPES``.
 Besides the ratio of the medians, each round's B/A (A and B alternate within a round) is reported as a median and
@@ -76,6 +77,18 @@ def runner_with(fused_cls: Any, path: Path, dtype: torch.dtype, kv_dtype: str) -
         native.FusedLlama = saved
 
 
+def run_pass(runner: Any, caches: list[Any], rows: list[int], k: int, batch: bool, context: int) -> torch.Tensor:
+    """One pass of k rows: a block in ``caches[0]``, or (``batch``) a row in each of ``caches[:k]``; every cache is
+    then cropped back to ``context`` tokens."""
+    if batch:
+        out = runner.forward_blocks([([t], c) for t, c in zip(rows[:k], caches)], [1] * k)
+    else:
+        out = runner.forward_blocks([(rows[:k], caches[0])], [k])
+    for c in caches[: k if batch else 1]:
+        c.crop(context)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", type=Path, required=True, help="a checkout whose kernel is A")
@@ -87,6 +100,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--min-seconds", type=float, default=0.05)
     ap.add_argument("--threads", type=int, default=0, help="kernel threads (default: torch's)")
+    ap.add_argument("--batch", action="store_true", help="k sequences of one row each, not a block of k rows")
     args = ap.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -104,36 +118,40 @@ def main() -> None:
             "B": runner_with(nk.FusedLlama, path, DTYPES[args.dtype], args.kv_dtype),
         }
         gen = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, 8192, (args.context,), generator=gen)
-        rows = torch.randint(0, 8192, (max(args.ks),), generator=gen)
-        caches = {}
+        k_max = max(args.ks)
+        rows = torch.randint(0, 8192, (k_max,), generator=gen).tolist()
+        # One sequence (blocks), or one per row (--batch), each holding its own prompt of --context tokens.
+        prompts = [torch.randint(0, 8192, (args.context,), generator=gen) for _ in range(k_max if args.batch else 1)]
+        caches: dict[str, list[Any]] = {}
         for name, r in runners.items():
-            caches[name] = r.new_cache()
-            r.forward(prompt, caches[name], last_only=True)
+            caches[name] = [r.new_cache() for _ in prompts]
+            for prompt, cache in zip(prompts, caches[name]):
+                r.forward(prompt, cache, last_only=True)
+
+        def call(name: str, k: int) -> torch.Tensor:
+            return run_pass(runners[name], caches[name], rows, k, args.batch, args.context)  # noqa: B023 - used at once
+
         # Same logits? (A and B round differently; report the largest relative difference at k = max.)
-        k = max(args.ks)
-        outs = {}
-        for name, r in runners.items():
-            outs[name] = r.forward(rows[:k], caches[name])
-            caches[name].crop(args.context)
+        outs = {name: call(name, k_max) for name in runners}
         diff = float((outs["A"] - outs["B"]).abs().max() / outs["A"].abs().max())
-        print(f"\n{shape}: max relative logit difference A vs B at k={k}: {diff:.2e}")
+        what = "batch" if args.batch else "block"
+        print(f"\n{shape}: max relative logit difference A vs B at {what} k={k_max}: {diff:.2e}")
         counts: dict[tuple[str, int], int] = {}
-        for name, r in runners.items():
+        for name in runners:
             for k in args.ks:
                 t0 = time.perf_counter()
-                r.forward(rows[:k], caches[name])
-                caches[name].crop(args.context)
+                call(name, k)
                 counts[(name, k)] = max(1, int(args.min_seconds / (time.perf_counter() - t0)) + 1)
         samples: dict[tuple[str, int], list[float]] = {key: [] for key in counts}
-        for _ in range(args.rounds):
+        for rnd in range(args.rounds):
             for k in args.ks:
-                for name, r in runners.items():
+                # A B in even rounds, B A in odd ones: whichever runs second after a change of k found the machine
+                # in another state (identical kernels measured B/A 0.93 at 16 sequences in a fixed order).
+                for name in list(runners)[:: 1 if rnd % 2 == 0 else -1]:
                     n = counts[(name, k)]
                     t0 = time.perf_counter()
                     for _ in range(n):
-                        r.forward(rows[:k], caches[name])
-                        caches[name].crop(args.context)
+                        call(name, k)
                     samples[(name, k)].append((time.perf_counter() - t0) / n)
         med = {key: statistics.median(v) for key, v in samples.items()}
         low = {key: min(v) for key, v in samples.items()}
