@@ -509,6 +509,23 @@ def test_a_pass_curve_prices_a_size_from_its_neighbourhood_not_its_one_slow_step
     assert curve(1, 1.0) == curve(40, 1.0) and curve(10_000, 1.0) > curve(120, 1.0)  # flat below, growing beyond
 
 
+def test_a_pass_curve_between_sizes_measured_a_doubling_apart_is_their_line() -> None:
+    """A server measures its passes at 1, 2, 4 .. 128 rows as it starts. A size half way between two of them in log
+    size (48 between 32 and 64, 96 between 64 and 128: depth 2 and 5 of 16 sequences) has the lower one at the edge of
+    its neighbourhood: it must lie on the line between the two, not at the upper one's cost (it was priced as 64 rows,
+    and the plans never chose depth 2 at 16 sequences)."""
+    from specdec.policy.estimates import CurveEWMA
+
+    measured = {1: 2.1e-3, 2: 1.9e-3, 4: 2.0e-3, 8: 2.4e-3, 16: 3.3e-3, 32: 5.4e-3, 64: 9.1e-3, 128: 16.5e-3}
+    curve = CurveEWMA()
+    for rows, seconds in measured.items():
+        curve.observe(rows, seconds)
+    for rows, lo, hi in ((48, 32, 64), (96, 64, 128), (24, 16, 32), (12, 8, 16)):
+        line = measured[lo] + (measured[hi] - measured[lo]) * (rows - lo) / (hi - lo)
+        assert curve(rows, 1.0) == pytest.approx(line, rel=0.02), rows
+    assert all(curve(rows, 1.0) == pytest.approx(seconds) for rows, seconds in measured.items())
+
+
 def test_a_pass_curve_answers_from_its_cache_what_it_would_compute_afresh() -> None:
     """The curve keeps its neighbourhood fits between observations (a plan and the step bias ask for the same sizes);
     any observation near a kept size must drop it. Random observations and queries (seed 5), every answer compared with

@@ -320,6 +320,9 @@ class ArmComparison:
         return gap is None or gap >= -tolerance or not self.clear()
 
 
+MIN_NEARNESS = 0.05  # CurveEWMA: a size nearer than this (in log size, 1 = the same) to the window's edge is left out
+
+
 @dataclass
 class CurveEWMA:
     """A cost measured at integer sizes (rows of a pass, sequences drafting), EWMA per size; sizes never
@@ -373,7 +376,11 @@ class CurveEWMA:
 
     def _local(self, size: int) -> float | None:
         """The curve at ``size`` from the sizes seen within a factor ``window`` of it: a linear fit weighted by each
-        size's weight and its nearness (triangular in log size). None with fewer than two sizes there."""
+        size's weight and its nearness (triangular in log size). None with fewer than two sizes of some nearness
+        there: a fit over one point is that point's cost, and a size half way in log between two seen ones (48 rows
+        between 32 and 64, each measured as a server starts) has the lower one at the window's edge, of nearness 0,
+        so it was priced as the upper one (a depth-2 step of 16 sequences as 64 rows: 9.1 ms instead of ~7.3, and
+        the plans left out the depth that served best at 16 clients)."""
         sizes = self._sizes
         lo, hi = bisect.bisect_left(sizes, size / self.window), bisect.bisect_right(sizes, size * self.window)
         if hi - lo < 2:
@@ -381,12 +388,17 @@ class CurveEWMA:
         scale = 1.0 / math.log(self.window)
         at, logs, here = self._at, self._logs, math.log(size)
         sw = sx = sy = sxx = sxy = 0.0
+        points = 0
         for s in sizes[lo:hi]:
+            near = 1.0 - abs(logs[s] - here) * scale
+            if near <= MIN_NEARNESS:
+                continue
             weight, mean = at[s]
-            w = weight * max(0.0, 1.0 - abs(logs[s] - here) * scale)
+            w = weight * near
             x = float(s - size)
             sw, sx, sy, sxx, sxy = sw + w, sx + w * x, sy + w * mean, sxx + w * x * x, sxy + w * x * mean
-        if sw <= 0.0:
+            points += 1
+        if points < 2 or sw <= 0.0:
             return None
         mx, my = sx / sw, sy / sw
         var = sxx / sw - mx * mx
