@@ -1,8 +1,9 @@
 """A/B of the CPU kernel against another checkout's kernel, in one process, interleaved.
 
 Loads ``<baseline>/src/specdec/runtime/native_kernel.py`` (its own C++ source and weight layout) next to this
-tree's kernel, runs the same checkpoint through both, and times verify blocks of k rows (``--batch``: batches of k sequences, one row
-each, every sequence with its own cache of ``--context`` tokens) with the two kernels taking turns (A B A B ...), so machine noise hits both alike. Prints medians and the B/A ratio per k.
+tree's kernel, runs the same checkpoint through both, and times verify blocks of k rows (``--batch``: batches of k
+sequences, one row each, every sequence with its own cache of ``--context`` tokens) with the two kernels taking turns
+(A B, then B A), so machine noise hits both alike. Prints medians and the B/A ratio per k.
 
     python benchmarks/kernel_ab.py --baseline /path/to/other/checkout --shapes default qwen2.5-0.5b --ks 1 2 4 6 8 16
     python benchmarks/kernel_ab.py --baseline ../main --ks 64 128 --context 16   # prefill-sized blocks
