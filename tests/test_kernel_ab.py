@@ -1,0 +1,39 @@
+"""benchmarks/kernel_ab.py end to end: this checkout against itself, verify blocks and batches of sequences.
+
+The same kernel on both sides must give the same logits bit for bit (the script reports the largest difference), for
+blocks of one sequence and for batches whose every row attends to a cache of its own; the timing table must hold
+every k asked for. Tiny settings: a few seconds, the shipped target.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import specdec.runtime.native_kernel as nk
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not nk.kernel_available(), reason=f"CPU kernel unavailable: {nk.kernel_status()}")
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["blocks", "batches"])
+def test_kernel_ab_against_itself(batch: bool) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "kernel_ab.py"), "--baseline", str(ROOT), "--ks", "1", "3"]
+    cmd += ["--context", "20", "--rounds", "2", "--min-seconds", "0.001", "--threads", "1"]
+    cmd += ["--batch"] if batch else []
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    what = "batch" if batch else "block"
+    diff = re.search(rf"max relative logit difference A vs B at {what} k=3: (\S+)", out.stdout)
+    assert diff is not None, out.stdout
+    assert float(diff.group(1)) == 0.0
+    # k, A ms, (A least), B ms, (B least), ...
+    rows = [re.findall(r"\d+(?:\.\d+)?", line) for line in out.stdout.splitlines() if re.match(r"\s+\d+\s+\d", line)]
+    assert [int(r[0]) for r in rows] == [1, 3]
+    assert all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows)
