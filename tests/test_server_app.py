@@ -390,3 +390,22 @@ def test_an_answer_in_one_piece_gets_no_step_messages(engine: Any) -> None:
     assert whole == [Started.__name__, Done.__name__]
     assert streamed[0] == Started.__name__ and streamed[-1] == Done.__name__
     assert streamed.count(Step.__name__) >= 6
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_text_chunk_is_the_same_bytes_as_the_event_built_whole(kind: str) -> None:
+    """Most streamed events carry text only: they are made from the event's bytes before and after the text, kept per
+    choice. They must be the bytes of the event built as a whole, whatever the text (quotes, control characters,
+    non-ASCII, the kept placeholder's own characters) and whatever the model's name."""
+    from specdec.server.responses import Reply
+
+    for model in ("specdec-default", 'a "quoted" \x00specdec-text\x00 model'):
+        reply = Reply(id="cmpl-1", created=1_700_000_000, model=model, kind=kind)  # type: ignore[arg-type]
+        for text in ("hello", "", 'é\n"q"\t\\ ✓ 🙂', "\x00specdec-text\x00", "\x00"):
+            for index in (0, 2, 0):  # the kept parts of a choice serve its later events
+                got = reply.chunk(text, index=index)
+                assert got == reply._chunk_event(text, index).encode()
+                event = json.loads(got.decode().removeprefix("data: "))
+                choice = event["choices"][0]
+                assert (choice["text"] if kind == "completion" else choice["delta"]["content"]) == text
+                assert event["model"] == model and choice["index"] == index

@@ -271,31 +271,43 @@ class _Api:
         string's prefix)."""
         results: dict[int, GenerationResult] = {}
         offsets = [0] * n  # completions' text_offset of each choice, across its chunks
+
+        def events(msg: Any) -> list[bytes]:
+            if isinstance(msg, Step):
+                lps = msg.event.logprobs
+                if msg.event.text or want_steps or lps:
+                    extra = {"speculative": {"step": msg.detail}} if want_steps else None
+                    logprobs = reply.logprobs(lps, offsets[msg.index])
+                    if logprobs is not None and reply.kind == "completion":
+                        offsets[msg.index] += sum(len(t) for t in logprobs["tokens"])
+                    return [reply.chunk(msg.event.text, index=msg.index, extra=extra, logprobs=logprobs)]
+            elif isinstance(msg, Done):
+                results[msg.index] = msg.result
+                extra = {"speculative": summary([msg.result])}
+                out = [reply.chunk(None, msg.result.finish_reason, index=msg.index, extra=extra)]
+                if len(results) == n:
+                    if include_usage:
+                        out.append(reply.usage_chunk(prompt_tokens, list(results.values())))
+                    out.append(DONE)
+                return out
+            elif isinstance(msg, Failed):
+                return [sse(msg.error.body()), DONE]  # headers are gone: report the failure in the stream
+            return []
+
         try:
             if reply.kind == "chat":
-                for index in range(n):
-                    yield reply.chunk("", index=index, role=True)
+                yield b"".join(reply.chunk("", index=index, role=True) for index in range(n))
             async for msg in messages:
-                if isinstance(msg, Step):
-                    lps = msg.event.logprobs
-                    if msg.event.text or want_steps or lps:
-                        extra = {"speculative": {"step": msg.detail}} if want_steps else None
-                        logprobs = reply.logprobs(lps, offsets[msg.index])
-                        if logprobs is not None and reply.kind == "completion":
-                            offsets[msg.index] += sum(len(t) for t in logprobs["tokens"])
-                        yield reply.chunk(msg.event.text, index=msg.index, extra=extra, logprobs=logprobs)
-                elif isinstance(msg, Done):
-                    results[msg.index] = msg.result
-                    extra = {"speculative": summary([msg.result])}
-                    yield reply.chunk(None, msg.result.finish_reason, index=msg.index, extra=extra)
-                    if len(results) < n:
-                        continue
-                    if include_usage:
-                        yield reply.usage_chunk(prompt_tokens, list(results.values()))
-                    yield DONE
-                elif isinstance(msg, Failed):
-                    yield sse(msg.error.body())  # headers are gone: report the failure in the stream
-                    yield DONE
+                # What else has arrived meanwhile goes in the same write (a request's last step comes with its end:
+                # one write for its text, its closing chunk, the usage and [DONE], where each was a send of its own).
+                out = events(msg)
+                while not job.queue.empty():
+                    try:
+                        out += events(await anext(messages))
+                    except StopAsyncIteration:
+                        break
+                if out:
+                    yield b"".join(out)
         finally:
             self.scheduler.cancel(job)  # a client that went away mid-stream lands here too
 
