@@ -118,3 +118,27 @@ def test_engine_feeds_metrics(tiny_models: dict[str, Path]) -> None:
     assert s[("specdec_verify_passes_total", ())] == res.stats.target_passes
     assert s[("specdec_spec_decode_num_draft_tokens_total", ())] == res.stats.drafted
     assert s[("specdec_request_success_total", (("finished_reason", res.finish_reason),))] == 1
+
+
+def test_step_records_reach_the_metrics_in_bulk_and_at_every_read() -> None:
+    """Step records are summed and handed to the metrics in bulk: every FLUSH_EVERY records, at a request's end and at
+    every scrape, so what a scrape or a finished request sees is whole, and a registry read without either lags by
+    fewer than FLUSH_EVERY records."""
+    from specdec.metrics import FLUSH_EVERY
+
+    m = SpecMetrics()
+    for _ in range(FLUSH_EVERY - 1):
+        m.on_step(_step(2, 1))
+    assert m.registry.get_sample_value("specdec_verify_passes_total") == 0  # summed, not yet handed over
+    m.on_step(_step(2, 1))
+    assert m.registry.get_sample_value("specdec_verify_passes_total") == FLUSH_EVERY
+    assert m.registry.get_sample_value("specdec_accepted_length_count") == FLUSH_EVERY
+    m.on_step(_step(4, 4))  # one more, then a request ends: whole again
+    m.on_request(RequestSummary("r", "fixed", 4, GenerationStats(prompt_tokens=4, finish_reason="length")))
+    reg = m.registry
+    assert reg.get_sample_value("specdec_verify_passes_total") == FLUSH_EVERY + 1
+    assert reg.get_sample_value("specdec_spec_decode_num_accepted_tokens_total") == FLUSH_EVERY + 4
+    assert reg.get_sample_value("specdec_spec_decode_num_accepted_tokens_per_pos_total", {"position": "3"}) == 1
+    assert reg.get_sample_value("specdec_accepted_length_bucket", {"le": "2.0"}) == FLUSH_EVERY
+    m.on_step(_step(0, 0))
+    assert _samples(m)[("specdec_verify_passes_total", ())] == FLUSH_EVERY + 2  # a scrape sees every record
