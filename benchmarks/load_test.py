@@ -603,6 +603,8 @@ def plot(report: dict[str, Any], path: str) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from specdec.bench.prompts import FILE_HELP as PROMPT_FILE_HELP  # no torch: the prompt files' reader and format
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", default="http://127.0.0.1:8000", help="a running batched server (without --spawn)")
     p.add_argument("--unbatched-url", default=None, help="a running --max-batch 1 server, for mode 'unbatched'")
@@ -644,7 +646,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--prompts",
         default=None,
         metavar="FILE",
-        help='prompts: JSONL, a JSON string or an object with a "prompt" field per line (specdec bench\'s files too)',
+        help="prompts: " + PROMPT_FILE_HELP + " (specdec bench's files too)",
     )
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", default=None, metavar="FILE", help="also write the full report as JSON")

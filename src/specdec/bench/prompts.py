@@ -10,6 +10,8 @@ from pathlib import Path
 from specdec.errors import InvalidRequestError
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent.parent / "data" / "heldout_prompts.jsonl"
+# What a prompt file holds, for every ``--prompts`` help text.
+FILE_HELP = 'JSONL, one prompt per line: a JSON string or an object with a "prompt" field'
 
 
 @dataclass

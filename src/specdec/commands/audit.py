@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from specdec.bench.prompts import FILE_HELP as PROMPT_FILE_HELP
 from specdec.commands.common import ModelSettings, add_model_args
 from specdec.errors import InvalidRequestError, SpecdecError
 
@@ -37,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         metavar="FILE.jsonl",
-        help='JSONL, one prompt per line: a JSON string or an object with a "prompt" field (default: the shipped held-out prompts)',
+        help=f"{PROMPT_FILE_HELP} (default: the shipped held-out prompts)",
     )
     src.add_argument(
         "--trace",

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from specdec.bench.prompts import FILE_HELP as PROMPT_FILE_HELP
 from specdec.commands.common import ModelSettings, add_model_args
 from specdec.draft_vocab import head_size
 from specdec.draft_window import window_of
@@ -37,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         metavar="FILE.jsonl",
-        help='JSONL, one prompt per line: a JSON string or an object with a "prompt" field (default: the shipped held-out code prompts)',
+        help=f"{PROMPT_FILE_HELP} (default: the shipped held-out code prompts)",
     )
     g.add_argument("--n-prompts", type=int, default=None, help="use only the first N prompts")
     g.add_argument("--max-new-tokens", type=int, default=None, help="tokens per request (default: 128)")

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specdec.bench.prompts import FILE_HELP as PROMPT_FILE_HELP
+
 if TYPE_CHECKING:
     from specdec.engine import Engine
     from specdec.tune import DraftReport
@@ -35,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         metavar="FILE.jsonl",
-        help='JSONL, one prompt per line: a JSON string or an object with a "prompt" field (default: the shipped held-out prompts)',
+        help=f"{PROMPT_FILE_HELP} (default: the shipped held-out prompts)",
     )
     p.add_argument("--n-prompts", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per prompt (default: 64)")

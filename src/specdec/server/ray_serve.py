@@ -273,7 +273,9 @@ class _EngineReplica:
             engine = model()
         else:
             engine = (model or default_model_settings()).load()
-        if not engine.measured_costs:  # the batch plans' costs as --costs says (a file, else measured now: ~1 s; again, after a random pause, while replicas starting beside it make them implausible)
+        # The batch plans' costs as --costs says: a file, else measured now (~1 s; again, after a random pause, while
+        # replicas starting beside it make them implausible).
+        if not engine.measured_costs:
             from specdec.tune import prime_for_serving
 
             log.info("replica %s: %s", self.replica_id, prime_for_serving(engine, settings))
