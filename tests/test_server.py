@@ -263,12 +263,9 @@ def test_models_health_metrics_and_auth(server: str, client: Any) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     assert health(server)["status"] == "ok"  # open without a key
-    # --threads auto: short passes leave one of the usable CPUs to the event loop, batch passes use them all
-    cpus = len(os.sched_getaffinity(0))
+    # --threads auto: every usable CPU
     h = health(server)
-    assert h["threads"] == max(1, cpus - 1)
-    if cpus > 1:
-        assert h["wide_pass_threads"] == cpus and h["wide_pass_rows"] == 12
+    assert h["threads"] == len(os.sched_getaffinity(0))
     assert h["prefill_in_step"] == 256  # batching: short prompts join the step's pass
     if h["runtime"] == "cpu-kernel":  # bf16 weights: the caches in bf16 too (kv_dtype auto)
         assert h["kv_dtype"] == "bf16"
@@ -393,25 +390,11 @@ def test_threads_setting() -> None:
     from specdec.commands.serve import serve_threads, usable_cpus
     from specdec.errors import InvalidRequestError
 
-    assert serve_threads("auto") == max(1, usable_cpus() - 1)
+    assert serve_threads("auto") == usable_cpus()
     assert serve_threads("3") == 3
     for bad in ("0", "-2", "many"):
         with pytest.raises(InvalidRequestError, match="--threads must be a positive integer or auto"):
             serve_threads(bad)
-
-
-def test_pass_threads_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``configure_threads`` (serve's auto threads): a pass's thread count by its rows; unset, torch's count."""
-    import torch
-
-    from specdec.runtime import native_kernel as nk
-
-    monkeypatch.setattr(nk, "_PASS_THREADS", None)
-    assert nk.pass_threads(1) == nk.pass_threads(100) == max(1, torch.get_num_threads())
-    nk.configure_threads(1, 3, 12)
-    assert [nk.pass_threads(r) for r in (1, 11, 12, 64)] == [1, 1, 3, 3]
-    with pytest.raises(ValueError, match="positive"):
-        nk.configure_threads(0, 2, 12)
 
 
 def test_the_load_test_client_reads_what_httpx_reads(server: str) -> None:

@@ -23,6 +23,7 @@ from specdec.policy import Policy, make_policy, request_policy
 from specdec.runtime import load_runner, resolve_device, resolve_dtype
 from specdec.runtime.base import ModelRunner
 from specdec.runtime.hf import HFRunner, check_checkpoint_dir
+from specdec.runtime.native_kernel import release_thread_team
 
 DEFAULT_MODELS = Path(__file__).resolve().parent / "models"
 
@@ -227,7 +228,11 @@ def load(
         from specdec.trace import JsonlTrace
 
         observers.append(JsonlTrace(trace))
-    return Engine(target_runner, target_tok, drafter, chosen, observers, max_context=max_context)
+    engine = Engine(target_runner, target_tok, drafter, chosen, observers, max_context=max_context)
+    # Loaded: this thread's OpenMP helpers go, so a thread that serves the engine (a server's worker) runs its passes
+    # beside no other team (``release_thread_team``: with two, every barrier of a pass sleeps).
+    release_thread_team()
+    return engine
 
 
 def _refuse_draft_options(draft_vocab: int | str | None, draft_window: int | str | None, needs: str) -> None:

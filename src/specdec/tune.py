@@ -326,20 +326,17 @@ def measure_batched_costs(
 
 def model_identity(engine: Any) -> dict[str, Any]:
     """What measured costs belong to: the target and draft checkpoints, their dtypes and KV cache types, the backend
-    and the compute threads (a pass on one thread costs up to twice one on two: ``specdec serve`` computes on the CPUs
-    less one; a 16-sequence pass at 500 tokens of context reads its fp32 caches in 2.6 ms, its bf16 ones in 1.6)."""
+    and the compute threads (a pass on one thread costs up to twice one on two; a 16-sequence pass at 500 tokens of context reads its fp32 caches in 2.6 ms, its bf16 ones in 1.6)."""
     import torch
 
     from specdec.draft_vocab import head_size
     from specdec.draft_window import window_of
-    from specdec.runtime import native_kernel
     from specdec.runtime.native import kv_dtype_of
 
     target, drafter = engine.target, engine.drafter
     draft_runner = getattr(drafter, "runner", None)
-    split = native_kernel.threads_config()
     return {
-        "threads": int(torch.get_num_threads()) if split is None else f"{split[0]}, {split[1]} from {split[2]} rows",
+        "threads": int(torch.get_num_threads()),
         "target": str(target.name),
         "target_dtype": str(target.dtype).replace("torch.", ""),
         "draft": str(draft_runner.name) if draft_runner is not None else (drafter.name if drafter else None),
@@ -398,9 +395,13 @@ def _on_own_thread(fn: Callable[[], Any]) -> Any:
     """``fn()`` on a thread of its own, which ends with it. A thread that runs a parallel pass keeps a pool of OpenMP
     helper threads until it ends. A server's passes run on its worker thread; measured on the main thread instead, the
     server's passes stayed 8-14% slower for good (1 client, five of five interleaved runs against a server that
-    measured nothing; measured on a thread that ended: even). The likely mechanism: with a second pool alive libgomp
-    counts more threads than CPUs and throttles its spinning at barriers, so the worker's helper sleeps and is woken
-    through the kernel at every barrier of a pass."""
+    measured nothing; measured on a thread that ended: even). With a second pool alive libgomp counts more threads than
+    CPUs and throttles its spinning at barriers, so every barrier of a pass sleeps and is woken through the kernel: the
+    caller's own team goes first (``release_thread_team``), or the measured passes run that way (a caller that had
+    run 2-thread passes measured each further lockstep draft forward of 16 sequences at 1.0-1.2 ms instead of 0.35-0.38)."""
+    from specdec.runtime.native_kernel import release_thread_team
+
+    release_thread_team()
     box: dict[str, Any] = {}
 
     def run() -> None:

@@ -98,10 +98,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--threads",
         default=None,
         metavar="N",
-        help="compute threads of the model passes; auto (default): one fewer than the CPUs this process may use "
-        "(at least 1) for passes of fewer than 12 rows, leaving a core to the HTTP server (on 2 cores a short "
-        "pass split over both stalled whenever the event loop ran), and every CPU for larger batch passes "
-        "(docs/server.md). With --ray each replica uses its --replica-cpus",
+        help="compute threads of the model passes; auto (default): every CPU this process may use (docs/server.md). "
+        "With --ray each replica uses its --replica-cpus",
     )
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     r = p.add_argument_group("ray (scale out over replicas; needs pip install 'specdec[ray]'; see docs/scaling.md)")
@@ -181,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     given = [f"--{name.replace('_', '-')}" for name in _RAY_ONLY if getattr(args, name) is not None]
     if given:
         raise InvalidRequestError(f"{', '.join(given)}: only with --ray (or --ray-address)", given[0])
-    threads, wide = apply_threads(args.threads)
+    threads = apply_threads(args.threads)
     engine = ModelSettings.from_args(args).load()
     from specdec.tune import prime_for_serving
 
@@ -210,9 +208,7 @@ def run(args: argparse.Namespace) -> int:
     drafter = engine.drafter.name if engine.drafter is not None else "none (plain target decoding)"
     print(
         f"specdec: serving {settings.model_name!r} (drafter: {drafter}, policy: {engine.policy.name}, "
-        f"{threads} compute thread{'s' if threads != 1 else ''}"
-        + (f", {wide} for passes of {WIDE_ROWS}+ rows" if wide != threads else "")
-        + f" of {usable_cpus()} CPUs) on "
+        f"{threads} compute thread{'s' if threads != 1 else ''}" + f" of {usable_cpus()} CPUs) on "
         f"http://{args.host}:{args.port} (OpenAI API under /v1)",
         file=sys.stderr,
         flush=True,
@@ -230,10 +226,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-# auto threads: passes of this many rows or more (batches) run on every usable CPU.
-WIDE_ROWS = 12
-
-
 def usable_cpus() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -242,15 +234,14 @@ def usable_cpus() -> int:
 
 
 def serve_threads(value: str) -> int:
-    """``--threads``: a count, or auto = the usable CPUs less one (the event loop's), at least 1.
+    """``--threads``: a count, or auto = every CPU this process may use.
 
-    The model's passes run on a pool of threads that meet at barriers many times per pass; the HTTP server's
-    event loop (and on a test machine the clients) run beside them. With as many pass threads as cores, every
-    time the event loop woke it took a core from one pass thread and the others spun at the next barrier until
-    it came back: on 2 cores the server decoded at about a third of the in-process speed.
-    """
+    The model's passes run on a team of threads that meet at barriers many times per pass, beside the HTTP server's
+    event loop. Once the thread that loads the models lets its own team go (``release_thread_team``), a pass on every
+    core beat one that left a core to the event loop at every load (2 cores: 1.20x the tokens at 1 client, 1.03-1.07x
+    at 16-32; docs/server.md, "Compute threads")."""
     if value.strip().lower() == "auto":
-        return max(1, usable_cpus() - 1)
+        return usable_cpus()
     try:
         n = int(value)
     except ValueError:
@@ -260,19 +251,13 @@ def serve_threads(value: str) -> int:
     return n
 
 
-def apply_threads(value: str | None) -> tuple[int, int]:
-    """Set this process's compute threads as ``--threads`` says (None: auto) and return (threads of a short pass,
-    threads of a pass of WIDE_ROWS or more rows)."""
+def apply_threads(value: str | None) -> int:
+    """Set this process's compute threads as ``--threads`` says (None: auto) and return their count."""
     import torch
 
     threads = serve_threads(value or "auto")
     torch.set_num_threads(threads)
-    wide = usable_cpus() if value is None or value.strip().lower() == "auto" else threads
-    if wide != threads:
-        from specdec.runtime.native_kernel import configure_threads
-
-        configure_threads(threads, wide, WIDE_ROWS)
-    return threads, wide
+    return threads
 
 
 def run_ray(args: argparse.Namespace, settings: ServerSettings) -> int:

@@ -70,35 +70,49 @@ class _Layer(ctypes.Structure):
     ]
 
 
-# Threads of a pass by its rows, where a server set them (``configure_threads``); None: torch's thread count.
-_PASS_THREADS: tuple[int, int, int] | None = None  # (threads below wide_rows, threads from wide_rows on, wide_rows)
+@functools.cache
+def _openmp_runtime() -> ctypes.CDLL | None:
+    """The OpenMP runtime this process runs torch's and the kernel's parallel regions on (torch's bundled libgomp, which
+    the kernel links: ``_openmp_link``), or None where it cannot be found."""
+    libs = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+    if not libs:
+        try:
+            libs = [
+                Path(line.split()[-1]) for line in Path("/proc/self/maps").read_text().splitlines() if "libgomp" in line
+            ]
+        except OSError:
+            return None
+    for lib in libs:
+        try:
+            return ctypes.CDLL(str(lib))  # already loaded: the same library, not a second copy
+        except OSError:
+            continue
+    return None
 
 
-def configure_threads(small: int, large: int, wide_rows: int) -> None:
-    """Run passes of fewer than ``wide_rows`` rows on ``small`` threads and larger ones on ``large``.
+def release_thread_team() -> bool:
+    """Let the calling thread's OpenMP helper threads go (``omp_pause_resource_all``, soft): True where released.
 
-    ``specdec serve`` leaves a core to its event loop for the short passes (one-sequence steps, draft forwards):
-    split over every core, a pass stalled at its barriers whenever the event loop took one of them. A pass of
-    many rows (a batch) is long and bound by its multiply-adds, and every core pays for it: on 2 cores at 16
-    clients, batch passes of 12+ rows on 2 threads served 1.3x the tokens of 1 thread, while one-sequence
-    passes on 1 thread served 1.1-2x those on 2."""
-    global _PASS_THREADS
-    if min(small, large, wide_rows) < 1:
-        raise ValueError(f"configure_threads needs positive counts, got {small}, {large}, {wide_rows}")
-    _PASS_THREADS = (small, large, wide_rows)
+    libgomp keeps a team of helper threads for every thread that ran a parallel region on more than one thread, until
+    that thread ends. A second thread's team beside it, more threads than CPUs in all, makes libgomp throttle its
+    spinning: every barrier of a pass then sleeps and is woken through the kernel. Models loaded on one thread (with
+    two or more compute threads: ``serve --threads 2``, a Ray replica of two CPUs, ``auto`` on three or more cores)
+    and served from another (the scheduler's worker) ran every pass that way: on this Zen 4, 2 threads, a one-row pass
+    of the default target 2.4 ms instead of 1.1, a 16-row pass 4.2 instead of 2.7, a lockstep draft forward of 16
+    sequences 1.0 ms instead of 0.35, and ``serve --threads 2`` served 0.67x the tokens of ``--threads auto`` at 1
+    client. The loading thread lets its team go once loading is done (``specdec.load``); a thread that runs passes
+    again makes a new one at its next parallel region (one thread start, tens of microseconds)."""
+    rt = _openmp_runtime()
+    pause = getattr(rt, "omp_pause_resource_all", None) if rt is not None else None
+    if pause is None:
+        return False
+    pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause(1) == 0  # omp_pause_soft
 
 
-def threads_config() -> tuple[int, int, int] | None:
-    """What ``configure_threads`` set: (threads below wide_rows, threads from wide_rows on, wide_rows), or None."""
-    return _PASS_THREADS
-
-
-def pass_threads(rows: int) -> int:
-    """Threads for a pass of ``rows`` rows."""
-    if _PASS_THREADS is None:
-        return max(1, torch.get_num_threads())
-    small, large, wide = _PASS_THREADS
-    return large if rows >= wide else small
+def pass_threads() -> int:
+    """Threads of a pass: torch's thread count (``torch.set_num_threads``; ``specdec serve --threads``)."""
+    return max(1, torch.get_num_threads())
 
 
 class DraftRuleC(ctypes.Structure):
@@ -600,7 +614,7 @@ class FusedLlama:
         out_i = torch.full((n * max_tau + 2 * n,), -1, dtype=torch.int64)
         tops = torch.empty(n, max_tau, dtype=torch.float32)
         logits = self._buffer("draft_logits", n * self.head_rows)
-        threads = pass_threads(max(off[-1], n))
+        threads = pass_threads()
         scratch = self._scratch_for(max(off[-1], n), threads)
         rule_ptrs = None
         if any(r is not None for r in rules):
@@ -673,7 +687,7 @@ class FusedLlama:
         meta = torch.tensor([*ids, *positions, *caches, *out_idx], dtype=torch.int64)
         base = meta.data_ptr()
         ids_at, pos_at, kv_at, out_at = base, base + 8 * k, base + 16 * k, base + 24 * k
-        threads = pass_threads(min(k, CHUNK))
+        threads = pass_threads()
         out = torch.empty(n_out, self.head_rows, dtype=torch.float32)
         prof = None if profile is None else profile.data_ptr()
         if k <= CHUNK:

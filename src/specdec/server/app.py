@@ -352,15 +352,7 @@ def _version() -> str:
 
 
 def _compute_threads() -> dict[str, int]:
-    """Threads of the model passes (``specdec serve --threads``): ``threads``, and where batch passes of
-    ``wide_pass_rows`` rows or more run on more, ``wide_pass_threads``."""
+    """Threads of the model passes (``specdec serve --threads``)."""
     import torch
 
-    from specdec.runtime import native_kernel
-
-    out = {"threads": int(torch.get_num_threads())}
-    split = native_kernel.threads_config()
-    if split is not None:
-        small, large, wide = split
-        out.update(threads=small, wide_pass_threads=large, wide_pass_rows=wide)
-    return out
+    return {"threads": int(torch.get_num_threads())}
