@@ -263,9 +263,10 @@ def test_models_health_metrics_and_auth(server: str, client: Any) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     assert health(server)["status"] == "ok"  # open without a key
-    # --threads auto: every usable CPU
+    # --threads auto: every usable CPU, a step's lockstep draft on one fewer
     h = health(server)
-    assert h["threads"] == len(os.sched_getaffinity(0))
+    cpus = len(os.sched_getaffinity(0))
+    assert h["threads"] == cpus and h["draft_threads"] == max(1, cpus - 1)
     assert h["prefill_in_step"] == 256  # batching: short prompts join the step's pass
     if h["runtime"] == "cpu-kernel":  # bf16 weights: the caches in bf16 too (kv_dtype auto)
         assert h["kv_dtype"] == "bf16"
@@ -395,6 +396,30 @@ def test_threads_setting() -> None:
     for bad in ("0", "-2", "many"):
         with pytest.raises(InvalidRequestError, match="--threads must be a positive integer or auto"):
             serve_threads(bad)
+
+
+def test_apply_threads_drafts_on_one_fewer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--threads N``: every pass on N threads, a step's lockstep draft on N - 1 (the event loop streams meanwhile);
+    ``set_draft_threads`` refuses a count below 1 and never exceeds the compute threads."""
+    import torch
+
+    from specdec.commands.serve import apply_threads
+    from specdec.runtime import native_kernel as nk
+
+    monkeypatch.setattr(nk, "_DRAFT_THREADS", None)
+    before = torch.get_num_threads()
+    try:
+        assert apply_threads("3") == 3 and nk.pass_threads() == 3 and nk.draft_threads() == 2
+        assert apply_threads("1") == 1 and nk.draft_threads() == 1
+        torch.set_num_threads(2)
+        nk.set_draft_threads(4)
+        assert nk.draft_threads() == 2  # at most the compute threads
+        nk.set_draft_threads(None)
+        assert nk.draft_threads() == 2
+        with pytest.raises(ValueError, match="positive"):
+            nk.set_draft_threads(0)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_load_test_client_reads_what_httpx_reads(server: str) -> None:

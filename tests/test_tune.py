@@ -139,11 +139,15 @@ def test_measured_batch_costs_prime_the_adaptive_policy_only_for_their_models(
     path.write_text(json.dumps({**doc, "model": {**model_identity(engine), "target": "/elsewhere"}}))
     costs, note = matching_costs(engine, path)
     assert not costs and "other models" in note
-    # Measured with another number of compute threads (a server computes on the CPUs less one): not used, and said.
+    # Measured with another number of compute threads, or drafts on other threads (a server drafts on one fewer): not
+    # used, and said.
     other = model_identity(engine)["threads"] + 1
     path.write_text(json.dumps({**doc, "model": {**model_identity(engine), "threads": other}}))
     costs, note = matching_costs(engine, path)
     assert not costs and f"measured with {other} compute threads" in note and "--threads" in note
+    path.write_text(json.dumps({**doc, "model": {**model_identity(engine), "draft_threads": other}}))
+    costs, note = matching_costs(engine, path)
+    assert not costs and f"(drafts on {other})" in note
     # Measured with caches of another type (the attention reads twice the bytes of fp32 ones): not used.
     assert model_identity(engine)["kv_dtype"] == "fp32"  # fp32 weights: fp32 caches
     path.write_text(json.dumps({**doc, "model": {**model_identity(engine), "kv_dtype": "bf16"}}))

@@ -331,12 +331,14 @@ def model_identity(engine: Any) -> dict[str, Any]:
 
     from specdec.draft_vocab import head_size
     from specdec.draft_window import window_of
+    from specdec.runtime import native_kernel
     from specdec.runtime.native import kv_dtype_of
 
     target, drafter = engine.target, engine.drafter
     draft_runner = getattr(drafter, "runner", None)
     return {
         "threads": int(torch.get_num_threads()),
+        "draft_threads": native_kernel.draft_threads(),
         "target": str(target.name),
         "target_dtype": str(target.dtype).replace("torch.", ""),
         "draft": str(draft_runner.name) if draft_runner is not None else (drafter.name if drafter else None),
@@ -378,11 +380,11 @@ def matching_costs(engine: Any, path: Path | None = None) -> tuple[MeasuredCosts
     here = model_identity(engine)
     measured = doc.get("model") or {}
     if measured != here:
-        if {**measured, "threads": here["threads"]} == here:
+        if {**measured, "threads": here["threads"], "draft_threads": here["draft_threads"]} == here:
             return none, (
-                f"measured costs {path} were measured with {measured.get('threads')} compute threads, these passes "
-                f"run on {here['threads']}: not used (specdec tune --threads "
-                f"{'auto' if isinstance(here['threads'], str) else here['threads']} --save-costs)"
+                f"measured costs {path} were measured with {measured.get('threads')} compute threads (drafts on "
+                f"{measured.get('draft_threads', 'as many')}), these passes run on {here['threads']} (drafts on "
+                f"{here['draft_threads']}): not used (specdec tune --threads {here['threads']} --save-costs)"
             )
         return none, f"measured costs {path} are for other models or settings: not used (re-run specdec tune)"
     costs = costs_of(doc)

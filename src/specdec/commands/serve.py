@@ -252,11 +252,16 @@ def serve_threads(value: str) -> int:
 
 
 def apply_threads(value: str | None) -> int:
-    """Set this process's compute threads as ``--threads`` says (None: auto) and return their count."""
+    """Set this process's compute threads as ``--threads`` says (None: auto) and return their count. A step's lockstep
+    draft runs on one fewer (``native_kernel.set_draft_threads``): the event loop streams the step before it meanwhile.
+    """
     import torch
+
+    from specdec.runtime.native_kernel import set_draft_threads
 
     threads = serve_threads(value or "auto")
     torch.set_num_threads(threads)
+    set_draft_threads(max(1, threads - 1))
     return threads
 
 

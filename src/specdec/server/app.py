@@ -352,7 +352,7 @@ def _version() -> str:
 
 
 def _compute_threads() -> dict[str, int]:
-    """Threads of the model passes (``specdec serve --threads``)."""
-    import torch
+    """Threads of the model passes (``specdec serve --threads``) and of a step's lockstep draft."""
+    from specdec.runtime.native_kernel import draft_threads, pass_threads
 
-    return {"threads": int(torch.get_num_threads())}
+    return {"threads": pass_threads(), "draft_threads": draft_threads()}

@@ -359,9 +359,12 @@ def replica_threads() -> int:
     """
     import torch
 
+    from specdec.runtime.native_kernel import set_draft_threads
+
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU") or 1.0
     threads = max(1, int(cpus))
     torch.set_num_threads(threads)
+    set_draft_threads(max(1, threads - 1))  # as ``specdec serve``: the event loop streams while a step drafts
     return threads
 
 
