@@ -98,8 +98,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--threads",
         default=None,
         metavar="N",
-        help="compute threads of the model passes; auto (default): every CPU this process may use (docs/server.md). "
-        "With --ray each replica uses its --replica-cpus",
+        help="compute threads of the model passes; auto (default): every CPU this process may use. A step's draft runs "
+        "on one fewer, the event loop streaming meanwhile (docs/server.md). With --ray each replica uses its "
+        "--replica-cpus",
     )
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     r = p.add_argument_group("ray (scale out over replicas; needs pip install 'specdec[ray]'; see docs/scaling.md)")

@@ -130,15 +130,31 @@ class _Request:
     recent_down: list[tuple[int, int]] = field(default_factory=list)
 
 
+def _shift_terms(rates: list[float]) -> list[tuple[float, float]]:
+    """Per position, the CUSUMs' L+ and L- (``_detect_shift``) at the rates a step was planned with."""
+    out = []
+    for rate in rates:
+        p = min(max(rate, 0.02), 0.98)
+        out.append((math.log1p(p * _EXP_SHIFT_UP), math.log1p(p * _EXP_SHIFT_DOWN)))
+    return out
+
+
 @dataclass
 class _Plan:
     rates: list[float]  # conditional acceptance by draft position 1..K
     emitted: list[float]  # E[n̂+1 | τ], τ = 0..K
     times: list[float]  # predicted step seconds
     goodput: list[float] = field(init=False)
+    # ``_shift_terms(rates)``, made at the first outcome observed against the plan (a batch plan serves several steps)
+    _terms: list[tuple[float, float]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.goodput = [e / t for e, t in zip(self.emitted, self.times)]
+
+    def shift_terms(self) -> list[tuple[float, float]]:
+        if self._terms is None:
+            self._terms = _shift_terms(self.rates)
+        return self._terms
 
     def best(self, candidates: list[int]) -> int:
         return max(candidates, key=lambda tau: (self.goodput[tau], -tau))
@@ -182,7 +198,8 @@ class AdaptivePolicy(Policy):
         self.latencies: deque[float] = deque(maxlen=200)
         self._latency_ratios: deque[float] = deque(maxlen=100)
         self._requests: dict[str, _Request] = {}
-        self._shared_rates: dict[tuple[int, int], tuple[tuple[int, int], list[float]]] = {}
+        # (bucket, positions) -> (versions of the global and bucket rates, their shrunk rates, those rates' logits)
+        self._shared_rates: dict[tuple[int, int], tuple[tuple[int, int], list[float], list[float]]] = {}
         self._batch_depth = max_tau  # the depth the last batch step chose (bounds the next one's search)
         self._reuse: dict[str, Decision] = {}  # the last batch plan, by request
         self._reuse_until = 0  # ... replayed through this batch step
@@ -217,16 +234,17 @@ class AdaptivePolicy(Policy):
         cached = self._shared_rates.get(key)
         if cached is None or cached[0] != versions:
             top = self.global_rates.rates(None, self.prior, n)
-            cached = self._shared_rates[key] = (versions, bucket.rates(top, self.prior, n))
-        mid = cached[1]
+            mid = bucket.rates(top, self.prior, n)
+            cached = self._shared_rates[key] = (versions, mid, [_logit(p) for p in mid])
+        _, mid, logits = cached
         # A request that accepts more (or less) than its bucket at position 1, where evidence comes
         # fastest, is shifted by as much in log-odds at every position before its own data there.
         own = req.rates
         a1 = (own.wins[0] + own.prior_weight * mid[0]) / (own.trials[0] + own.prior_weight)
-        shift = _logit(a1) - _logit(mid[0])
+        shift = _logit(a1) - logits[0]
         if abs(shift) < 1e-6:
             return own.rates(mid, self.prior, n)
-        return own.rates(mid[:1] + [_sigmoid(_logit(p) + shift) for p in mid[1:]], self.prior, n)
+        return own.rates(mid[:1] + [_sigmoid(x + shift) for x in logits[1:]], self.prior, n)
 
     def _plan(self, req: _Request, k: int) -> _Plan:
         rates = self.rates(req, k)
@@ -575,16 +593,16 @@ class AdaptivePolicy(Policy):
         tested = min(record.n_accepted + 1, record.tau)
         # The rates the step was planned with (the plan's; else derived now, before this outcome is counted).
         if req is None:
-            predicted = []
+            terms = []
         elif req.plan is not None and len(req.plan.rates) >= tested:
-            predicted = req.plan.rates[:tested]
+            terms = req.plan.shift_terms()[:tested]
         else:
-            predicted = self.rates(req, tested)
+            terms = _shift_terms(self.rates(req, tested))
         self.global_rates.update(record.tau, record.n_accepted)
         if req is not None:
             self.bucket_rates[req.bucket].update(record.tau, record.n_accepted)
             req.rates.update(record.tau, record.n_accepted)
-            self._detect_shift(req, record, predicted)
+            self._detect_shift(req, record, terms)
             if req.probing:
                 req.probing = False
                 # All accepted: probe again at once; some: soon; none: back off further.
@@ -595,16 +613,15 @@ class AdaptivePolicy(Policy):
         if record.draft_token_probs:
             self.calibration.update(record.draft_token_probs, record.tau, record.n_accepted)
 
-    def _detect_shift(self, req: _Request, record: StepRecord, predicted: list[float]) -> None:
+    def _detect_shift(self, req: _Request, record: StepRecord, terms: list[tuple[float, float]]) -> None:
         """Two-sided Bernoulli CUSUM on the positions this step tested, against the rates it was planned
-        with: a stretch where the draft does much better or worse (code <-> prose) is flagged within 2-3
-        outcomes, and the request's own statistics restart from the steps since the shift began."""
+        with (``terms``: ``_shift_terms`` of them): a stretch where the draft does much better or worse (code <->
+        prose) is flagged within 2-3 outcomes, and the request's own statistics restart from the steps since the
+        shift began."""
         # The alternative q = σ(logit p ± SHIFT) = p·e^±S / (1 − p + p·e^±S), so the log-likelihood ratios are
         # log(q/p) = ±S − L± for a pass and log((1 − q)/(1 − p)) = −L± for a failure, L± = log(1 + p·(e^±S − 1)).
         up, down = req.cusum_up, req.cusum_down
-        for k, rate in enumerate(predicted):
-            p = min(max(rate, 0.02), 0.98)
-            l_up, l_down = math.log1p(p * _EXP_SHIFT_UP), math.log1p(p * _EXP_SHIFT_DOWN)
+        for k, (l_up, l_down) in enumerate(terms):
             if k < record.n_accepted:
                 up, down = max(0.0, up + SHIFT - l_up), max(0.0, down - SHIFT - l_down)
             else:

@@ -53,9 +53,14 @@ class PositionRates:
 
     def update(self, tau: int, n_accepted: int) -> None:
         self.version += 1
-        for k in range(min(n_accepted + 1, tau, self.max_pos)):
-            self.wins[k] = self.decay * self.wins[k] + (1.0 if k < n_accepted else 0.0)
-            self.trials[k] = self.decay * self.trials[k] + 1.0
+        decay, wins, trials = self.decay, self.wins, self.trials
+        tested = min(n_accepted + 1, tau, self.max_pos)
+        for k in range(min(n_accepted, tested)):  # passed
+            wins[k] = decay * wins[k] + 1.0
+            trials[k] = decay * trials[k] + 1.0
+        for k in range(n_accepted, tested):  # the first rejected (at most one)
+            wins[k] = decay * wins[k]
+            trials[k] = decay * trials[k] + 1.0
 
     def rates(self, parent: list[float] | None, first_prior: float, n: int | None = None) -> list[float]:
         """The first ``n`` shrunk rates. Each position's prior is ``parent[k]`` when given, else the
