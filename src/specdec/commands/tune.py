@@ -72,9 +72,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--threads",
         default=None,
         metavar="N",
-        help="compute threads to measure with (default: every CPU, as generate and bench run); auto: as `specdec "
-        "serve` runs by default (the CPUs less one for short passes, all for batches of 12+ rows). A server uses "
-        "a cost file only when it was measured with its own threads",
+        help="compute threads to measure with (default: every CPU, as generate and bench run); auto or N: as `specdec "
+        "serve --threads` runs (every CPU or N, a step's draft on one fewer). A server uses a cost file only when it "
+        "was measured with its own threads",
     )
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the full report as JSON")
     p.set_defaults(func=run)
