@@ -8,16 +8,15 @@ default target took 2.4 ms instead of 1.1). These tests count the process's thre
 from __future__ import annotations
 
 import os
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from specdec.runtime.native_kernel import release_thread_team
+from specdec.tune import _on_own_thread  # a thread of its own, which ends with the call
 
 TASKS = Path("/proc/self/task")
 pytestmark = pytest.mark.skipif(
@@ -35,23 +34,6 @@ def _settled(expected: int) -> int:
     while _tasks() != expected and time.monotonic() < deadline:
         time.sleep(0.01)
     return _tasks()
-
-
-def _on_thread(fn: Callable[[], Any]) -> Any:
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["out"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised on the test's thread
-            box["error"] = e
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["out"]
 
 
 def _parallel_op() -> None:
@@ -77,7 +59,7 @@ def test_release_lets_the_threads_team_go(two_threads: None) -> None:
         released = release_thread_team()
         return before, with_team, released, _settled(before)
 
-    before, with_team, released, after = _on_thread(work)
+    before, with_team, released, after = _on_own_thread(work)
     assert with_team == before + 1, "the parallel region made no team: nothing to test"
     assert released
     assert after == before
@@ -95,7 +77,7 @@ def test_load_lets_the_loading_threads_team_go(two_threads: None, tiny_models: d
         specdec.load(tiny_models["llama"], tiny_models["draft"])
         return before, with_team, _settled(before)
 
-    before, with_team, after = _on_thread(work)
+    before, with_team, after = _on_own_thread(work)
     assert with_team == before + 1
     assert after == before, "the loading thread kept its OpenMP team"
 
@@ -104,4 +86,4 @@ def test_release_without_a_team_is_harmless() -> None:
     def work() -> tuple[bool, bool]:
         return release_thread_team(), release_thread_team()
 
-    assert _on_thread(work) == (True, True)
+    assert _on_own_thread(work) == (True, True)
