@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -200,3 +201,41 @@ def test_kernel_greedy_draft_stops_where_the_rules_say(tiny_models: dict[str, Pa
         ask = _ask(drafter, context, 6, rule=ReachRule((1.0,) * 10, thresholds))
         assert len(_one(drafter, ask).tokens) == depth
         assert ask.state.cache.length == len(context) + depth - 1
+
+
+def test_kernel_draft_runs_on_the_draft_threads(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``set_draft_threads`` (a server's: one fewer than its passes): the kernel's one-call draft runs on that many
+    threads, every compute thread without it, and drafts the same tokens either way."""
+    from specdec.runtime import native_kernel as nk
+    from specdec.runtime.native import NativeRunner
+
+    runner = load_runner(tiny_models["draft"], device=torch.device("cpu"), dtype="float32")
+    if not (isinstance(runner, NativeRunner) and runner.drafts_natively):
+        pytest.skip("the CPU kernel is not available here")
+    seen: list[int] = []
+    scratch_for = nk.FusedLlama._scratch_for
+
+    def spy(self: Any, k: int, threads: int) -> torch.Tensor:
+        seen.append(threads)
+        return scratch_for(self, k, threads)
+
+    monkeypatch.setattr(nk.FusedLlama, "_scratch_for", spy)
+    monkeypatch.setattr(nk, "_DRAFT_THREADS", None)
+    drafter = ModelDrafter(runner, runner.vocab_size)
+    context = list(range(3, 40))
+
+    def draft() -> list[int]:
+        state = drafter.new_state()
+        drafter.prefill(state, context)
+        ask = DraftAsk(state, context, 4, SamplingParams(), torch.Generator().manual_seed(0), None)
+        return drafter.propose([ask])[0].tokens
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        every = draft()
+        assert seen[-1] == 2
+        nk.set_draft_threads(1)
+        assert draft() == every and seen[-1] == 1
+    finally:
+        torch.set_num_threads(before)

@@ -639,7 +639,7 @@ class FusedLlama:
         out_i = torch.full((n * max_tau + 2 * n,), -1, dtype=torch.int64)
         tops = torch.empty(n, max_tau, dtype=torch.float32)
         logits = self._buffer("draft_logits", n * self.head_rows)
-        threads = pass_threads()
+        threads = draft_threads()
         scratch = self._scratch_for(max(off[-1], n), threads)
         rule_ptrs = None
         if any(r is not None for r in rules):
