@@ -483,7 +483,7 @@ class AdaptivePolicy(Policy):
             f"{tokens[depth]:.1f} tokens in {(secs[depth] + bias) * 1e3:.2f} ms predicted "
             f"(step bias {bias * 1e3:+.2f} ms"
             + (f", {prompt_rows} prompt rows {sunk * 1e3:.2f} ms" if prompt_rows else "")
-            + f"); plain {rates[0] * 1e-3:.2f} tokens/ms"
+            + f"); tokens/ms by depth {'/'.join(f'{r * 1e-3:.2f}' for r in rates)}"
         )
         out: list[Decision] = []
         for req, kept, tau in zip(reqs, own, best):
