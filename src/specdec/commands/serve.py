@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
     drafter = engine.drafter.name if engine.drafter is not None else "none (plain target decoding)"
     print(
         f"specdec: serving {settings.model_name!r} (drafter: {drafter}, policy: {engine.policy.name}, "
-        f"{threads} compute thread{'s' if threads != 1 else ''}" + f" of {usable_cpus()} CPUs) on "
+        f"{threads} compute thread{'s' if threads != 1 else ''} of {usable_cpus()} CPUs) on "
         f"http://{args.host}:{args.port} (OpenAI API under /v1)",
         file=sys.stderr,
         flush=True,

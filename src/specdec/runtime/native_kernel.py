@@ -74,7 +74,7 @@ class _Layer(ctypes.Structure):
 def _openmp_runtime() -> ctypes.CDLL | None:
     """The OpenMP runtime this process runs torch's and the kernel's parallel regions on (torch's bundled libgomp, which
     the kernel links: ``_openmp_link``), or None where it cannot be found."""
-    libs = sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+    libs = _bundled_libgomp()
     if not libs:
         try:
             libs = [
@@ -194,12 +194,16 @@ def cache_dir(name: str) -> Path:
     return Path(base) / "specdec" / name
 
 
+def _bundled_libgomp() -> list[Path]:
+    """The OpenMP runtime torch's wheel ships (its ``lib/libgomp*.so*``), which torch loads; empty for other builds."""
+    return sorted((Path(torch.__file__).parent / "lib").glob("libgomp*.so*"))
+
+
 def _openmp_link() -> list[str]:
     """Link the OpenMP runtime torch loaded (its bundled libgomp), so both share one thread pool."""
-    lib = Path(torch.__file__).parent / "lib"
-    bundled = sorted(lib.glob("libgomp*.so*"))
+    bundled = _bundled_libgomp()
     if bundled:
-        return [str(bundled[0]), f"-Wl,-rpath,{lib}"]
+        return [str(bundled[0]), f"-Wl,-rpath,{bundled[0].parent}"]
     return ["-fopenmp"]
 
 

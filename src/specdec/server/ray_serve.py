@@ -355,17 +355,13 @@ def replica_threads() -> int:
     """Set this process's torch threads to the CPUs Ray reserved for it (at least 1) and return the count.
 
     Ray exports OMP_NUM_THREADS for the reservation, but only if unset and only when the worker starts its
-    task; setting torch's pool here makes ``num_cpus`` mean the replica's compute threads, always.
+    task; setting torch's pool here makes ``num_cpus`` mean the replica's compute threads, always (and, as
+    ``specdec serve --threads``, a step's draft on one fewer: ``apply_threads``).
     """
-    import torch
-
-    from specdec.runtime.native_kernel import set_draft_threads
+    from specdec.commands.serve import apply_threads
 
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU") or 1.0
-    threads = max(1, int(cpus))
-    torch.set_num_threads(threads)
-    set_draft_threads(max(1, threads - 1))  # as ``specdec serve``: the event loop streams while a step drafts
-    return threads
+    return apply_threads(str(max(1, int(cpus))))
 
 
 def _internal_get(path: str) -> dict[str, Any]:
