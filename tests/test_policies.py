@@ -628,6 +628,9 @@ def test_a_batch_plan_prices_its_steps_with_what_they_measured_beyond_the_curves
     assert policy._step_bias[0] == pytest.approx(7e-3)  # 13 ms measured, 6 priced; not 150 ms less 6
     assert policy.batch_costs.other(16, 0.0) == pytest.approx(7e-3)  # the step's rest, learnt the same way
     assert policy.step_bias() == 0.0  # one step measured: not yet trusted
+    # The same step against its plan's prediction, at its depth: 32 tokens made where the plan expected 16 × 1.6, in
+    # 13 ms priced 6 (a step priced more than twice off counts as twice: 6.5 ms).
+    assert policy.depth_calibration._sums[1] == pytest.approx([32.0, 25.6, 13e-3, 6.5e-3, 1.0])
 
     biased = primed()
     biased._step_bias = [5 * 6e-3, 5.0]  # five steps' worth, 6 ms over their prices
@@ -635,3 +638,58 @@ def test_a_batch_plan_prices_its_steps_with_what_they_measured_beyond_the_curves
     plan = biased.plan(ctxs)
     assert max(d.tau for d in plan) == 2
     assert "tokens in 14.00 ms predicted (step bias +6.00 ms)" in plan[0].reason
+
+
+def test_depth_calibration_weighs_what_each_depths_steps_measured_against_their_predictions() -> None:
+    """Ratios of sums (not a mean of per-step ratios, which leans against the depths whose tokens spread most), shrunk
+    toward 1 by ``prior`` steps, decayed per step, an outlier price clipped, a depth never run borrowing the nearest
+    run one (the deeper on a tie)."""
+    from specdec.policy.estimates import DepthCalibration
+
+    cal = DepthCalibration(decay=1.0, prior=4.0)
+    assert cal.factor(3) == 1.0  # nothing measured
+    for tokens in (2.0, 10.0):  # per-step ratios 0.4 and 2.0 (mean 1.2); the sums' ratio is 12/10
+        cal.observe(2, tokens, 5.0, 1e-3, 1e-3)
+    assert cal.factor(2) == pytest.approx((2 * 1.2 + 4) / 6)
+    cal.observe(4, 5.0, 5.0, 2e-3, 1e-3)  # took twice its price
+    assert cal.factor(4) == pytest.approx((1 * 0.5 + 4) / 5)
+    assert cal.factor(3) == cal.factor(4)  # a tie between 2 and 4: the deeper
+    assert cal.factor(1) == cal.factor(2) and cal.factor(9) == cal.factor(4)
+    cal.observe(6, 5.0, 5.0, 1e-3, 1.0)  # priced at 1,000x: counted as twice off
+    assert cal.factor(6) == pytest.approx((1 * 2.0 + 4) / 5)
+    decaying = DepthCalibration(decay=0.5, prior=4.0, seen=1.0)
+    decaying.observe(2, 5.0, 5.0, 2e-3, 1e-3)
+    decaying.observe(5, 5.0, 5.0, 1e-3, 1e-3)
+    assert decaying._sums[2][4] == 0.5  # one step later: below ``seen``, so depth 2 now borrows depth 5's
+    assert decaying.factor(2) == decaying.factor(5) == 1.0
+
+
+def test_a_batch_plan_leaves_a_depth_whose_steps_measured_less_than_it_predicted() -> None:
+    """Priced as above (a plain 16-sequence step 4 ms, each depth +1 ms of pass and +1 ms of draft, acceptance 0.6):
+    depth 1 predicts the best goodput (4.27 tokens/ms; plain 4.0, depth 2 3.92). Where the steps run at depth 1 have
+    made 20% less than predicted, and nothing deeper or shallower has run, every depth from 1 on borrows that
+    (depth 1's nearest), plain too: the plan stays at 1. Where plain steps measured as predicted, depth 1 reads 3.53
+    tokens/ms (0.83 of 4.27, the shrunk 0.8) against plain's 4.0, and the plan goes plain; the step's reason shows each depth's factor."""
+    ctxs = [ctx_for(f"s{i}", 0, 0, 0) for i in range(16)]
+
+    def primed() -> AdaptivePolicy:
+        policy = AdaptivePolicy()
+        policy.prime(MeasuredCosts({16: 4e-3, 32: 5e-3, 48: 6e-3, 64: 7e-3, 80: 8e-3}, {16: 1e-3}))
+        for ctx in ctxs:
+            policy.begin(ctx)
+        return policy
+
+    def depth_1_short(policy: AdaptivePolicy) -> None:
+        for _ in range(60):  # 60 steps at depth 1, each 0.8x the predicted tokens in the predicted time
+            policy.depth_calibration.observe(1, 0.8 * 25.6, 25.6, 6e-3, 6e-3)
+
+    policy = primed()
+    depth_1_short(policy)
+    assert max(d.tau for d in policy.plan(ctxs)) == 1
+    policy = primed()  # a fresh plan (a batch's plan serves a few steps)
+    depth_1_short(policy)
+    for _ in range(60):  # and as many plain steps that measured what they predicted
+        policy.depth_calibration.observe(0, 16.0, 16.0, 4e-3, 4e-3)
+    plan = policy.plan(ctxs)
+    assert max(d.tau for d in plan) == 0
+    assert re.search(r"steps' measured/predicted 1\.00/0\.83/0\.83/", plan[0].reason), plan[0].reason

@@ -25,6 +25,7 @@ from specdec.policy.estimates import (
     ArmComparison,
     BatchCosts,
     ConfidenceCalibration,
+    DepthCalibration,
     PositionRates,
     StepCosts,
     expected_emitted_all,
@@ -130,6 +131,16 @@ class _Request:
     recent_down: list[tuple[int, int]] = field(default_factory=list)
 
 
+def _expected_tokens(req: _Request | None, tau: int) -> float:
+    """The tokens a step of ``tau`` drafted was expected to make by the request's last plan (nan: none)."""
+    if tau == 0:
+        return 1.0
+    if req is None or req.plan is None:
+        return math.nan
+    emitted = req.plan.emitted
+    return emitted[min(tau, len(emitted) - 1)]
+
+
 def _shift_terms(rates: list[float]) -> list[tuple[float, float]]:
     """Per position, the CUSUMs' L+ and L- (``_detect_shift``) at the rates a step was planned with."""
     out = []
@@ -137,6 +148,22 @@ def _shift_terms(rates: list[float]) -> list[tuple[float, float]]:
         p = min(max(rate, 0.02), 0.98)
         out.append((math.log1p(p * _EXP_SHIFT_UP), math.log1p(p * _EXP_SHIFT_DOWN)))
     return out
+
+
+class _PendingStep:
+    """A batch step being recorded (its records come one by one) for the step bias and the depth calibration."""
+
+    __slots__ = ("key", "price", "draft_verify", "other", "sequences", "depth", "tokens", "expected")
+
+    def __init__(self, key: tuple[float, float, int], price: float, record: StepRecord) -> None:
+        self.key = key  # the step's pass times and rows: its records share them
+        self.price = price  # the step's priced seconds at the rows and depth it ran
+        self.draft_verify = record.draft_time + record.verify_time
+        self.other = record.other_time  # its records' least other time, as the cost curves learn it
+        self.sequences = record.batch_size
+        self.depth = record.draft_passes
+        self.tokens = 0  # produced, before stop truncation (what a plan predicts)
+        self.expected = 0.0  # the plans' expected tokens at each record's τ (nan: a record without one)
 
 
 @dataclass
@@ -207,9 +234,10 @@ class AdaptivePolicy(Policy):
         self._batch_steps = 0  # steps planned for a batch (``plan``): one in EXPLORE_EVERY runs one deeper
         self._step_bias = [0.0, 0.0]  # decayed (measured - priced seconds, weight) of batch steps (``step_bias``)
         self._batch_planned = False  # a batch plan has been made: its steps teach the step bias
-        # The batch step being recorded for the step bias: its key (pass times, rows), its draft + pass seconds less
-        # its price, its records' least other time, its sequences; folded in once the step is whole (``_learn_bias``).
-        self._bias_pending: tuple[tuple[float, float, int], float, float, int] | None = None
+        # measured ÷ predicted goodput of the batch steps, by depth: what the plans' prices miss the deeper they reach
+        self.depth_calibration = DepthCalibration()
+        # The batch step being recorded, folded in once it is whole (``_learn_bias``).
+        self._bias_pending: _PendingStep | None = None
 
     # -- estimates --------------------------------------------------------------------------
 
@@ -443,16 +471,22 @@ class AdaptivePolicy(Policy):
         # ratio of tokens to the priced seconds alone leans shallow wherever such a cost is real.
         self._learn_bias()  # the last step is whole
         bias = self.step_bias()
+        # Each depth's ratio is then scaled by what the steps run at that depth measured against their predictions
+        # (``DepthCalibration``): the curves and the acceptance estimates err more the deeper they price.
         by_depth: list[list[int]] = []
         tokens: list[float] = []
         secs: list[float] = []
         rates: list[float] = []
+        factors: list[float] = []
+        calibration = self.depth_calibration
         for cut in range(max(caps, default=0) + 1):
-            by_depth.append([max(f, min(c, cut)) for f, c in zip(floors, caps)])
-            got, seconds = priced(by_depth[-1])
+            taus = [max(f, min(c, cut)) for f, c in zip(floors, caps)]
+            by_depth.append(taus)
+            got, seconds = priced(taus)
             tokens.append(got)
             secs.append(seconds)
-            rates.append(got / (max(seconds - sunk, 1e-9) + bias))
+            factors.append(calibration.factor(max(taus, default=0)))
+            rates.append(got / (max(seconds - sunk, 1e-9) + bias) * factors[-1])
         depth = 0
         for cut in range(1, len(rates)):
             if cut > depth + DEPTH_PATIENCE:
@@ -484,6 +518,7 @@ class AdaptivePolicy(Policy):
             f"(step bias {bias * 1e3:+.2f} ms"
             + (f", {prompt_rows} prompt rows {sunk * 1e3:.2f} ms" if prompt_rows else "")
             + f"); tokens/ms by depth {'/'.join(f'{r * 1e-3:.2f}' for r in rates)}"
+            + f" (steps' measured/predicted {'/'.join(f'{f:.2f}' for f in factors)})"
         )
         out: list[Decision] = []
         for req, kept, tau in zip(reqs, own, best):
@@ -553,14 +588,20 @@ class AdaptivePolicy(Policy):
         return max(0.0, total / weight) if weight >= STEP_BIAS_WARM else 0.0
 
     def _learn_bias(self) -> None:
-        """Fold the last recorded batch step into the step bias (decayed by STEP_BIAS_DECAY per record it had)."""
-        if self._bias_pending is not None:
-            _, beyond, other, sequences = self._bias_pending
-            decay = STEP_BIAS_DECAY**sequences
-            b = self._step_bias
-            b[0] = decay * b[0] + (beyond + other)
-            b[1] = decay * b[1] + 1.0
-            self._bias_pending = None
+        """Fold the last recorded batch step into the step bias (decayed by STEP_BIAS_DECAY per record it had) and,
+        its goodput against the plans' prediction, into the depth calibration."""
+        step = self._bias_pending
+        if step is None:
+            return
+        self._bias_pending = None
+        predicted = step.price + self.step_bias()  # as its plan priced it: the bias before this step is in it
+        measured = step.draft_verify + step.other
+        if step.expected > 0.0:  # nan (a record without a plan) compares false
+            self.depth_calibration.observe(step.depth, step.tokens, step.expected, measured, predicted)
+        decay = STEP_BIAS_DECAY**step.sequences
+        b = self._step_bias
+        b[0] = decay * b[0] + (measured - step.price)
+        b[1] = decay * b[1] + 1.0
 
     def observe(self, record: StepRecord) -> None:
         req = self._requests.get(record.request_id)
@@ -572,15 +613,16 @@ class AdaptivePolicy(Policy):
             # request that joined or waited carries its wait in its own).
             key = (record.verify_time, record.draft_time, record.rows)
             pending = self._bias_pending
-            if pending is None or pending[0] != key:
+            if pending is None or pending.key != key:
                 self._learn_bias()
                 price = self.batch_costs.pricer(record.batch_size, self.costs)(
                     record.rows, record.draft_passes, record.drafting
                 )
-                beyond = record.draft_time + record.verify_time - price
-                self._bias_pending = (key, beyond, record.other_time, record.batch_size)
+                pending = self._bias_pending = _PendingStep(key, price, record)
             else:
-                self._bias_pending = (key, pending[1], min(pending[2], record.other_time), pending[3])
+                pending.other = min(pending.other, record.other_time)
+            pending.tokens += record.n_accepted + 1
+            pending.expected += _expected_tokens(req, record.tau)
         self.batch_costs.observe(record)  # one-sequence steps too: the low end of the cost curves
         if record.batch_size == 1 and (record.rows or record.tau + 1) == record.tau + 1:  # not a prompt's first step
             # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.

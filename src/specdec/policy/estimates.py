@@ -460,6 +460,49 @@ def steady_draft(record: StepRecord) -> bool:
     return not record.prompt_rows and record.draft_fed <= 2 * max(1, record.drafting)
 
 
+class DepthCalibration:
+    """How far a batch plan's predicted goodput was from what its steps measured, depth by depth.
+
+    Every batch step run at a lockstep depth adds its tokens and seconds, measured and predicted, to that depth's
+    sums; all depths' sums decay by ``decay`` per step, so a depth not run for a while drifts back to no correction
+    (and is tried again). A depth's factor is (measured ÷ predicted tokens) × (predicted ÷ measured seconds), ratios
+    of its sums (a mean of per-step ratios would lean against the deep depths, whose tokens per step spread the most),
+    each shrunk toward 1 by ``prior`` steps' worth. A depth never run (or run too long ago) borrows the nearest one
+    run, the deeper on a tie. The curves and acceptance estimates price every depth from the same few: what they miss
+    grows with the depth (a server's drafts cost 2-2.5x what they cost measured apart; rarely reached positions'
+    acceptance), and only the steps see it."""
+
+    def __init__(self, decay: float = 0.99, prior: float = 4.0, seen: float = 1.0, outlier: float = 2.0) -> None:
+        self.decay, self.prior, self.seen, self.outlier = decay, prior, seen, outlier
+        # depth -> decayed [measured tokens, predicted tokens, measured seconds, predicted seconds, steps]
+        self._sums: dict[int, list[float]] = {}
+
+    def observe(self, depth: int, tokens: float, expected: float, seconds: float, predicted: float) -> None:
+        if min(tokens, expected, seconds, predicted) <= 0.0:
+            return
+        # A step priced from a prior (pass sizes never measured: 1.75 s for a 7 ms step in the simulator's first step)
+        # counts as at most ``outlier`` times off, so one such step does not hold a depth's ratio for hundreds of steps.
+        predicted = min(max(predicted, seconds / self.outlier), seconds * self.outlier)
+        for entry in self._sums.values():
+            for i in range(5):
+                entry[i] *= self.decay
+        entry = self._sums.setdefault(depth, [0.0] * 5)
+        for i, value in enumerate((tokens, expected, seconds, predicted, 1.0)):
+            entry[i] += value
+
+    def factor(self, depth: int) -> float:
+        """Measured ÷ predicted goodput to expect at ``depth`` (1.0 before any step is measured)."""
+        entry = self._sums.get(depth)
+        if entry is None or entry[4] < self.seen:
+            near = [(abs(d - depth), -d) for d, e in self._sums.items() if e[4] >= self.seen]
+            if not near:
+                return 1.0
+            entry = self._sums[-min(near)[1]]
+        tokens, expected, seconds, predicted, steps = entry
+        k = self.prior
+        return (steps * tokens / expected + k) / (steps + k) * (steps * predicted / seconds + k) / (steps + k)
+
+
 @dataclass
 class BatchCosts:
     """What a step shared by many sequences costs: the target pass by its rows, a lockstep draft forward by
