@@ -693,3 +693,36 @@ def test_a_batch_plan_leaves_a_depth_whose_steps_measured_less_than_it_predicted
     plan = policy.plan(ctxs)
     assert max(d.tau for d in plan) == 0
     assert re.search(r"steps' measured/predicted 1\.00/0\.83/0\.83/", plan[0].reason), plan[0].reason
+
+
+def test_cost_estimates_learn_a_pause_as_at_most_a_few_times_their_usual_cost() -> None:
+    """A pass, a draft or a one-sequence step measured at ~50x its usual cost (a machine's or a collector's pause: a
+    144 ms draft forward where 0.3 ms is usual) is learnt as OUTLIER_FACTOR times it, once its size or depth has been
+    seen; a lasting change still comes through, a bounded step at a time."""
+    from specdec.policy.estimates import OUTLIER_FACTOR, CurveEWMA, DraftLine, StepCosts
+
+    curve = CurveEWMA(decay=0.9)
+    for _ in range(10):
+        curve.observe(16, 3e-3)
+    curve.observe(16, 150e-3)
+    assert curve._at[16][1] < 3e-3 * OUTLIER_FACTOR / 2  # ~4 ms; learnt as is, ~19 ms
+    assert curve._at[16][1] > 3e-3 * 1.1  # ... but it moved
+    for _ in range(40):  # the pass really is 50x dearer now
+        curve.observe(16, 150e-3)
+    assert curve._at[16][1] == pytest.approx(150e-3, rel=0.05)
+    first = CurveEWMA()
+    first.observe(4, 150e-3)  # nothing to hold it to yet: learnt as is
+    assert first._at[4][1] == 150e-3
+
+    line = DraftLine()
+    for depth in (2, 3, 2, 3, 2, 3):
+        line.observe(depth, 0.5e-3 + 0.2e-3 * (depth - 1))
+    line.observe(3, 144e-3)
+    d0, d1 = line.line()
+    assert d0 + 2 * d1 < 2e-3  # 0.9 ms usual at depth 3; learnt as is, ~8 ms
+
+    solo = StepCosts()
+    for _ in range(10):
+        solo.observe(2, 2, 1e-3, 2e-3, 0.0)
+    solo.observe(2, 2, 1e-3, 150e-3, 0.0)
+    assert solo._by_block[3][1] < 2e-3 * OUTLIER_FACTOR / 2

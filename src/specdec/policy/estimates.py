@@ -72,6 +72,14 @@ class PositionRates:
         return out
 
 
+# A cost observed at more than this many times what its size (CurveEWMA) or depth (DraftLine) has measured, once it
+# has OUTLIER_AFTER observations' worth there, is learnt as this many times: a machine's pause or a collector's (a
+# 144 ms draft forward where 0.3 ms is usual) otherwise priced that size for the next dozen steps. A lasting change
+# still comes through: each such observation moves the estimate up, and the bound with it.
+OUTLIER_FACTOR = 4.0
+OUTLIER_AFTER = 2.0
+
+
 @dataclass
 class DraftLine:
     """Seconds of a draft by its depth (lockstep forwards), d(p) = d0 + d1·(p − 1): decayed least squares over the
@@ -89,8 +97,11 @@ class DraftLine:
     _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # S1, Sx, Sy, Sxx, Sxy over x = p - 1
 
     def observe(self, passes: int, seconds: float, weight: float = 1.0) -> None:
-        x, y = float(passes - 1), seconds
         s = self._sums
+        if s[0] >= OUTLIER_AFTER:
+            d0, d1 = self.line()
+            seconds = min(seconds, OUTLIER_FACTOR * (d0 + d1 * (passes - 1)))
+        x, y = float(passes - 1), seconds
         for i, v in enumerate((1.0, x, y, x * x, x * y)):
             s[i] = self.decay**weight * s[i] + weight * v
 
@@ -153,11 +164,13 @@ class StepCosts:
             self.draft.observe(forwards, draft_time)
         self.other = self._ewma(self.other, other_time)
         k = tau + 1
+        w_mean = self._by_block.setdefault(k, [0.0, 0.0])
+        if w_mean[0] >= OUTLIER_AFTER:
+            verify_time = min(verify_time, OUTLIER_FACTOR * w_mean[1])
         x, y = float(k - 1), verify_time
         s = self._sums
         for i, v in enumerate((1.0, x, y, x * x, x * y)):
             s[i] = self.decay * s[i] + v
-        w_mean = self._by_block.setdefault(k, [0.0, 0.0])
         w_mean[0] = self.decay * w_mean[0] + 1.0
         w_mean[1] += (y - w_mean[1]) / w_mean[0]
 
@@ -354,6 +367,8 @@ class CurveEWMA:
             bisect.insort(self._sizes, size)
             self._logs[size] = math.log(size) if size > 0 else 0.0
         w_mean = self._at.setdefault(size, [0.0, 0.0])
+        if w_mean[0] >= OUTLIER_AFTER:
+            seconds = min(seconds, OUTLIER_FACTOR * w_mean[1])
         w_mean[0] = self.decay**weight * w_mean[0] + weight
         w_mean[1] += weight * (seconds - w_mean[1]) / w_mean[0]
         cache = self._within_cache
