@@ -569,6 +569,16 @@ def replace_times(record: StepRecord, *, draft: float) -> StepRecord:
     return replace(record, draft_time=draft)
 
 
+def primed_for_batch(ctxs: list[StepContext]) -> AdaptivePolicy:
+    """An adaptive policy priced as the batch-plan tests here: a plain 16-sequence step 4 ms, +1 ms of pass per 16
+    rows, +1 ms of draft per depth; ``ctxs``' requests begun."""
+    policy = AdaptivePolicy()
+    policy.prime(MeasuredCosts({16: 4e-3, 32: 5e-3, 48: 6e-3, 64: 7e-3, 80: 8e-3}, {16: 1e-3}))
+    for ctx in ctxs:
+        policy.begin(ctx)
+    return policy
+
+
 def test_prompt_rows_joining_a_batch_step_are_priced_in_but_do_not_make_every_depth_look_cheap() -> None:
     """Priced as below (a plain 16-sequence step 4 ms, +1 ms of pass per 16 rows, +1 ms of draft per depth; acceptance
     0.6): depth 1 is best. 200 prompt rows joining the pass add ~12.6 ms to every depth's step (the curve's slope beyond
@@ -577,10 +587,7 @@ def test_prompt_rows_joining_a_batch_step_are_priced_in_but_do_not_make_every_de
     depth costs. They are the prompts' own, in the step whatever the depth: the plan stays at depth 1, and the whole
     step's prediction in its reason counts them."""
     ctxs = [ctx_for(f"s{i}", 0, 0, 0) for i in range(16)]
-    policy = AdaptivePolicy()
-    policy.prime(MeasuredCosts({16: 4e-3, 32: 5e-3, 48: 6e-3, 64: 7e-3, 80: 8e-3}, {16: 1e-3}))
-    for ctx in ctxs:
-        policy.begin(ctx)
+    policy = primed_for_batch(ctxs)
     plan = policy.plan(ctxs, prompt_rows=200)
     assert max(d.tau for d in plan) == 1
     assert re.search(
@@ -602,14 +609,7 @@ def test_a_batch_plan_prices_its_steps_with_what_they_measured_beyond_the_curves
     as the records' seconds less the price of the plan they were served by."""
     ctxs = [ctx_for(f"s{i}", 0, 0, 0) for i in range(16)]
 
-    def primed() -> AdaptivePolicy:
-        policy = AdaptivePolicy()
-        policy.prime(MeasuredCosts({16: 4e-3, 32: 5e-3, 48: 6e-3, 64: 7e-3, 80: 8e-3}, {16: 1e-3}))
-        for ctx in ctxs:
-            policy.begin(ctx)
-        return policy
-
-    policy = primed()
+    policy = primed_for_batch(ctxs)
     assert policy.step_bias() == 0.0
     plan = policy.plan(ctxs)
     assert max(d.tau for d in plan) == 1  # the priced ratio's best
@@ -632,7 +632,7 @@ def test_a_batch_plan_prices_its_steps_with_what_they_measured_beyond_the_curves
     # 13 ms priced 6 (a step priced more than twice off counts as twice: 6.5 ms).
     assert policy.depth_calibration._sums[1] == pytest.approx([32.0, 25.6, 13e-3, 6.5e-3, 1.0])
 
-    biased = primed()
+    biased = primed_for_batch(ctxs)
     biased._step_bias = [5 * 6e-3, 5.0]  # five steps' worth, 6 ms over their prices
     assert biased.step_bias() == pytest.approx(6e-3)
     plan = biased.plan(ctxs)
@@ -669,24 +669,18 @@ def test_a_batch_plan_leaves_a_depth_whose_steps_measured_less_than_it_predicted
     depth 1 predicts the best goodput (4.27 tokens/ms; plain 4.0, depth 2 3.92). Where the steps run at depth 1 have
     made 20% less than predicted, and nothing deeper or shallower has run, every depth from 1 on borrows that
     (depth 1's nearest), plain too: the plan stays at 1. Where plain steps measured as predicted, depth 1 reads 3.53
-    tokens/ms (0.83 of 4.27, the shrunk 0.8) against plain's 4.0, and the plan goes plain; the step's reason shows each depth's factor."""
+    tokens/ms (0.83 of 4.27, the shrunk 0.8) against plain's 4.0, and the plan goes plain; the step's reason shows
+    each depth's factor."""
     ctxs = [ctx_for(f"s{i}", 0, 0, 0) for i in range(16)]
-
-    def primed() -> AdaptivePolicy:
-        policy = AdaptivePolicy()
-        policy.prime(MeasuredCosts({16: 4e-3, 32: 5e-3, 48: 6e-3, 64: 7e-3, 80: 8e-3}, {16: 1e-3}))
-        for ctx in ctxs:
-            policy.begin(ctx)
-        return policy
 
     def depth_1_short(policy: AdaptivePolicy) -> None:
         for _ in range(60):  # 60 steps at depth 1, each 0.8x the predicted tokens in the predicted time
             policy.depth_calibration.observe(1, 0.8 * 25.6, 25.6, 6e-3, 6e-3)
 
-    policy = primed()
+    policy = primed_for_batch(ctxs)
     depth_1_short(policy)
     assert max(d.tau for d in policy.plan(ctxs)) == 1
-    policy = primed()  # a fresh plan (a batch's plan serves a few steps)
+    policy = primed_for_batch(ctxs)  # a fresh plan (a batch's plan serves a few steps)
     depth_1_short(policy)
     for _ in range(60):  # and as many plain steps that measured what they predicted
         policy.depth_calibration.observe(0, 16.0, 16.0, 4e-3, 4e-3)
