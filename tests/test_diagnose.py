@@ -103,3 +103,62 @@ def test_real_engine_with_a_useless_draft(tiny_models: dict[str, Path], tmp_path
     assert d.stats.alpha < 0.2, d.text()
     assert d.top is not None and d.top.code == "draft_too_weak", d.text()
     assert "τ=0" in d.top.action
+
+
+def _batched_trace(path: Path, depths: dict[int, tuple[int, float]], sequences: int = 4) -> Path:
+    """A batching server's trace: for each depth, (steps, seconds a step) of ``sequences`` sequences, every draft
+    accepted (each record emits depth + 1 tokens; too good to be true for the acceptance check, which is not what
+    these tests read); each record carries its step's whole pass and draft times."""
+    from specdec.records import StepRecord
+    from specdec.trace import JsonlTrace
+
+    with JsonlTrace(path, meta={"synthetic": "batched"}) as trace:
+        step = 0
+        context = [20] * sequences
+        for depth, (count, seconds) in depths.items():
+            for _ in range(count):
+                step += 1
+                for i in range(sequences):
+                    context[i] += depth + 1
+                    trace.on_step(
+                        StepRecord(
+                            request_id=f"r{i}",
+                            step=step - 1,
+                            prompt_len=20,
+                            context_len=context[i] - depth - 1,
+                            policy="adaptive",
+                            reason="batch",
+                            tau=depth,
+                            draft_tokens=[5] * depth,
+                            accept_flags=[True] * depth,
+                            n_accepted=depth,
+                            correction="bonus" if depth else "plain",
+                            emitted=[5] * (depth + 1),
+                            draft_time=0.2 * seconds,
+                            verify_time=0.8 * seconds + step * 1e-9,  # a step's records share it, no other step
+                            other_time=1e-4 * i,  # the step's rest: the least, 0
+                            batch_size=sequences,
+                            rows=sequences * (depth + 1),
+                            drafting=sequences if depth else 0,
+                            draft_passes=depth,
+                        )
+                    )
+    return path
+
+
+def test_a_batching_servers_trace_is_read_by_its_steps_depths(tmp_path: Path) -> None:
+    """Batched steps' times are their whole batch's: the one-sequence cost checks stay silent on them (a pass of 4 × 4
+    rows read as a 4-token block looked like serial verification), and the goodput of each depth at the batch size
+    most steps ran is compared instead. Depth 2: 60 steps of 4 sequences, 12 tokens in 4.0 ms (3.0 tokens/ms);
+    depth 3: 30 steps, 16 tokens in 4.2 ms (3.81): the trace ran mostly at the depth that served 21% less."""
+    d = diagnose(_batched_trace(tmp_path / "b.jsonl", {2: (60, 4.0e-3), 3: (30, 4.2e-3)}))
+    codes = {f.code for f in d.findings}
+    assert not codes & {"serial_verify", "host_overhead", "draft_too_slow", "draft_too_weak", "tau_suboptimal"}
+    f = next(f for f in d.findings if f.code == "batch_depths")
+    assert f.severity == "warning" and "depth 2, which served 21% less than depth 3" in f.title, f.title
+    assert "depth 2 3.00 tokens/ms over 60 steps" in f.evidence[0] and "depth 3 3.81 tokens/ms" in f.evidence[0]
+    # The most run depth served best: a line of information only.
+    ok = diagnose(_batched_trace(tmp_path / "ok.jsonl", {2: (60, 3.0e-3), 3: (30, 4.2e-3)}))
+    f = next(f for f in ok.findings if f.code == "batch_depths")
+    assert f.severity == "info" and "most run (depth 2)" in f.title
+    assert not {p.code for p in ok.problems} & {"serial_verify", "host_overhead", "draft_too_slow", "tau_suboptimal"}

@@ -60,10 +60,22 @@ class TraceStats:
     c_paired: float | None  # median over steps of draft cost per token / that step's one-pass cost
     other_per_step: float
     concurrent: bool  # steps of different requests interleave (other_time then includes their work)
+    # The steps each of one sequence: the costs are read from these alone (a batched step's times are its whole
+    # batch's: its pass holds every sequence's rows, its draft every sequence's forwards). ``batch_goodput`` reads
+    # the batched ones.
+    timed_steps: list[StepRecord] = field(default_factory=list)
+    timed: StepAggregate = field(default_factory=lambda: StepAggregate.of([]))
 
     @property
     def drafted(self) -> int:
         return self.agg.drafted
+
+    @property
+    def costs_readable(self) -> bool:
+        """Most steps ran one sequence, so the cost checks' figures (verify fit, c, overhead, speedup) describe the
+        trace. In a batching server's trace the few one-sequence steps (a batch's last request, solo runs beside it)
+        are not the trace's costs: the cost checks stay silent and ``batch_goodput`` speaks for its steps."""
+        return bool(self.timed_steps) and 2 * len(self.timed_steps) >= len(self.steps)
 
     @property
     def accepted(self) -> int:
@@ -79,15 +91,15 @@ class TraceStats:
 
     @property
     def draft_time(self) -> float:
-        return self.agg.draft_time
+        return self.timed.draft_time
 
     @property
     def verify_time(self) -> float:
-        return self.agg.verify_time
+        return self.timed.verify_time
 
     @property
     def other_time(self) -> float:
-        return self.agg.other_time
+        return self.timed.other_time
 
     @property
     def position_reached(self) -> list[int]:
@@ -101,7 +113,7 @@ class TraceStats:
 
     @property
     def total_time(self) -> float:
-        return self.agg.total_time
+        return self.timed.total_time
 
     @property
     def alpha(self) -> float:
@@ -151,20 +163,24 @@ class TraceStats:
         """
         units = [
             total / (s.verify_time / self.fit.v(s.tau + 1) + s.other_time)
-            for s in self.steps
+            for s in self.timed_steps
             if (total := s.draft_time + s.verify_time + s.other_time) > 0 and s.verify_time > 0
         ]
-        if not units or not self.steps:
+        if not units:
             return None
-        return (self.emitted / len(self.steps)) / statistics.median(units)
+        return (self.timed.emitted / len(self.timed_steps)) / statistics.median(units)
 
 
 def analyse(trace: Trace) -> TraceStats:
     steps = trace.steps
     agg = StepAggregate.of(steps)
-    fit = agg.verify_fit(COST_QUANTILE)
+    timed_steps = [s for s in steps if s.batch_size <= 1]
+    timed = StepAggregate.of(timed_steps)
+    fit = timed.verify_fit(COST_QUANTILE)
     paired = [
-        s.draft_time / s.tau / (s.verify_time / fit.v(s.tau + 1)) for s in steps if s.tau > 0 and s.verify_time > 0
+        s.draft_time / s.tau / (s.verify_time / fit.v(s.tau + 1))
+        for s in timed_steps
+        if s.tau > 0 and s.verify_time > 0
     ]
     return TraceStats(
         steps=steps,
@@ -173,11 +189,47 @@ def analyse(trace: Trace) -> TraceStats:
         fit=fit,
         prompt_buckets=prompt_buckets(trace),
         temperatures={t for r in trace.requests if (t := r.temperature) is not None},
-        draft_cost_per_token=low_quantile(agg.draft_per_token, COST_QUANTILE) if agg.draft_per_token else None,
+        draft_cost_per_token=low_quantile(timed.draft_per_token, COST_QUANTILE) if timed.draft_per_token else None,
         c_paired=statistics.median(paired) if paired else None,
-        other_per_step=statistics.median(agg.other) if steps else 0.0,
+        other_per_step=statistics.median(timed.other) if timed_steps else 0.0,
         concurrent=_interleaved(trace),
+        timed_steps=timed_steps,
+        timed=timed,
     )
+
+
+@dataclass
+class DepthGoodput:
+    """The batched steps of one batch size at one lockstep depth: what they made and took."""
+
+    sequences: int  # sequences in each of these steps
+    depth: int  # lockstep draft forwards (the deepest draft of the step); 0: plain
+    steps: int = 0
+    tokens: int = 0  # emitted over the steps' records
+    seconds: float = 0.0  # each step's draft + pass + the least other time of its records
+
+    @property
+    def tokens_per_ms(self) -> float:
+        return self.tokens / self.seconds / 1e3 if self.seconds > 0 else 0.0
+
+
+def batch_goodput(steps: list[StepRecord]) -> dict[tuple[int, int], DepthGoodput]:
+    """Goodput by (sequences, depth) of the steps shared by several sequences (a batching server's), steps with prompt
+    rows left out (their prefill is a request's, once). A step is the records that share its pass: the same draft and
+    verify times, rows and batch size. Its time is its draft and pass plus the least other time of its records (the
+    others carry their requests' waits)."""
+    by_step: dict[tuple[float, float, int, int], list[StepRecord]] = {}
+    for s in steps:
+        if s.batch_size > 1 and not s.prompt_rows:
+            by_step.setdefault((s.draft_time, s.verify_time, s.rows, s.batch_size), []).append(s)
+    out: dict[tuple[int, int], DepthGoodput] = {}
+    for (draft, verify, _, n), records in by_step.items():
+        depth = max(r.draft_passes for r in records)
+        g = out.setdefault((n, depth), DepthGoodput(n, depth))
+        g.steps += 1
+        g.tokens += sum(len(r.emitted) for r in records)
+        g.seconds += draft + verify + min(r.other_time for r in records)
+    return out
 
 
 def prompt_buckets(trace: Trace) -> list[Bucket]:

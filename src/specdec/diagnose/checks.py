@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specdec.diagnose.analysis import Bucket, TraceStats
+from specdec.diagnose.analysis import Bucket, TraceStats, batch_goodput
 from specdec.diagnose.consistency import Z_IMPLAUSIBLE, acceptance_test, check_steps
 from specdec.trace import Trace
 
@@ -20,6 +20,8 @@ MIN_DRAFTED = 40  # drafted tokens before acceptance figures are trusted
 SERIAL_CRITICAL, SERIAL_WARNING = 0.5, 0.3  # extra verify cost per extra block token, in one-token passes
 HOST_CRITICAL, HOST_WARNING = 0.4, 0.25  # share of step time outside the two models
 WEAK_LENGTH = 1.3  # a free draft would save < 1 - 1/1.3 of the passes: the draft is the problem, not its cost
+MIN_DEPTH_STEPS = 20  # batched steps of one batch size and depth before their goodput is compared
+DEPTH_GAP = 0.10  # another depth of the same batch size served this much more: worth a warning
 
 
 @dataclass
@@ -126,12 +128,14 @@ def _mean_prob(ctx: Context, key: str) -> float:
 
 
 def check_serial_verify(ctx: Context) -> list[Finding]:
+    if not ctx.stats.costs_readable:
+        return []
     fit = ctx.stats.fit
     sigma = fit.serial_fraction()
     if sigma is None or sigma < SERIAL_WARNING:
         return []
     st = ctx.stats
-    excess = sum(max(0.0, s.verify_time - st.t1) for s in st.steps)
+    excess = sum(max(0.0, s.verify_time - st.t1) for s in st.timed_steps)
     impact = excess / st.total_time if st.total_time else 0.0
     ks = sorted(k for k in fit.medians if fit.counts[k] >= 3)
     table = ", ".join(f"k={k}: {fit.medians[k] * 1e3:.2f} ms" for k in ks)
@@ -209,6 +213,8 @@ def _merge(buckets: list[Bucket]) -> Bucket:
 
 
 def check_host_overhead(ctx: Context) -> list[Finding]:
+    if not ctx.stats.costs_readable:
+        return []
     st = ctx.stats
     share = st.other_time / st.total_time if st.total_time else 0.0
     if share < HOST_WARNING:
@@ -238,6 +244,8 @@ def check_host_overhead(ctx: Context) -> list[Finding]:
 
 
 def check_economics(ctx: Context) -> list[Finding]:
+    if not ctx.stats.costs_readable:
+        return []
     st = ctx.stats
     c = st.c
     if st.drafted < MIN_DRAFTED or c is None:
@@ -303,6 +311,8 @@ def check_economics(ctx: Context) -> list[Finding]:
 
 
 def check_tau_choice(ctx: Context) -> list[Finding]:
+    if not ctx.stats.costs_readable:
+        return []
     st = ctx.stats
     skip = {"draft_too_weak", "draft_too_slow", "implausible_acceptance", "inconsistent_trace"}
     if st.drafted < MIN_DRAFTED or st.c is None or skip & set(ctx.found):
@@ -328,6 +338,58 @@ def check_tau_choice(ctx: Context) -> list[Finding]:
     ]
 
 
+def check_batch_depths(ctx: Context) -> list[Finding]:
+    """A batching server's trace: the goodput each lockstep depth served at the batch size most steps ran, from the
+    steps themselves. The depths a policy chose are run in the conditions it chose them in (harder stretches,
+    other loads), so a gap is a lead to compare with a fixed τ, not a verdict."""
+    table = batch_goodput(ctx.stats.steps)
+    if not table:
+        return []
+    by_size: dict[int, int] = {}
+    for (n, _), g in table.items():
+        by_size[n] = by_size.get(n, 0) + g.steps
+    n = max(by_size, key=lambda size: (by_size[size], size))
+    rows = sorted((g for (size, _), g in table.items() if size == n), key=lambda g: g.depth)
+    enough = [g for g in rows if g.steps >= MIN_DEPTH_STEPS]
+    if not enough:
+        return []
+    evidence = [
+        f"batches of {n} ({by_size[n]} steps without prompt rows; {sum(by_size.values())} at every size): "
+        + ", ".join(f"depth {g.depth} {g.tokens_per_ms:.2f} tokens/ms over {g.steps} steps" for g in rows)
+    ]
+    most = max(rows, key=lambda g: g.steps)
+    best = max(enough, key=lambda g: g.tokens_per_ms)
+    gap = best.tokens_per_ms / most.tokens_per_ms - 1 if most.tokens_per_ms > 0 else 0.0
+    if best is most or most.steps < MIN_DEPTH_STEPS or gap < DEPTH_GAP:
+        return [
+            Finding(
+                code="batch_depths",
+                severity="info",
+                title=f"Batched steps by depth: the most run (depth {most.depth}) served within {DEPTH_GAP:.0%} of the best",
+                evidence=evidence,
+                action="No action needed for this line.",
+            )
+        ]
+    impact = 1 - most.tokens_per_ms / best.tokens_per_ms
+    return [
+        Finding(
+            code="batch_depths",
+            severity=_sev(impact, critical=0.25, warning=DEPTH_GAP * 0.9),
+            impact=impact,
+            title=(
+                f"Batches of {n} ran mostly at depth {most.depth}, which served {impact:.0%} less than depth "
+                f"{best.depth} in the same trace"
+            ),
+            evidence=evidence,
+            action=(
+                f'Compare with a fixed τ ("speculative": {{"tau": {best.depth}}}, or specdec serve --tau); if it serves '
+                "more, re-measure the policy's batch costs (specdec tune --threads auto --save-costs) and read the "
+                "batch plans' reasons (each depth's predicted tokens/ms and its steps' measured/predicted factor)."
+            ),
+        )
+    ]
+
+
 def summary_finding(ctx: Context) -> list[Finding]:
     """An info line with the headline figures, always present."""
     st = ctx.stats
@@ -342,7 +404,13 @@ def summary_finding(ctx: Context) -> list[Finding]:
             evidence=[
                 f"{st.n_requests} request(s), {len(st.steps)} steps, {st.emitted} tokens; α = {st.alpha:.2f}, "
                 f"{st.mean_accepted_length:.2f} tokens per pass (incl. correction), c = {c}",
-                f"time split: draft {_pct(st.draft_time, st.total_time)}, verify {_pct(st.verify_time, st.total_time)}"
+                (
+                    f"costs from the {len(st.timed_steps)} steps of one sequence (batched steps share their passes: "
+                    "batch_depths reads them); "
+                    if len(st.timed_steps) < len(st.steps)
+                    else ""
+                )
+                + f"time split: draft {_pct(st.draft_time, st.total_time)}, verify {_pct(st.verify_time, st.total_time)}"
                 f", other {_pct(st.other_time, st.total_time)}"
                 + (f"; estimated speedup vs plain decoding ≈{achieved:.2f}×" if achieved is not None else ""),
             ],
@@ -364,5 +432,6 @@ CHECKS: dict[str, Callable[[Context], list[Finding]]] = {
     "host_overhead": check_host_overhead,
     "economics": check_economics,
     "tau_choice": check_tau_choice,
+    "batch_depths": check_batch_depths,
     "summary": summary_finding,
 }

@@ -87,7 +87,7 @@ def plot_time_split(d: Diagnosis) -> str:
 
 def plot_verify(d: Diagnosis) -> str:
     st = d.stats
-    pts = _thin([(float(s.tau + 1), s.verify_time * 1e3) for s in st.steps])
+    pts = _thin([(float(s.tau + 1), s.verify_time * 1e3) for s in st.timed_steps])
     typical = [(float(k), v * 1e3) for k, v in st.fit.medians.items()]
     ideal = [(float(k), st.t1 * 1e3) for k in st.fit.medians]
     serial = [(float(k), st.t1 * 1e3 * k) for k in st.fit.medians]
