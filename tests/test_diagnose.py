@@ -157,6 +157,9 @@ def test_a_batching_servers_trace_is_read_by_its_steps_depths(tmp_path: Path) ->
     f = next(f for f in d.findings if f.code == "batch_depths")
     assert f.severity == "warning" and "depth 2, which served 21% less than depth 3" in f.title, f.title
     assert "depth 2 3.00 tokens/ms over 60 steps" in f.evidence[0] and "depth 3 3.81 tokens/ms" in f.evidence[0]
+    from specdec.diagnose.html import render_html
+
+    assert "Batched steps of 4: goodput by depth" in render_html(d)  # and the report plots it
     # The most run depth served best: a line of information only.
     ok = diagnose(_batched_trace(tmp_path / "ok.jsonl", {2: (60, 3.0e-3), 3: (30, 4.2e-3)}))
     f = next(f for f in ok.findings if f.code == "batch_depths")

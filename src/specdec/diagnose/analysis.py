@@ -232,6 +232,28 @@ def batch_goodput(steps: list[StepRecord]) -> dict[tuple[int, int], DepthGoodput
     return out
 
 
+@dataclass
+class BatchDepths:
+    """``batch_goodput`` at the batch size most steps ran: what the check and the report's plot read."""
+
+    sequences: int
+    rows: list[DepthGoodput]  # by depth
+    steps: int  # batched steps at this size (prompt-row steps left out)
+    all_steps: int  # ... at every size
+
+
+def main_batch(steps: list[StepRecord]) -> BatchDepths | None:
+    table = batch_goodput(steps)
+    if not table:
+        return None
+    by_size: dict[int, int] = {}
+    for (n, _), g in table.items():
+        by_size[n] = by_size.get(n, 0) + g.steps
+    n = max(by_size, key=lambda size: (by_size[size], size))
+    rows = sorted((g for (size, _), g in table.items() if size == n), key=lambda g: g.depth)
+    return BatchDepths(n, rows, by_size[n], sum(by_size.values()))
+
+
 def prompt_buckets(trace: Trace) -> list[Bucket]:
     """Acceptance by prompt length, in power-of-two buckets; empty buckets dropped."""
     edges = list(PROMPT_BUCKET_EDGES) + [1 << 62]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specdec.diagnose.analysis import Bucket, TraceStats, batch_goodput
+from specdec.diagnose.analysis import Bucket, TraceStats, main_batch
 from specdec.diagnose.consistency import Z_IMPLAUSIBLE, acceptance_test, check_steps
 from specdec.trace import Trace
 
@@ -342,19 +342,15 @@ def check_batch_depths(ctx: Context) -> list[Finding]:
     """A batching server's trace: the goodput each lockstep depth served at the batch size most steps ran, from the
     steps themselves. The depths a policy chose are run in the conditions it chose them in (harder stretches,
     other loads), so a gap is a lead to compare with a fixed τ, not a verdict."""
-    table = batch_goodput(ctx.stats.steps)
-    if not table:
+    batch = main_batch(ctx.stats.steps)
+    if batch is None:
         return []
-    by_size: dict[int, int] = {}
-    for (n, _), g in table.items():
-        by_size[n] = by_size.get(n, 0) + g.steps
-    n = max(by_size, key=lambda size: (by_size[size], size))
-    rows = sorted((g for (size, _), g in table.items() if size == n), key=lambda g: g.depth)
+    n, rows = batch.sequences, batch.rows
     enough = [g for g in rows if g.steps >= MIN_DEPTH_STEPS]
     if not enough:
         return []
     evidence = [
-        f"batches of {n} ({by_size[n]} steps without prompt rows; {sum(by_size.values())} at every size): "
+        f"batches of {n} ({batch.steps} steps without prompt rows; {batch.all_steps} at every size): "
         + ", ".join(f"depth {g.depth} {g.tokens_per_ms:.2f} tokens/ms over {g.steps} steps" for g in rows)
     ]
     most = max(rows, key=lambda g: g.steps)

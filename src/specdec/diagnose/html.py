@@ -1,10 +1,12 @@
-"""The self-contained HTML report: ranked findings and six plots as inline SVG."""
+"""The self-contained HTML report: ranked findings and its plots as inline SVG (six, and the batched steps by depth
+for a batching server's trace)."""
 
 from __future__ import annotations
 
 from html import escape
 from typing import TYPE_CHECKING
 
+from specdec.diagnose.analysis import main_batch
 from specdec.diagnose.svg import bar_chart, xy_chart
 
 if TYPE_CHECKING:
@@ -106,6 +108,20 @@ def plot_tau(d: Diagnosis) -> str:
     return xy_chart("τ over time (steps in trace order)", {"τ": pts, "n̂": acc}, ylabel="tokens", xlabel="step")
 
 
+def plot_batch_depths(d: Diagnosis) -> str:
+    """A batching server's trace: tokens/ms of each lockstep depth at the batch size most steps ran."""
+    batch = main_batch(d.stats.steps)
+    if batch is None:
+        return ""
+    return bar_chart(
+        f"Batched steps of {batch.sequences}: goodput by depth",
+        [f"{g.depth} ({g.steps})" for g in batch.rows],
+        {"tokens/ms": [g.tokens_per_ms for g in batch.rows]},
+        ylabel="tokens/ms",
+        xlabel="lockstep depth (steps)",
+    )
+
+
 def plot_speedup(d: Diagnosis) -> str:
     st = d.stats
     tau = max(1, round(st.mean_tau))
@@ -118,4 +134,12 @@ def plot_speedup(d: Diagnosis) -> str:
     )
 
 
-PLOTS = (plot_positions, plot_prompt_buckets, plot_time_split, plot_verify, plot_tau, plot_speedup)
+PLOTS = (
+    plot_positions,
+    plot_prompt_buckets,
+    plot_time_split,
+    plot_verify,
+    plot_tau,
+    plot_speedup,
+    plot_batch_depths,
+)
