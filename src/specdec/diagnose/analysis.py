@@ -65,6 +65,7 @@ class TraceStats:
     # the batched ones.
     timed_steps: list[StepRecord] = field(default_factory=list)
     timed: StepAggregate = field(default_factory=lambda: StepAggregate.of([]))
+    batch: BatchDepths | None = None  # the batched steps by depth at the batch size most ran (``main_batch``)
 
     @property
     def drafted(self) -> int:
@@ -195,6 +196,7 @@ def analyse(trace: Trace) -> TraceStats:
         concurrent=_interleaved(trace),
         timed_steps=timed_steps,
         timed=timed,
+        batch=main_batch(steps),
     )
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from html import escape
 from typing import TYPE_CHECKING
 
-from specdec.diagnose.analysis import main_batch
 from specdec.diagnose.svg import bar_chart, xy_chart
 
 if TYPE_CHECKING:
@@ -110,7 +109,7 @@ def plot_tau(d: Diagnosis) -> str:
 
 def plot_batch_depths(d: Diagnosis) -> str:
     """A batching server's trace: tokens/ms of each lockstep depth at the batch size most steps ran."""
-    batch = main_batch(d.stats.steps)
+    batch = d.stats.batch
     if batch is None:
         return ""
     return bar_chart(
