@@ -326,8 +326,8 @@ def measure_batched_costs(
 
 def model_identity(engine: Any) -> dict[str, Any]:
     """What measured costs belong to: the target and draft checkpoints, their dtypes and KV cache types, the backend
-    and the compute threads (a pass on one thread costs up to twice one on two; a 16-sequence pass at 500 tokens of context reads its fp32 caches in 2.6 ms, its bf16 ones in 1.6)."""
-    import torch
+    and the compute threads (a pass on one thread costs up to twice one on two; a 16-sequence pass at 500 tokens of
+    context reads its fp32 caches in 2.6 ms, its bf16 ones in 1.6)."""
 
     from specdec.draft_vocab import head_size
     from specdec.draft_window import window_of
@@ -337,7 +337,7 @@ def model_identity(engine: Any) -> dict[str, Any]:
     target, drafter = engine.target, engine.drafter
     draft_runner = getattr(drafter, "runner", None)
     return {
-        "threads": int(torch.get_num_threads()),
+        "threads": native_kernel.pass_threads(),
         "draft_threads": native_kernel.draft_threads(),
         "target": str(target.name),
         "target_dtype": str(target.dtype).replace("torch.", ""),
