@@ -219,6 +219,20 @@ def test_cache_is_static_and_rollback_moves_a_position(checkpoints: dict[str, Pa
         runner.forward(torch.zeros(2, 3, dtype=torch.long), cache)
 
 
+def test_argmax_of_a_pass_and_of_other_tensors(checkpoints: dict[str, Path]) -> None:
+    """The kernel runner's argmax_rows takes a pass's own logits without the checks, and anything else (a slice, a
+    copy, another dtype) through them: torch's answer either way."""
+    runner = load(checkpoints["llama-gqa-llama3"], "kernel", max_context=48)
+    a, b = runner.new_cache(), runner.new_cache()
+    logits = runner.forward_blocks([([3, 5, 7], a), ([11, 2], b)], [3, 2])
+    assert runner.argmax_rows(logits) == logits.argmax(dim=-1).tolist()
+    logits[1, 4] = float("nan")  # a NaN row: torch's answer, on the fast path too
+    assert runner.argmax_rows(logits) == logits.argmax(dim=-1).tolist()
+    half = logits[:, : logits.shape[1] // 2]  # not contiguous: checked, torch's
+    assert runner.argmax_rows(half) == half.argmax(dim=-1).tolist()
+    assert runner.argmax_rows(logits.double()) == logits.double().argmax(dim=-1).tolist()
+
+
 def test_bf16_runs_close_to_fp32(checkpoints: dict[str, Path]) -> None:
     path = checkpoints["qwen2-mqa-bias"]
     ids = torch.arange(30) % VOCAB

@@ -14,6 +14,7 @@ the same way whatever the block size, so a k-token verify pass and k one-token p
 
 from __future__ import annotations
 
+import array
 import bisect
 import ctypes
 import functools
@@ -348,13 +349,20 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
         or logits.numel() == 0
     ):
         return logits.argmax(dim=-1).tolist()
+    return kernel_argmax_rows(lib, logits)
+
+
+def kernel_argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> list[int]:
+    """``argmax_rows`` of logits known to suit the kernel (a non-empty, contiguous 2-D fp32 CPU tensor: a pass's
+    logits), without the checks: each torch call costs microseconds on the caches a pass has just flushed."""
     n, v = logits.shape
-    out = torch.empty(n, dtype=torch.int64)
-    lib.sd_argmax_rows(logits.data_ptr(), n, v, out.data_ptr())
+    out = array.array("q", bytes(8 * n))
+    lib.sd_argmax_rows(logits.data_ptr(), n, v, out.buffer_info()[0])
     best = out.tolist()
-    for r, b in enumerate(best):
-        if b < 0:  # a NaN in the row: torch's answer
-            best[r] = int(logits[r].argmax())
+    if min(best) < 0:
+        for r, b in enumerate(best):
+            if b < 0:  # a NaN in the row: torch's answer
+                best[r] = int(logits[r].argmax())
     return best
 
 
@@ -636,19 +644,22 @@ class FusedLlama:
         max_tau = max(taus)
         # One int64 tensor in: offsets, positions, taus, cache addresses, then the pending ids; one out: tokens
         # [n][max_tau] (-1 where none was drafted), drafted [n], fed [n].
-        meta = torch.tensor(
-            [*off, *positions, *taus, *(c.data_ptr() for c in caches), *(t for p in pending for t in p)],
-            dtype=torch.int64,
-        )
-        out_i = torch.full((n * max_tau + 2 * n,), -1, dtype=torch.int64)
-        tops = torch.empty(n, max_tau, dtype=torch.float32)
+        # Arrays, not tensors: torch's calls cost tens of microseconds on the caches a pass has just flushed.
+        meta = array.array("q", off)
+        meta.extend(positions)
+        meta.extend(taus)
+        meta.extend([c.data_ptr() for c in caches])
+        for p in pending:
+            meta.extend(p)
+        out_i = array.array("q", [-1]) * (n * max_tau + 2 * n)
+        tops = array.array("f", bytes(4 * n * max_tau))
         logits = self._buffer("draft_logits", n * self.head_rows)
         threads = draft_threads()
         scratch = self._scratch_for(max(off[-1], n), threads)
         rule_ptrs = None
         if any(r is not None for r in rules):
             rule_ptrs = (ctypes.c_void_p * n)(*(None if r is None else ctypes.addressof(r) for r in rules))
-        base, eight = meta.data_ptr(), 8
+        base, eight, out_at = meta.buffer_info()[0], 8, out_i.buffer_info()[0]
         rc = self._lib.sd_draft_greedy(
             self._model_ref,
             n,
@@ -660,10 +671,10 @@ class FusedLlama:
             max_tau,
             rule_ptrs,
             vocab_used,
-            out_i.data_ptr(),
-            tops.data_ptr(),
-            out_i.data_ptr() + eight * n * max_tau,
-            out_i.data_ptr() + eight * (n * max_tau + n),
+            out_at,
+            tops.buffer_info()[0],
+            out_at + eight * n * max_tau,
+            out_at + eight * (n * max_tau + n),
             logits.data_ptr(),
             scratch.data_ptr(),
             threads,
@@ -672,14 +683,14 @@ class FusedLlama:
             raise ValueError(
                 "CPU kernel refused the draft call (token ids out of range or a position beyond the cache)"
             )
-        flat, top_rows = out_i.tolist(), tops.tolist()
+        flat = out_i.tolist()
         fed = flat[n * max_tau + n :]
         tokens, probs = [], []
         for s in range(n):  # the tokens computed: those before the first -1 (a drafted one, or one dropped last)
             row = flat[s * max_tau : (s + 1) * max_tau]
             computed = row.index(-1) if -1 in row else max_tau
             tokens.append(row[:computed])
-            probs.append(top_rows[s][:computed])
+            probs.append(tops[s * max_tau : s * max_tau + computed].tolist())
         return tokens, probs, fed
 
     def forward(
@@ -707,14 +718,19 @@ class FusedLlama:
 
         Every row's result is independent of the other rows in the pass, bit for bit.
         Passes of more than ``CHUNK`` rows run in chunks (bounded scratch; a sequence's later rows see the
-        keys its earlier chunks wrote). The indices go to the kernel as one int64 tensor: a Python-side call costs
+        keys its earlier chunks wrote). The indices go to the kernel as one int64 array: a Python-side call costs
         a few microseconds, not a tensor operation per row (a one-token pass of the default target is ~1 ms).
         """
         k, n_out = len(ids), len(out_idx)
         if not (len(positions) == len(caches) == k):
             raise ValueError(f"forward_rows: {k} ids, {len(positions)} positions and {len(caches)} caches")
-        meta = torch.tensor([*ids, *positions, *caches, *out_idx], dtype=torch.int64)
-        base = meta.data_ptr()
+        # The indices in one int64 buffer: an array, not a tensor (torch's call costs ~20 µs on the caches a pass has
+        # just flushed, the array's ~3).
+        meta = array.array("q", ids)
+        meta.extend(positions)
+        meta.extend(caches)
+        meta.extend(out_idx)
+        base = meta.buffer_info()[0]
         ids_at, pos_at, kv_at, out_at = base, base + 8 * k, base + 16 * k, base + 24 * k
         threads = pass_threads()
         out = torch.empty(n_out, self.head_rows, dtype=torch.float32)
@@ -729,8 +745,8 @@ class FusedLlama:
                 chunks.append((done, n, first, stop))
                 first = stop
             local = [r - done for done, _, first, stop in chunks for r in out_idx[first:stop]]
-            rel = torch.tensor(local, dtype=torch.int64)  # a local: alive until the calls are done, like meta
-            out_at = rel.data_ptr()
+            rel = array.array("q", local)  # a local: alive until the calls are done, like meta
+            out_at = rel.buffer_info()[0]
         for done, n, first, stop in chunks:
             rc = self._lib.sd_forward_rows(
                 self._model_ref,

@@ -1,0 +1,138 @@
+"""What the engine's own Python costs around the kernel's passes, in process (no HTTP, no event loop).
+
+A closed loop of ``--sequences`` requests stepped together by ``Engine.step`` (the server's batched step), each
+finished one replaced by the next (the load test's prompts, 64 new tokens, greedy, prompts taken in by the steps as
+the batching server does), for each policy of ``--policies`` in turn, the order rotated each round. The CPU kernel's
+calls (target passes, lockstep drafts) are timed where they enter the native library; everything else in a step is
+the engine's Python: planning, drafting's and verification's bookkeeping, commit, stop checks, detokenising, records,
+the policy's learning. A pass streams the weights through every cache, so that Python runs on cold caches, several
+times slower than a micro-benchmark of it shows; this measures it where it runs.
+
+Reports per sequences and policy: output tokens/s, ms per step, of which in the kernel's calls and in the rest
+(median of the rounds), and the rest per sequence-step.
+
+    python benchmarks/engine_steps.py                                   # 1 and 16 sequences, plain, tau=2, adaptive
+    python benchmarks/engine_steps.py --sequences 16 --policies fixed:tau=2 adaptive --rounds 5 --json steps.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from load_test import PROMPTS  # noqa: E402
+
+import specdec  # noqa: E402
+from specdec.engine import Engine  # noqa: E402
+
+
+class NativeClock:
+    """Seconds spent inside the kernel's native calls of the runners given (their ``_fused`` library handles are
+    wrapped: each call timed where Python hands over to the library)."""
+
+    CALLS = ("sd_forward_rows", "sd_draft_greedy")
+
+    def __init__(self, *runners: Any) -> None:
+        self.seconds = 0.0
+        for runner in runners:
+            fused = getattr(runner, "_fused", None)
+            if fused is not None:
+                fused._lib = self._wrapped(fused._lib)
+
+    def _wrapped(self, lib: Any) -> Any:
+        clock = self
+
+        class Timed:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(lib, name)
+
+        timed = Timed()
+        for name in self.CALLS:
+            native = getattr(lib, name)
+
+            def call(*args: Any, _native: Any = native) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return _native(*args)
+                finally:
+                    clock.seconds += time.perf_counter() - t0
+
+            setattr(timed, name, call)
+        return timed
+
+
+def run(engine: Engine, clock: NativeClock, policy: str, sequences: int, requests: int) -> dict[str, Any]:
+    """``requests`` requests through a closed loop of ``sequences``; the figures of the steps after the first
+    ``sequences`` requests have joined (a full batch from then on, until the source runs dry)."""
+    source = itertools.cycle(PROMPTS)
+    start = lambda: engine.start(next(source), max_new_tokens=64, policy=policy)  # noqa: E731
+    active = [start() for _ in range(sequences)]
+    started, steps, tokens = sequences, 0, 0
+    native0, t0 = clock.seconds, time.perf_counter()
+    while active:
+        events = engine.step(active)
+        steps += 1
+        tokens += sum(len(e.record.emitted) for e in events if e is not None)
+        still = [g for g in active if not g.done]
+        while len(still) < sequences and started < requests:
+            still.append(start())
+            started += 1
+        active = still
+    wall, native = time.perf_counter() - t0, clock.seconds - native0
+    return {
+        "tokens_per_s": tokens / wall,
+        "ms_per_step": 1e3 * wall / steps,
+        "native_ms_per_step": 1e3 * native / steps,
+        "rest_ms_per_step": 1e3 * (wall - native) / steps,
+        "rest_us_per_sequence_step": 1e6 * (wall - native) / steps / sequences,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sequences", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--policies", nargs="+", default=["fixed:tau=0", "fixed:tau=2", "adaptive"])
+    p.add_argument("--requests", type=int, default=0, help="requests per run (default: 4 x sequences, at least 8)")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", type=Path, default=None)
+    args = p.parse_args(argv)
+    engine = specdec.load()
+    engine.prefill_in_step = 256  # the batching server's: prompts come in with their first step
+    clock = NativeClock(engine.target, getattr(engine.drafter, "runner", None))
+    rows: list[dict[str, Any]] = []
+    for n in args.sequences:
+        requests = args.requests or max(8, 4 * n)
+        for policy in args.policies:  # warm-up: the policies' first plans and the caches' first allocations
+            run(engine, clock, policy, n, n)
+        runs: dict[str, list[dict[str, Any]]] = {q: [] for q in args.policies}
+        for r in range(args.rounds):
+            order = args.policies[r % len(args.policies) :] + args.policies[: r % len(args.policies)]
+            for policy in order:
+                runs[policy].append(run(engine, clock, policy, n, requests))
+        for policy in args.policies:
+            med = {k: statistics.median(x[k] for x in runs[policy]) for k in runs[policy][0]}
+            rows.append({"sequences": n, "policy": policy, **med, "rounds": runs[policy]})
+    print("| sequences | policy | tok/s | ms/step | kernel ms/step | rest ms/step | rest µs per sequence-step |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(
+            f"| {row['sequences']} | {row['policy']} | {row['tokens_per_s']:.0f} | {row['ms_per_step']:.3f} | "
+            f"{row['native_ms_per_step']:.3f} | {row['rest_ms_per_step']:.3f} | {row['rest_us_per_sequence_step']:.1f} |"
+        )
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

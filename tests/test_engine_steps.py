@@ -1,0 +1,32 @@
+"""benchmarks/engine_steps.py runs end to end on the shipped pair (a few requests per policy): each policy's steps
+split into the kernel's calls and the rest, and the kernel's calls were timed (a wrapper that saw none would report
+every step as all Python)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "engine_steps.py"
+
+
+def test_the_engine_steps_benchmark_splits_each_step(tmp_path: Path) -> None:
+    out = tmp_path / "steps.json"
+    command = [sys.executable, str(SCRIPT), "--sequences", "1", "3", "--policies", "fixed:tau=0", "adaptive"]
+    command += ["--requests", "4", "--rounds", "1", "--json", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["sequences"], r["policy"]) for r in rows] == [
+        (1, "fixed:tau=0"),
+        (1, "adaptive"),
+        (3, "fixed:tau=0"),
+        (3, "adaptive"),
+    ]
+    for r in rows:
+        assert r["tokens_per_s"] > 0
+        assert 0 < r["native_ms_per_step"] < r["ms_per_step"]
+        assert abs(r["native_ms_per_step"] + r["rest_ms_per_step"] - r["ms_per_step"]) < 1e-6
+    assert "| 3 | adaptive |" in proc.stdout
