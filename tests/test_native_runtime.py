@@ -231,6 +231,7 @@ def test_argmax_of_a_pass_and_of_other_tensors(checkpoints: dict[str, Path]) -> 
     half = logits[:, : logits.shape[1] // 2]  # not contiguous: checked, torch's
     assert runner.argmax_rows(half) == half.argmax(dim=-1).tolist()
     assert runner.argmax_rows(logits.double()) == logits.double().argmax(dim=-1).tolist()
+    assert runner.argmax_rows(runner.forward_blocks([([4], a)], [0])) == []  # a pass that keeps no row
 
 
 def test_bf16_runs_close_to_fp32(checkpoints: dict[str, Path]) -> None:

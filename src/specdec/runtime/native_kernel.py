@@ -353,13 +353,13 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
 
 
 def kernel_argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> list[int]:
-    """``argmax_rows`` of logits known to suit the kernel (a non-empty, contiguous 2-D fp32 CPU tensor: a pass's
-    logits), without the checks: each torch call costs microseconds on the caches a pass has just flushed."""
+    """``argmax_rows`` of logits known to suit the kernel (a contiguous 2-D fp32 CPU tensor: a pass's logits), without
+    the checks: each torch call costs microseconds on the caches a pass has just flushed."""
     n, v = logits.shape
     out = array.array("q", bytes(8 * n))
     lib.sd_argmax_rows(logits.data_ptr(), n, v, out.buffer_info()[0])
     best = out.tolist()
-    if min(best) < 0:
+    if best and min(best) < 0:
         for r, b in enumerate(best):
             if b < 0:  # a NaN in the row: torch's answer
                 best[r] = int(logits[r].argmax())
@@ -642,9 +642,9 @@ class FusedLlama:
         if off[-1] > CHUNK:
             raise ValueError(f"draft_greedy: {off[-1]} pending tokens exceed one chunk ({CHUNK})")
         max_tau = max(taus)
-        # One int64 tensor in: offsets, positions, taus, cache addresses, then the pending ids; one out: tokens
-        # [n][max_tau] (-1 where none was drafted), drafted [n], fed [n].
-        # Arrays, not tensors: torch's calls cost tens of microseconds on the caches a pass has just flushed.
+        # One int64 array in: offsets, positions, taus, cache addresses, then the pending ids; one out: tokens
+        # [n][max_tau] (-1 where none was drafted), drafted [n], fed [n]. Arrays, not tensors: torch's calls cost tens
+        # of microseconds on the caches a pass has just flushed.
         meta = array.array("q", off)
         meta.extend(positions)
         meta.extend(taus)
