@@ -392,9 +392,8 @@ class NativeRunner(ModelRunner):
             return super().argmax_rows(logits)
         # The kernel's: the same first index of the maximum, ~10x faster than torch's. A pass's own logits skip the
         # checks of a tensor from elsewhere.
-        lib = self._fused._lib
-        if self._pass_logits is not None and self._pass_logits() is logits and lib is not None:
-            return kernel_argmax_rows(lib, logits)
+        if self._pass_logits is not None and self._pass_logits() is logits:
+            return kernel_argmax_rows(self._fused._lib, logits)
         return argmax_rows(logits)
 
     def _widen(self, logits: torch.Tensor) -> torch.Tensor:

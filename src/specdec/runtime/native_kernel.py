@@ -359,10 +359,9 @@ def kernel_argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> list[int]:
     out = array.array("q", bytes(8 * n))
     lib.sd_argmax_rows(logits.data_ptr(), n, v, out.buffer_info()[0])
     best = out.tolist()
-    if best and min(best) < 0:
-        for r, b in enumerate(best):
-            if b < 0:  # a NaN in the row: torch's answer
-                best[r] = int(logits[r].argmax())
+    for r, b in enumerate(best):
+        if b < 0:  # a NaN in the row: torch's answer
+            best[r] = int(logits[r].argmax())
     return best
 
 
