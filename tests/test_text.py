@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from specdec.api import default_target, load_tokenizer
-from specdec.text import TextDecoder, fast_decoder, fast_encoder
+from specdec.text import OutputText, StopMatcher, TextDecoder, fast_decoder, fast_encoder
 
 
 def tokenizers(tiny_models: dict[str, Path]) -> list[Any]:
@@ -110,3 +110,102 @@ def test_a_tokenizer_that_truncates_keeps_the_wrapper(tiny_models: dict[str, Pat
     tok.backend_tokenizer.enable_truncation(4)
     assert fast_encoder(tok) is None
     assert fast_encoder(object()) is None
+
+
+class NaiveStops:
+    """The reference: every step decodes the whole output and searches all of it (what ``OutputText`` must equal)."""
+
+    def __init__(self, tok: Any, stops: list[str]) -> None:
+        self.tok, self.stops, self.ids, self.released = tok, stops, [], ""
+
+    def hit(self, text: str) -> int | None:
+        found = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        return min(found) if found else None
+
+    def stop_in(self, tokens: list[int]) -> int | None:
+        for i in range(len(tokens)):
+            if self.hit(whole(self.tok, self.ids + tokens[: i + 1], False)) is not None:
+                return i + 1
+        return None
+
+    def extend(self, tokens: list[int], final: bool) -> str:
+        self.ids += tokens
+        text = whole(self.tok, self.ids, final)
+        i = self.hit(text)
+        safe = text if i is None else text[:i]
+        if not final and i is None:
+            hold = max((k for s in self.stops for k in range(1, len(s)) if safe.endswith(s[:k])), default=0)
+            safe = safe[: len(safe) - hold]
+        if len(safe) <= len(self.released) or not safe.startswith(self.released):
+            return ""
+        piece, self.released = safe[len(self.released) :], safe
+        return piece
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_output_text_streams_what_whole_decodes_and_searches_stream(tiny_models: dict[str, Path], seed: int) -> None:
+    """``OutputText`` (the engine's per-request text: appended ids, overlap decodes, stop search near the end) cuts
+    at the same token and streams the same pieces as decoding and searching the whole output every step, over
+    random outputs (real text, random ids cutting UTF-8 sequences, special tokens), random step sizes and stop
+    strings taken from the output itself (so they are met, at varied depths) or never met."""
+    rng = random.Random(seed)  # deterministic: no false failures
+    for tok in tokenizers(tiny_models):
+        ids = tok.encode(
+            "def f(x):\n    return x  # naïve café, 東京は首都です。ひらがな ✓ 🙂 .,;\n", add_special_tokens=False
+        )
+        ids += [rng.randrange(len(tok)) for _ in range(120)]
+        text = whole(tok, ids, True)
+        stops = ["\x00never"]
+        for _ in range(rng.randint(0, 3)):
+            a = rng.randrange(len(text) // 2, len(text))
+            stops.append(text[a : a + rng.randint(1, 6)].strip("\ufffd") or "zz")
+        out, ref = OutputText(tok, stops), NaiveStops(tok, stops)
+        pos, pieces, finish = 0, [], None
+        while finish is None:
+            chunk = ids[pos : pos + rng.randint(1, 5)]
+            pos += len(chunk)
+            cut = out.stop_in(chunk)
+            assert cut == ref.stop_in(chunk), (seed, pos, stops)
+            if cut is not None:
+                chunk, finish = chunk[:cut], "stop"
+            elif pos >= len(ids):
+                finish = "length"
+            piece = out.extend(chunk, final=finish is not None)
+            assert piece == ref.extend(chunk, final=finish is not None), (seed, pos, stops)
+            pieces.append(piece)
+        assert "".join(pieces) == out.text() == ref.released, (seed, stops)
+        assert out.ids == ref.ids
+        assert (finish == "stop") == any(s in text for s in stops)
+
+
+def test_output_text_decodes_each_step_s_tokens_not_the_output(tiny_models: dict[str, Path]) -> None:
+    """A step decodes a few ids before the settled end and its own: over 600 ids appended 2 at a time (random ids,
+    and CJK text whose characters span several byte tokens), a step's peeks for a stop string and its text decode
+    ~30 ids (two peeks and the step's text, each its overlap and tokens twice), where decoding the output each
+    step would be ~300 on average."""
+    rng = random.Random(0)  # deterministic: no false failures
+    for tok in tokenizers(tiny_models):
+        cjk = tok.encode("東京は日本の首都です。漢字とひらがな、カタカナ 🙂 " * 40, add_special_tokens=False)
+        for ids in ([rng.randrange(len(tok)) for _ in range(600)], cjk[:600]):
+            counting = Counting(tok)
+            out = OutputText(counting, ["\x00never"])
+            out._decoder._backend = None  # count through the wrapper's decode
+            for i in range(0, len(ids), 2):
+                out.stop_in(ids[i : i + 2])
+                out.extend(ids[i : i + 2], final=i + 2 >= len(ids))
+            assert out.text() == whole(tok, ids, True)
+            assert counting.tokens < 40 * len(ids) // 2, (tok.name_or_path, counting.tokens / (len(ids) // 2))
+
+
+def test_a_stop_search_on_rewritten_text_looks_at_all_of_it() -> None:
+    """Released text holds no stop, so a text extending it is searched from the longest stop's reach of its end;
+    a text that does not start with it (a tokenizer rewrote its end) is searched whole."""
+    m = StopMatcher(["STOP", "xy"])
+    assert m.release("abc STO", final=False) == "abc "  # "STO" may start a stop: held back
+    assert m.find("abc STOP") == 4
+    assert m.find("aSTOP" + "b" * 3) == 1  # does not start with "abc ": searched whole
+    assert m.release("abc STOP and more", final=False) == ""  # cut at the stop: nothing new to stream
+    assert m.cut("abc STOP and more") == "abc "
+    m2 = StopMatcher(["xy"])
+    assert m2.release("a" * 50, final=False) == "a" * 50
+    assert m2.find("a" * 50 + "xy") == 50 and m2.find("a" * 49 + "xy") == 49

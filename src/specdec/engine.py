@@ -31,7 +31,7 @@ from specdec.policy.base import MeasuredCosts
 from specdec.records import FinishReason, GenerationStats, RequestSummary, StepRecord, Verdict
 from specdec.sampling_params import SamplingParams, TokenLogprob
 from specdec.target_side import Cache, TargetSide
-from specdec.text import StopMatcher, TextDecoder, fast_encoder
+from specdec.text import OutputText, fast_encoder
 
 if TYPE_CHECKING:
     import torch
@@ -503,8 +503,7 @@ class Generation:
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
         self.done = False
         self._t_start = engine.clock()
-        self._decoder = TextDecoder(engine.tokenizer)
-        self._stops = StopMatcher(stops)
+        self._text = OutputText(engine.tokenizer, stops)
         self.generator = side.generator(params)
         drafter = engine.drafter
         self.cache: Cache
@@ -635,8 +634,7 @@ class Generation:
     def observe_step(self, step: _Committed, *, t_verified: float) -> StepEvent:
         """Detokenise, count and tell the policy and the observers about a committed step."""
         record, finish = step.record, step.finish
-        text = self._decoder.text_for(self.new_tokens, final=finish is not None)
-        text_piece = self._stops.release(text, final=finish is not None)
+        text_piece = self._text.extend(record.emitted, final=finish is not None)
         # Other time: from this request's last step to the step's plan, and from the pass to now (commits of
         # every sequence in the step, detokenising).
         record.other_time += self.engine.clock() - t_verified
@@ -662,15 +660,10 @@ class Generation:
             if t in self.engine.eos_ids and not self.rules.ignore_eos:
                 tokens, finish = tokens[:i], "stop"
                 break
-        if self._stops.active:
-            before = len(self.context)
-            for i in range(len(tokens)):
-                # Decode the minimal prefix so nothing after the token completing the stop string is kept.
-                text = self._decoder.text_for(self.context[len(self.prompt_ids) :] + tokens[: i + 1], final=False)
-                if self._stops.find(text) is not None:
-                    tokens, finish = tokens[: i + 1], "stop"
-                    break
-            assert len(self.context) == before
+        # The fewest tokens whose text completes a stop string: nothing after it is kept.
+        cut = self._text.stop_in(tokens)
+        if cut is not None:
+            tokens, finish = tokens[:cut], "stop"
         self.context.extend(tokens)
         return tokens, finish
 
@@ -716,7 +709,7 @@ class Generation:
     def result(self) -> GenerationResult:
         if not self.done:
             raise RuntimeError("generation is not finished")
-        text = self._stops.cut(self._decoder.text_for(self.new_tokens, final=True))
+        text = self._text.text()
         return GenerationResult(
             request_id=self.request_id,
             text=text,
