@@ -34,6 +34,8 @@ from load_test import PROMPTS  # noqa: E402
 
 import specdec  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
+from specdec.errors import InvalidRequestError  # noqa: E402
+from specdec.policy import make_policy  # noqa: E402
 
 
 class NativeClock:
@@ -106,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
+    for policy in args.policies:
+        try:
+            make_policy(policy)
+        except InvalidRequestError as e:
+            p.error(f"--policies: {e}")
     engine = specdec.load()
     engine.prefill_in_step = 256  # the batching server's: prompts come in with their first step
     clock = NativeClock(engine.target, getattr(engine.drafter, "runner", None))

@@ -30,3 +30,15 @@ def test_the_engine_steps_benchmark_splits_each_step(tmp_path: Path) -> None:
         assert 0 < r["native_ms_per_step"] < r["ms_per_step"]
         assert abs(r["native_ms_per_step"] + r["rest_ms_per_step"] - r["ms_per_step"]) < 1e-6
     assert "| 3 | adaptive |" in proc.stdout
+
+
+def test_a_bad_policy_is_one_line_before_the_models_load() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--policies", "fixed:tau=2", "fixed:2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--policies: bad policy option '2' in 'fixed:2'" in proc.stderr
+    assert "Traceback" not in proc.stderr
