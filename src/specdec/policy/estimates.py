@@ -495,10 +495,12 @@ class DepthCalibration:
         self.decay, self.prior, self.seen, self.outlier = decay, prior, seen, outlier
         # depth -> decayed [measured tokens, predicted tokens, measured seconds, predicted seconds, steps]
         self._sums: dict[int, list[float]] = {}
+        self._pool: tuple[dict[int, list[float]], tuple[float, float]] | None = None
 
     def observe(self, depth: int, tokens: float, expected: float, seconds: float, predicted: float) -> None:
         if min(tokens, expected, seconds, predicted) <= 0.0:
             return
+        self._pool = None
         # A step priced from a prior (pass sizes never measured: 1.75 s for a 7 ms step in the simulator's first step)
         # counts as at most ``outlier`` times off, so one such step does not hold a depth's ratio for hundreds of steps.
         predicted = min(max(predicted, seconds / self.outlier), seconds * self.outlier)
@@ -511,14 +513,16 @@ class DepthCalibration:
 
     def factor(self, depth: int) -> float:
         """Measured ÷ predicted goodput to expect at ``depth`` (1.0 before any step is measured)."""
-        run = {d: e for d, e in self._sums.items() if e[4] >= self.seen}
+        if self._pool is None:  # the depths run and their pool, until the next step (a plan asks for every depth)
+            run = {d: e for d, e in self._sums.items() if e[4] >= self.seen}
+            pooled = [sum(e[i] for e in run.values()) for i in range(5)]
+            self._pool = run, _shrunk(pooled, self.prior, (1.0, 1.0)) if run else (1.0, 1.0)
+        run, base = self._pool
         if not run:
             return 1.0
-        pooled = [sum(e[i] for e in run.values()) for i in range(5)]
         k = self.prior
-        # Every depth's, and the pool's, are shrunk toward the pool of every depth run: a depth run often then keeps
-        # its own ratio, one run a few times moves toward the pool, not toward 1.
-        base = _shrunk(pooled, k, (1.0, 1.0))
+        # The pool is shrunk toward 1, each depth toward the pool: a depth run often keeps its own ratio, one run a few
+        # times moves toward what every depth measured, not toward 1.
         entry = run.get(depth)
         if entry is None:
             deepest = max(run)
