@@ -91,6 +91,8 @@ def _want_left(ctx: StepContext) -> tuple[int, int | None]:
 
 def _budget_binds(ctx: StepContext) -> bool:
     """Fewer passes left than tokens wanted: the request plans for its budget, not for speed."""
+    if ctx.max_verify_passes is None:
+        return False
     want, left = _want_left(ctx)
     return left is not None and left < want
 
@@ -479,8 +481,12 @@ class AdaptivePolicy(Policy):
         rates: list[float] = []
         factors: list[float] = []
         calibration = self.depth_calibration
+        bound = any(floors)  # requests bound by a budget keep their own τ (their floor) at every depth
         for cut in range(max(caps, default=0) + 1):
-            taus = [max(f, min(c, cut)) for f, c in zip(floors, caps)]
+            if bound:
+                taus = [max(f, min(c, cut)) for f, c in zip(floors, caps)]
+            else:
+                taus = [c if c < cut else cut for c in caps]
             by_depth.append(taus)
             got, seconds = priced(taus)
             tokens.append(got)
@@ -549,10 +555,11 @@ class AdaptivePolicy(Policy):
         """The last batch plan again: each request its decision (clamped to its room), a request that joined
         since the batch's depth without a stop rule, a budget-bound one its own decision afresh."""
         out = []
+        reuse = self._reuse
         for ctx in ctxs:
             req = self._request(ctx)
-            d = self._reuse.get(ctx.request_id)
-            if min(self.max_tau, ctx.max_tau) and _budget_binds(ctx):
+            d = reuse.get(ctx.request_id)
+            if ctx.max_verify_passes is not None and min(self.max_tau, ctx.max_tau) and _budget_binds(ctx):
                 d = self.next_tau(ctx)
             elif d is None:
                 req.steps += 1
@@ -663,19 +670,27 @@ class AdaptivePolicy(Policy):
         # The alternative q = σ(logit p ± SHIFT) = p·e^±S / (1 − p + p·e^±S), so the log-likelihood ratios are
         # log(q/p) = ±S − L± for a pass and log((1 − q)/(1 − p)) = −L± for a failure, L± = log(1 + p·(e^±S − 1)).
         up, down = req.cusum_up, req.cusum_down
+        passed = record.n_accepted
         for k, (l_up, l_down) in enumerate(terms):
-            if k < record.n_accepted:
-                up, down = max(0.0, up + SHIFT - l_up), max(0.0, down - SHIFT - l_down)
+            if k < passed:
+                up, down = up + SHIFT - l_up, down - SHIFT - l_down
             else:
-                up, down = max(0.0, up - l_up), max(0.0, down - l_down)
+                up, down = up - l_up, down - l_down
+            if up < 0.0:
+                up = 0.0
+            if down < 0.0:
+                down = 0.0
         req.cusum_up, req.cusum_down = up, down
-        step = (record.tau, record.n_accepted)
-        for cusum, recent in ((req.cusum_up, req.recent_up), (req.cusum_down, req.recent_down)):
-            if cusum > 0:
-                recent.append(step)
-            else:
-                recent.clear()
-        side = req.recent_up if req.cusum_up > CUSUM_H else req.recent_down if req.cusum_down > CUSUM_H else None
+        step = (record.tau, passed)
+        if up > 0:
+            req.recent_up.append(step)
+        elif req.recent_up:
+            req.recent_up.clear()
+        if down > 0:
+            req.recent_down.append(step)
+        elif req.recent_down:
+            req.recent_down.clear()
+        side = req.recent_up if up > CUSUM_H else req.recent_down if down > CUSUM_H else None
         if side is None:
             return
         req.changes += 1

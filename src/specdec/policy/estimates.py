@@ -55,12 +55,13 @@ class PositionRates:
         self.version += 1
         decay, wins, trials = self.decay, self.wins, self.trials
         tested = min(n_accepted + 1, tau, self.max_pos)
-        for k in range(min(n_accepted, tested)):  # passed
+        passed = n_accepted if n_accepted < tested else tested
+        for k in range(passed):
             wins[k] = decay * wins[k] + 1.0
             trials[k] = decay * trials[k] + 1.0
-        for k in range(n_accepted, tested):  # the first rejected (at most one)
-            wins[k] = decay * wins[k]
-            trials[k] = decay * trials[k] + 1.0
+        if passed < tested:  # the first rejected
+            wins[passed] = decay * wins[passed]
+            trials[passed] = decay * trials[passed] + 1.0
 
     def rates(self, parent: list[float] | None, first_prior: float, n: int | None = None) -> list[float]:
         """The first ``n`` shrunk rates. Each position's prior is ``parent[k]`` when given, else the
@@ -102,8 +103,9 @@ class DraftLine:
             d0, d1 = self.line()
             seconds = min(seconds, OUTLIER_FACTOR * (d0 + d1 * (passes - 1)))
         x, y = float(passes - 1), seconds
+        keep = self.decay**weight
         for i, v in enumerate((1.0, x, y, x * x, x * y)):
-            s[i] = self.decay**weight * s[i] + weight * v
+            s[i] = keep * s[i] + weight * v
 
     @property
     def seen(self) -> bool:
@@ -235,10 +237,13 @@ class ConfidenceCalibration:
 
     def update(self, record_probs: list[float], tau: int, n_accepted: int) -> None:
         self._likelihoods = None
+        decay, wins, trials = self.decay, self.wins, self.trials
         for k in range(min(n_accepted + 1, tau, len(record_probs))):
-            b = min(int(record_probs[k] * 10), 9)
-            self.wins[b] = self.decay * self.wins[b] + (1.0 if k < n_accepted else 0.0)
-            self.trials[b] = self.decay * self.trials[b] + 1.0
+            b = int(record_probs[k] * 10)
+            if b > 9:
+                b = 9
+            wins[b] = decay * wins[b] + (1.0 if k < n_accepted else 0.0)
+            trials[b] = decay * trials[b] + 1.0
 
     @property
     def total(self) -> float:
@@ -361,11 +366,14 @@ class CurveEWMA:
     # The curve within the seen range by size, until an observation within ``window`` of it (plans and the step bias
     # ask for the same few sizes between observations; each answer is a fit over its neighbourhood).
     _within_cache: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
+    # Each size's neighbourhood for ``_local``: (size seen, its nearness, its distance), until a new size is seen.
+    _near: dict[int, list[tuple[int, float, int]]] = field(default_factory=dict, repr=False, compare=False)
 
     def observe(self, size: int, seconds: float, weight: float = 1.0) -> None:
         if size not in self._at:
             bisect.insort(self._sizes, size)
             self._logs[size] = math.log(size) if size > 0 else 0.0
+            self._near.clear()
         w_mean = self._at.setdefault(size, [0.0, 0.0])
         if w_mean[0] >= OUTLIER_AFTER:
             seconds = min(seconds, OUTLIER_FACTOR * w_mean[1])
@@ -401,28 +409,43 @@ class CurveEWMA:
         between 32 and 64, each measured as a server starts) has the lower one at the window's edge, of nearness 0,
         so it was priced as the upper one (a depth-2 step of 16 sequences as 64 rows: 9.1 ms instead of ~7.3, and
         the plans left out the depth that served best at 16 clients)."""
-        sizes = self._sizes
-        lo, hi = bisect.bisect_left(sizes, size / self.window), bisect.bisect_right(sizes, size * self.window)
-        if hi - lo < 2:
+        near = self._near.get(size)
+        if near is None:
+            near = self._near[size] = self._neighbourhood(size)
+        if len(near) < 2:
             return None
-        scale = 1.0 / math.log(self.window)
-        at, logs, here = self._at, self._logs, math.log(size)
+        at = self._at
         sw = sx = sy = sxx = sxy = 0.0
-        points = 0
-        for s in sizes[lo:hi]:
-            near = 1.0 - abs(logs[s] - here) * scale
-            if near <= MIN_NEARNESS:
-                continue
+        for s, nearness, x in near:
             weight, mean = at[s]
-            w = weight * near
-            x = float(s - size)
-            sw, sx, sy, sxx, sxy = sw + w, sx + w * x, sy + w * mean, sxx + w * x * x, sxy + w * x * mean
-            points += 1
-        if points < 2 or sw <= 0.0:
+            w = weight * nearness
+            wx = w * x
+            sw += w
+            sx += wx
+            sy += w * mean
+            sxx += wx * x
+            sxy += wx * mean
+        if sw <= 0.0:
             return None
         mx, my = sx / sw, sy / sw
         var = sxx / sw - mx * mx
         return my - (((sxy / sw - mx * my) / var) if var > 1e-9 else 0.0) * mx
+
+    def _neighbourhood(self, size: int) -> list[tuple[int, float, int]]:
+        """The sizes seen within a factor ``window`` of ``size``, nearer than MIN_NEARNESS to its edge: each with its
+        nearness (1 at ``size``, 0 at the window's edge, triangular in log size) and its distance from ``size``."""
+        sizes = self._sizes
+        lo, hi = bisect.bisect_left(sizes, size / self.window), bisect.bisect_right(sizes, size * self.window)
+        if hi - lo < 2:
+            return []
+        scale = 1.0 / math.log(self.window)
+        logs, here = self._logs, math.log(size)
+        out = []
+        for s in sizes[lo:hi]:
+            nearness = 1.0 - abs(logs[s] - here) * scale
+            if nearness > MIN_NEARNESS:
+                out.append((s, nearness, s - size))
+        return out
 
     def __call__(self, size: int, fallback: float) -> float:
         if not self._at:
