@@ -9,10 +9,13 @@ the policy's learning. A pass streams the weights through every cache, so that P
 times slower than a micro-benchmark of it shows; this measures it where it runs.
 
 Reports per sequences and policy: output tokens/s, ms per step, of which in the kernel's calls and in the rest
-(median of the rounds), and the rest per sequence-step.
+(median of the rounds), and the rest per sequence-step. ``--by-depth`` adds the steps of every round by their depth
+(the deepest draft of the step; "+p": prompt rows in the pass): a policy's steps beside a fixed τ's at the same depth
+tell what it loses by its choices (tokens a step, kernel time) from what it loses by its own work (the rest).
 
     python benchmarks/engine_steps.py                                   # 1 and 16 sequences, plain, tau=2, adaptive
     python benchmarks/engine_steps.py --sequences 16 --policies fixed:tau=2 adaptive --rounds 5 --json steps.json
+    python benchmarks/engine_steps.py --sequences 4 --policies fixed:tau=2 fixed:tau=3 adaptive --by-depth
 """
 
 from __future__ import annotations
@@ -80,11 +83,19 @@ def run(engine: Engine, clock: NativeClock, policy: str, sequences: int, request
     start = lambda: engine.start(next(source), max_new_tokens=64, policy=policy)  # noqa: E731
     active = [start() for _ in range(sequences)]
     started, steps, tokens = sequences, 0, 0
+    depths: dict[str, list[float]] = {}  # depth -> [steps, tokens, seconds, kernel seconds]
     native0, t0 = clock.seconds, time.perf_counter()
     while active:
+        n0, s0 = clock.seconds, time.perf_counter()
         events = engine.step(active)
+        records = [e.record for e in events if e is not None]
+        made = sum(len(r.emitted) for r in records)
         steps += 1
-        tokens += sum(len(e.record.emitted) for e in events if e is not None)
+        tokens += made
+        if records:
+            depth = f"{max(r.draft_passes for r in records)}{'+p' if records[0].prompt_rows else ''}"
+            d = depths.setdefault(depth, [0, 0, 0.0, 0.0])
+            d[0], d[1], d[2], d[3] = d[0] + 1, d[1] + made, d[2] + time.perf_counter() - s0, d[3] + clock.seconds - n0
         still = [g for g in active if not g.done]
         while len(still) < sequences and started < requests:
             still.append(start())
@@ -97,6 +108,8 @@ def run(engine: Engine, clock: NativeClock, policy: str, sequences: int, request
         "native_ms_per_step": 1e3 * native / steps,
         "rest_ms_per_step": 1e3 * (wall - native) / steps,
         "rest_us_per_sequence_step": 1e6 * (wall - native) / steps / sequences,
+        "steps": steps,
+        "by_depth": depths,
     }
 
 
@@ -107,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=0, help="requests per run (default: 4 x sequences, at least 8)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--by-depth", action="store_true", help="also the steps of every round by their depth")
     args = p.parse_args(argv)
     for policy in args.policies:
         try:
@@ -127,8 +141,12 @@ def main(argv: list[str] | None = None) -> int:
             for policy in order:
                 runs[policy].append(run(engine, clock, policy, n, requests))
         for policy in args.policies:
-            med = {k: statistics.median(x[k] for x in runs[policy]) for k in runs[policy][0]}
-            rows.append({"sequences": n, "policy": policy, **med, "rounds": runs[policy]})
+            med = {k: statistics.median(x[k] for x in runs[policy]) for k in runs[policy][0] if k != "by_depth"}
+            depths: dict[str, list[float]] = {}
+            for x in runs[policy]:
+                for depth, sums in x["by_depth"].items():
+                    depths[depth] = [a + b for a, b in zip(depths.get(depth, [0, 0, 0.0, 0.0]), sums)]
+            rows.append({"sequences": n, "policy": policy, **med, "by_depth": depths, "rounds": runs[policy]})
     print("| sequences | policy | tok/s | ms/step | kernel ms/step | rest ms/step | rest µs per sequence-step |")
     print("|---|---|---|---|---|---|---|")
     for row in rows:
@@ -136,6 +154,18 @@ def main(argv: list[str] | None = None) -> int:
             f"| {row['sequences']} | {row['policy']} | {row['tokens_per_s']:.0f} | {row['ms_per_step']:.3f} | "
             f"{row['native_ms_per_step']:.3f} | {row['rest_ms_per_step']:.3f} | {row['rest_us_per_sequence_step']:.1f} |"
         )
+    if args.by_depth:
+        print("\n| sequences | policy | depth | steps | tokens a step | ms a step | kernel ms | rest ms | tokens/ms |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for row in rows:
+            order = sorted(row["by_depth"], key=lambda d: (d.endswith("+p"), int(d.removesuffix("+p"))))
+            for depth in order:
+                count, made, seconds, native = row["by_depth"][depth]
+                print(
+                    f"| {row['sequences']} | {row['policy']} | {depth} | {count} | {made / count:.2f} | "
+                    f"{1e3 * seconds / count:.3f} | {1e3 * native / count:.3f} | {1e3 * (seconds - native) / count:.3f} | "
+                    f"{made / seconds * 1e-3:.2f} |"
+                )
     if args.json:
         args.json.write_text(json.dumps({"rows": rows}, indent=1))
     return 0

@@ -9,13 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "engine_steps.py"
 
 
 def test_the_engine_steps_benchmark_splits_each_step(tmp_path: Path) -> None:
     out = tmp_path / "steps.json"
     command = [sys.executable, str(SCRIPT), "--sequences", "1", "3", "--policies", "fixed:tau=0", "adaptive"]
-    command += ["--requests", "4", "--rounds", "1", "--json", str(out)]
+    command += ["--requests", "4", "--rounds", "1", "--json", str(out), "--by-depth"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
@@ -30,6 +32,16 @@ def test_the_engine_steps_benchmark_splits_each_step(tmp_path: Path) -> None:
         assert 0 < r["native_ms_per_step"] < r["ms_per_step"]
         assert abs(r["native_ms_per_step"] + r["rest_ms_per_step"] - r["ms_per_step"]) < 1e-6
     assert "| 3 | adaptive |" in proc.stdout
+    # Every step that made tokens is in one depth's row: the depths' tokens add up to the run's (one round), their
+    # seconds to the steps' share of it.
+    for r in rows:
+        (run,) = r["rounds"]
+        steps, tokens, seconds, native = (sum(d[i] for d in r["by_depth"].values()) for i in range(4))
+        assert 0 < steps <= run["steps"]
+        wall = run["steps"] * run["ms_per_step"] * 1e-3
+        assert tokens == pytest.approx(run["tokens_per_s"] * wall, rel=1e-6)
+        assert 0 < native < seconds <= wall * (1 + 1e-9)
+    assert "| 3 | fixed:tau=0 | 0 |" in proc.stdout  # plain steps are depth 0
 
 
 def test_a_bad_policy_is_one_line_before_the_models_load() -> None:
