@@ -105,44 +105,53 @@ def test_real_engine_with_a_useless_draft(tiny_models: dict[str, Path], tmp_path
     assert "τ=0" in d.top.action
 
 
-def _batched_trace(path: Path, depths: dict[int, tuple[int, float]], sequences: int = 4) -> Path:
+def _batched_trace(
+    path: Path,
+    depths: dict[int, tuple[int, float]],
+    sequences: int = 4,
+    others: tuple[tuple[str, dict[int, tuple[int, float]], float], ...] = (),
+    rest: float = 0.0,
+) -> Path:
     """A batching server's trace: for each depth, (steps, seconds a step) of ``sequences`` sequences, every draft
     accepted (each record emits depth + 1 tokens; too good to be true for the acceptance check, which is not what
-    these tests read); each record carries its step's whole pass and draft times."""
+    these tests read); each record carries its step's whole pass and draft times, ``rest`` seconds of them the rest of
+    the step. ``others``: more steps after those, each (policy, depths, rest), as a load test's modes follow the
+    policy's on one server."""
     from specdec.records import StepRecord
     from specdec.trace import JsonlTrace
 
     with JsonlTrace(path, meta={"synthetic": "batched"}) as trace:
         step = 0
-        context = [20] * sequences
-        for depth, (count, seconds) in depths.items():
-            for _ in range(count):
-                step += 1
-                for i in range(sequences):
-                    context[i] += depth + 1
-                    trace.on_step(
-                        StepRecord(
-                            request_id=f"r{i}",
-                            step=step - 1,
-                            prompt_len=20,
-                            context_len=context[i] - depth - 1,
-                            policy="adaptive",
-                            reason="batch",
-                            tau=depth,
-                            draft_tokens=[5] * depth,
-                            accept_flags=[True] * depth,
-                            n_accepted=depth,
-                            correction="bonus" if depth else "plain",
-                            emitted=[5] * (depth + 1),
-                            draft_time=0.2 * seconds,
-                            verify_time=0.8 * seconds + step * 1e-9,  # a step's records share it, no other step
-                            other_time=1e-4 * i,  # the step's rest: the least, 0
-                            batch_size=sequences,
-                            rows=sequences * (depth + 1),
-                            drafting=sequences if depth else 0,
-                            draft_passes=depth,
+        for policy, segment, rest_s in (("adaptive", depths, rest), *others):
+            context = [20] * sequences
+            for depth, (count, seconds) in segment.items():
+                for _ in range(count):
+                    step += 1
+                    for i in range(sequences):
+                        context[i] += depth + 1
+                        trace.on_step(
+                            StepRecord(
+                                request_id=f"{policy}{i}",
+                                step=step - 1,
+                                prompt_len=20,
+                                context_len=context[i] - depth - 1,
+                                policy=policy,
+                                reason="batch",
+                                tau=depth,
+                                draft_tokens=[5] * depth,
+                                accept_flags=[True] * depth,
+                                n_accepted=depth,
+                                correction="bonus" if depth else "plain",
+                                emitted=[5] * (depth + 1),
+                                draft_time=0.2 * (seconds - rest_s),
+                                verify_time=0.8 * (seconds - rest_s) + step * 1e-9,  # a step's records share it alone
+                                other_time=rest_s + 1e-4 * i,  # the step's rest: the least, ``rest_s``
+                                batch_size=sequences,
+                                rows=sequences * (depth + 1),
+                                drafting=sequences if depth else 0,
+                                draft_passes=depth,
+                            )
                         )
-                    )
     return path
 
 
@@ -165,3 +174,30 @@ def test_a_batching_servers_trace_is_read_by_its_steps_depths(tmp_path: Path) ->
     f = next(f for f in ok.findings if f.code == "batch_depths")
     assert f.severity == "info" and "most run (depth 2)" in f.title
     assert not {p.code for p in ok.problems} & {"serial_verify", "host_overhead", "draft_too_slow", "tau_suboptimal"}
+
+
+def test_a_policys_batched_steps_are_held_against_a_fixed_taus_at_the_same_depth(tmp_path: Path) -> None:
+    """A load test's trace holds the policy's steps and a fixed τ's on one server. At the same depth (3, batches of 4,
+    16 tokens a step) the policy's steps took 4.5 ms with 0.7 ms of rest, the fixed τ's 4.2 ms with 0.4: the policy
+    served 7% less, and the gap is in the rest of its steps (its own work), not in its tokens or passes. Its depths
+    are read for themselves too (one finding of each kind), and the fixed τ's depth 0 (plain mode) is not taken for
+    a depth it chose."""
+    fixed = ("fixed", {0: (100, 1.5e-3), 3: (60, 4.2e-3)}, 0.4e-3)
+    d = diagnose(
+        _batched_trace(tmp_path / "ab.jsonl", {2: (20, 3.4e-3), 3: (60, 4.5e-3)}, others=(fixed,), rest=0.7e-3)
+    )
+    f = next(f for f in d.findings if f.code == "batch_beside_fixed")
+    assert f.severity == "warning" and "served 7% less than a fixed τ's" in f.title, f.title
+    assert "rest of its steps took 0.300 ms longer" in f.title, f.title
+    assert "depth 3: adaptive 3.56 tokens/ms over 60 steps" in f.evidence[0], f.evidence
+    assert "fixed τ 3.81 over 60" in f.evidence[0], f.evidence
+    depths = next(f for f in d.findings if f.code == "batch_depths")
+    assert "(adaptive)" in depths.title and "depth 0" not in depths.evidence[0], depths
+    from specdec.diagnose.html import render_html
+
+    assert "adaptive 3 (60)" in render_html(d) and "fixed 0 (100)" in render_html(d)  # both policies' bars
+    # The same steps at the same cost: a line of information.
+    same = ("fixed", {3: (60, 4.4e-3)}, 0.0)
+    ok = diagnose(_batched_trace(tmp_path / "same.jsonl", {3: (60, 4.4e-3)}, others=(same,)))
+    f = next(f for f in ok.findings if f.code == "batch_beside_fixed")
+    assert f.severity == "info" and "1.00x a fixed τ's" in f.title, f.title

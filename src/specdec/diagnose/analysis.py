@@ -202,35 +202,53 @@ def analyse(trace: Trace) -> TraceStats:
 
 @dataclass
 class DepthGoodput:
-    """The batched steps of one batch size at one lockstep depth: what they made and took."""
+    """The batched steps of one policy and batch size at one lockstep depth: what they made and took."""
 
     sequences: int  # sequences in each of these steps
     depth: int  # lockstep draft forwards (the deepest draft of the step); 0: plain
+    policy: str = ""  # the steps' policy (a load test's trace holds several: the policy's steps and fixed τ's)
     steps: int = 0
     tokens: int = 0  # emitted over the steps' records
     seconds: float = 0.0  # each step's draft + pass + the least other time of its records
+    rest: float = 0.0  # of which the least other time (the engine's and the policy's work around the passes)
 
     @property
     def tokens_per_ms(self) -> float:
         return self.tokens / self.seconds / 1e3 if self.seconds > 0 else 0.0
 
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
 
-def batch_goodput(steps: list[StepRecord]) -> dict[tuple[int, int], DepthGoodput]:
-    """Goodput by (sequences, depth) of the steps shared by several sequences (a batching server's), steps with prompt
-    rows left out (their prefill is a request's, once). A step is the records that share its pass: the same draft and
-    verify times, rows and batch size. Its time is its draft and pass plus the least other time of its records (the
-    others carry their requests' waits)."""
+    @property
+    def ms_per_step(self) -> float:
+        return 1e3 * self.seconds / self.steps if self.steps else 0.0
+
+    @property
+    def rest_ms_per_step(self) -> float:
+        return 1e3 * self.rest / self.steps if self.steps else 0.0
+
+
+def batch_goodput(steps: list[StepRecord]) -> dict[tuple[str, int, int], DepthGoodput]:
+    """Goodput by (policy, sequences, depth) of the steps shared by several sequences (a batching server's), steps
+    with prompt rows left out (their prefill is a request's, once). A step is the records that share its pass: the
+    same draft and verify times, rows and batch size; its policy is its first record's (a load test runs one mode at a
+    time). Its time is its draft and pass plus the least other time of its records (the others carry their requests'
+    waits)."""
     by_step: dict[tuple[float, float, int, int], list[StepRecord]] = {}
     for s in steps:
         if s.batch_size > 1 and not s.prompt_rows:
             by_step.setdefault((s.draft_time, s.verify_time, s.rows, s.batch_size), []).append(s)
-    out: dict[tuple[int, int], DepthGoodput] = {}
+    out: dict[tuple[str, int, int], DepthGoodput] = {}
     for (draft, verify, _, n), records in by_step.items():
         depth = max(r.draft_passes for r in records)
-        g = out.setdefault((n, depth), DepthGoodput(n, depth))
+        policy = records[0].policy
+        g = out.setdefault((policy, n, depth), DepthGoodput(n, depth, policy))
+        rest = min(r.other_time for r in records)
         g.steps += 1
         g.tokens += sum(len(r.emitted) for r in records)
-        g.seconds += draft + verify + min(r.other_time for r in records)
+        g.seconds += draft + verify + rest
+        g.rest += rest
     return out
 
 
@@ -239,9 +257,17 @@ class BatchDepths:
     """``batch_goodput`` at the batch size most steps ran: what the check and the report's plot read."""
 
     sequences: int
-    rows: list[DepthGoodput]  # by depth
+    rows: list[DepthGoodput]  # by policy (the most steps first), then depth
     steps: int  # batched steps at this size (prompt-row steps left out)
     all_steps: int  # ... at every size
+
+    @property
+    def policies(self) -> list[str]:
+        """The policies of the rows, the one with the most steps first."""
+        return list(dict.fromkeys(g.policy for g in self.rows))
+
+    def of(self, policy: str) -> list[DepthGoodput]:
+        return [g for g in self.rows if g.policy == policy]
 
 
 def main_batch(steps: list[StepRecord]) -> BatchDepths | None:
@@ -249,10 +275,14 @@ def main_batch(steps: list[StepRecord]) -> BatchDepths | None:
     if not table:
         return None
     by_size: dict[int, int] = {}
-    for (n, _), g in table.items():
+    for (_, n, _), g in table.items():
         by_size[n] = by_size.get(n, 0) + g.steps
     n = max(by_size, key=lambda size: (by_size[size], size))
-    rows = sorted((g for (size, _), g in table.items() if size == n), key=lambda g: g.depth)
+    here = [g for (_, size, _), g in table.items() if size == n]
+    by_policy: dict[str, int] = {}
+    for g in here:
+        by_policy[g.policy] = by_policy.get(g.policy, 0) + g.steps
+    rows = sorted(here, key=lambda g: (-by_policy[g.policy], g.policy, g.depth))
     return BatchDepths(n, rows, by_size[n], sum(by_size.values()))
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specdec.diagnose.analysis import Bucket, TraceStats
+from specdec.diagnose.analysis import BatchDepths, Bucket, TraceStats
 from specdec.diagnose.consistency import Z_IMPLAUSIBLE, acceptance_test, check_steps
 from specdec.trace import Trace
 
@@ -22,6 +22,7 @@ HOST_CRITICAL, HOST_WARNING = 0.4, 0.25  # share of step time outside the two mo
 WEAK_LENGTH = 1.3  # a free draft would save < 1 - 1/1.3 of the passes: the draft is the problem, not its cost
 MIN_DEPTH_STEPS = 20  # batched steps of one batch size and depth before their goodput is compared
 DEPTH_GAP = 0.10  # another depth of the same batch size served this much more: worth a warning
+SAME_DEPTH_GAP = 0.05  # a policy's batched steps served this much less than a fixed τ's at the same depths: a warning
 
 
 @dataclass
@@ -340,17 +341,31 @@ def check_tau_choice(ctx: Context) -> list[Finding]:
 
 def check_batch_depths(ctx: Context) -> list[Finding]:
     """A batching server's trace: the goodput each lockstep depth served at the batch size most steps ran, from the
-    steps themselves. The depths a policy chose are run in the conditions it chose them in (harder stretches,
-    other loads), so a gap is a lead to compare with a fixed τ, not a verdict."""
+    steps themselves, policy by policy. The depths a policy chose are run in the conditions it chose them in (harder
+    stretches, other loads), so a gap is a lead to compare with a fixed τ, not a verdict. Where the trace holds a
+    fixed τ's steps beside a policy's (a load test's modes), the two are also compared at the depths both ran."""
     batch = ctx.stats.batch
     if batch is None:
         return []
-    n, rows = batch.sequences, batch.rows
+    several = len(batch.policies) > 1
+    # The depths a policy chose (a fixed τ's steps are only read for their depths when nothing else chose any).
+    choosing = [p for p in batch.policies if p != "fixed"] or batch.policies
+    depths = [f for p in choosing for f in _depths_of(batch, p, several)]
+    beside = [f for p in choosing if "fixed" in batch.policies and p != "fixed" for f in _beside_fixed(batch, p)]
+    # One finding of each kind (a diagnosis keeps one per code): the policy's that weighs most.
+    return [max(found, key=lambda f: (f.severity != "info", f.impact)) for found in (depths, beside) if found]
+
+
+def _depths_of(batch: BatchDepths, policy: str, several: bool) -> list[Finding]:
+    """One policy's steps by depth: did it run mostly at the depth that served best?"""
+    n, rows = batch.sequences, batch.of(policy)
     enough = [g for g in rows if g.steps >= MIN_DEPTH_STEPS]
     if not enough:
         return []
+    who = f"{policy}'s " if several else ""
     evidence = [
-        f"batches of {n} ({batch.steps} steps without prompt rows; {batch.all_steps} at every size): "
+        f"{who}batches of {n} ({sum(g.steps for g in rows)} steps without prompt rows; {batch.all_steps} at every "
+        "size, every policy): "
         + ", ".join(f"depth {g.depth} {g.tokens_per_ms:.2f} tokens/ms over {g.steps} steps" for g in rows)
     ]
     most = max(rows, key=lambda g: g.steps)
@@ -361,7 +376,8 @@ def check_batch_depths(ctx: Context) -> list[Finding]:
             Finding(
                 code="batch_depths",
                 severity="info",
-                title=f"Batched steps by depth: the most run (depth {most.depth}) served within {DEPTH_GAP:.0%} of the best",
+                title=f"Batched steps by depth{f' ({policy})' if several else ''}: the most run (depth {most.depth}) "
+                f"served within {DEPTH_GAP:.0%} of the best",
                 evidence=evidence,
                 action="No action needed for this line.",
             )
@@ -373,14 +389,74 @@ def check_batch_depths(ctx: Context) -> list[Finding]:
             severity=_sev(impact, critical=0.25, warning=DEPTH_GAP * 0.9),
             impact=impact,
             title=(
-                f"Batches of {n} ran mostly at depth {most.depth}, which served {impact:.0%} less than depth "
-                f"{best.depth} in the same trace"
+                f"{who.capitalize()}{'b' if several else 'B'}atches of {n} ran mostly at depth {most.depth}, which "
+                f"served {impact:.0%} less than depth {best.depth} in the same trace"
             ),
             evidence=evidence,
             action=(
                 f'Compare with a fixed τ ("speculative": {{"tau": {best.depth}}}, or specdec serve --tau); if it serves '
                 "more, re-measure the policy's batch costs (specdec tune --threads auto --save-costs) and read the "
                 "batch plans' reasons (each depth's predicted tokens/ms and its steps' measured/predicted factor)."
+            ),
+        )
+    ]
+
+
+def _beside_fixed(batch: BatchDepths, policy: str) -> list[Finding]:
+    """A policy's steps against a fixed τ's at the same depths (each depth's steps weighed by the policy's count): what
+    the policy makes of a step, the time its passes take and the rest of its steps (where its own work is)."""
+    fixed = {g.depth: g for g in batch.of("fixed") if g.steps >= MIN_DEPTH_STEPS}
+    pairs = [(g, fixed[g.depth]) for g in batch.of(policy) if g.steps >= MIN_DEPTH_STEPS and g.depth in fixed]
+    if not pairs:
+        return []
+    weight = sum(g.steps for g, _ in pairs)
+    ratio = sum(g.steps * g.tokens_per_ms / f.tokens_per_ms for g, f in pairs if f.tokens_per_ms > 0) / weight
+    rest = sum(g.steps * (g.rest_ms_per_step - f.rest_ms_per_step) for g, f in pairs) / weight
+    tokens = sum(g.steps * (g.tokens_per_step / f.tokens_per_step - 1) for g, f in pairs if f.tokens_per_step) / weight
+    passes = sum(
+        g.steps * ((g.ms_per_step - g.rest_ms_per_step) / (f.ms_per_step - f.rest_ms_per_step) - 1)
+        for g, f in pairs
+        if f.ms_per_step > f.rest_ms_per_step
+    )
+    passes /= weight
+    evidence = [
+        f"batches of {batch.sequences}, depth {g.depth}: {policy} {g.tokens_per_ms:.2f} tokens/ms over {g.steps} steps "
+        f"({g.tokens_per_step:.2f} tokens, {g.ms_per_step - g.rest_ms_per_step:.3f} ms of draft and pass, "
+        f"{g.rest_ms_per_step:.3f} ms of rest a step), fixed τ {f.tokens_per_ms:.2f} over {f.steps} "
+        f"({f.tokens_per_step:.2f}, {f.ms_per_step - f.rest_ms_per_step:.3f} ms, {f.rest_ms_per_step:.3f} ms)"
+        for g, f in pairs
+    ]
+    gap = 1 - ratio
+    if gap < SAME_DEPTH_GAP:
+        return [
+            Finding(
+                code="batch_beside_fixed",
+                severity="info",
+                title=f"At the depths both ran, {policy}'s batched steps served {ratio:.2f}x a fixed τ's",
+                evidence=evidence,
+                action="No action needed for this line.",
+            )
+        ]
+    # Which of the step's parts the gap is in: tokens a step (its drafts), the draft and pass (its rows), or the rest.
+    parts = {
+        "its steps made fewer tokens": -tokens,
+        "its drafts and passes took longer": passes,
+        f"the rest of its steps took {rest:.3f} ms longer (the policy's own work is there)": rest
+        / max(f.ms_per_step for _, f in pairs),
+    }
+    cause = max(parts, key=lambda k: parts[k])
+    return [
+        Finding(
+            code="batch_beside_fixed",
+            severity=_sev(gap, critical=0.25, warning=SAME_DEPTH_GAP * 0.9),
+            impact=gap,
+            title=f"At the same depths {policy}'s batched steps served {gap:.0%} less than a fixed τ's: {cause}",
+            evidence=evidence,
+            action=(
+                "Where the rest is longer, the policy's per-step work (its plan and learning) costs more than its "
+                'choices gain at this load: a fixed τ at the depth it runs most saves it ("speculative": {"tau": '
+                f"{max(pairs, key=lambda p: p[0].steps)[0].depth}}}); benchmarks/engine_steps.py --by-depth measures "
+                "the same split in process, without HTTP."
             ),
         )
     ]

@@ -112,12 +112,13 @@ def plot_batch_depths(d: Diagnosis) -> str:
     batch = d.stats.batch
     if batch is None:
         return ""
+    several = len(batch.policies) > 1
     return bar_chart(
         f"Batched steps of {batch.sequences}: goodput by depth",
-        [f"{g.depth} ({g.steps})" for g in batch.rows],
+        [f"{g.policy + ' ' if several else ''}{g.depth} ({g.steps})" for g in batch.rows],
         {"tokens/ms": [g.tokens_per_ms for g in batch.rows]},
         ylabel="tokens/ms",
-        xlabel="lockstep depth (steps)",
+        xlabel=f"{'policy, ' if several else ''}lockstep depth (steps)",
     )
 
 
