@@ -389,7 +389,7 @@ def _depths_of(batch: BatchDepths, policy: str, several: bool) -> list[Finding]:
             severity=_sev(impact, critical=0.25, warning=DEPTH_GAP * 0.9),
             impact=impact,
             title=(
-                f"{who.capitalize()}{'b' if several else 'B'}atches of {n} ran mostly at depth {most.depth}, which "
+                f"{f'{policy} batches' if several else 'Batches'} of {n} ran mostly at depth {most.depth}, which "
                 f"served {impact:.0%} less than depth {best.depth} in the same trace"
             ),
             evidence=evidence,

@@ -559,7 +559,7 @@ class AdaptivePolicy(Policy):
         for ctx in ctxs:
             req = self._request(ctx)
             d = reuse.get(ctx.request_id)
-            if ctx.max_verify_passes is not None and min(self.max_tau, ctx.max_tau) and _budget_binds(ctx):
+            if min(self.max_tau, ctx.max_tau) and _budget_binds(ctx):
                 d = self.next_tau(ctx)
             elif d is None:
                 req.steps += 1
