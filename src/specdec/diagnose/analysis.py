@@ -228,6 +228,11 @@ class DepthGoodput:
     def rest_ms_per_step(self) -> float:
         return 1e3 * self.rest / self.steps if self.steps else 0.0
 
+    @property
+    def pass_ms_per_step(self) -> float:
+        """A step's draft and pass (its time less its rest)."""
+        return self.ms_per_step - self.rest_ms_per_step
+
 
 def batch_goodput(steps: list[StepRecord]) -> dict[tuple[str, int, int], DepthGoodput]:
     """Goodput by (policy, sequences, depth) of the steps shared by several sequences (a batching server's), steps
@@ -258,8 +263,7 @@ class BatchDepths:
 
     sequences: int
     rows: list[DepthGoodput]  # by policy (the most steps first), then depth
-    steps: int  # batched steps at this size (prompt-row steps left out)
-    all_steps: int  # ... at every size
+    all_steps: int  # batched steps at every size, every policy (prompt-row steps left out)
 
     @property
     def policies(self) -> list[str]:
@@ -283,7 +287,7 @@ def main_batch(steps: list[StepRecord]) -> BatchDepths | None:
     for g in here:
         by_policy[g.policy] = by_policy.get(g.policy, 0) + g.steps
     rows = sorted(here, key=lambda g: (-by_policy[g.policy], g.policy, g.depth))
-    return BatchDepths(n, rows, by_size[n], sum(by_size.values()))
+    return BatchDepths(n, rows, sum(by_size.values()))
 
 
 def prompt_buckets(trace: Trace) -> list[Bucket]:

@@ -413,17 +413,14 @@ def _beside_fixed(batch: BatchDepths, policy: str) -> list[Finding]:
     ratio = sum(g.steps * g.tokens_per_ms / f.tokens_per_ms for g, f in pairs if f.tokens_per_ms > 0) / weight
     rest = sum(g.steps * (g.rest_ms_per_step - f.rest_ms_per_step) for g, f in pairs) / weight
     tokens = sum(g.steps * (g.tokens_per_step / f.tokens_per_step - 1) for g, f in pairs if f.tokens_per_step) / weight
-    passes = sum(
-        g.steps * ((g.ms_per_step - g.rest_ms_per_step) / (f.ms_per_step - f.rest_ms_per_step) - 1)
-        for g, f in pairs
-        if f.ms_per_step > f.rest_ms_per_step
+    passes = (
+        sum(g.steps * (g.pass_ms_per_step / f.pass_ms_per_step - 1) for g, f in pairs if f.pass_ms_per_step) / weight
     )
-    passes /= weight
     evidence = [
         f"batches of {batch.sequences}, depth {g.depth}: {policy} {g.tokens_per_ms:.2f} tokens/ms over {g.steps} steps "
-        f"({g.tokens_per_step:.2f} tokens, {g.ms_per_step - g.rest_ms_per_step:.3f} ms of draft and pass, "
+        f"({g.tokens_per_step:.2f} tokens, {g.pass_ms_per_step:.3f} ms of draft and pass, "
         f"{g.rest_ms_per_step:.3f} ms of rest a step), fixed τ {f.tokens_per_ms:.2f} over {f.steps} "
-        f"({f.tokens_per_step:.2f}, {f.ms_per_step - f.rest_ms_per_step:.3f} ms, {f.rest_ms_per_step:.3f} ms)"
+        f"({f.tokens_per_step:.2f}, {f.pass_ms_per_step:.3f} ms, {f.rest_ms_per_step:.3f} ms)"
         for g, f in pairs
     ]
     gap = 1 - ratio
