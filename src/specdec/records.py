@@ -90,6 +90,12 @@ class StepRecord:
     def total_time(self) -> float:
         return self.draft_time + self.verify_time + self.other_time
 
+    @property
+    def pass_key(self) -> tuple[float, float, int, int]:
+        """What the records of one step share and no other step's do: its pass and draft times, its rows and its
+        sequences (a batched step writes one record per sequence, each with the step's whole times)."""
+        return (self.verify_time, self.draft_time, self.rows, self.batch_size)
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["type"] = "step"

@@ -243,9 +243,9 @@ def batch_goodput(steps: list[StepRecord]) -> dict[tuple[str, int, int], DepthGo
     by_step: dict[tuple[float, float, int, int], list[StepRecord]] = {}
     for s in steps:
         if s.batch_size > 1 and not s.prompt_rows:
-            by_step.setdefault((s.draft_time, s.verify_time, s.rows, s.batch_size), []).append(s)
+            by_step.setdefault(s.pass_key, []).append(s)
     out: dict[tuple[str, int, int], DepthGoodput] = {}
-    for (draft, verify, _, n), records in by_step.items():
+    for (verify, draft, _, n), records in by_step.items():
         depth = max(r.draft_passes for r in records)
         policy = records[0].policy
         g = out.setdefault((policy, n, depth), DepthGoodput(n, depth, policy))

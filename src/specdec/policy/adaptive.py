@@ -157,8 +157,8 @@ class _PendingStep:
 
     __slots__ = ("key", "price", "draft_verify", "other", "sequences", "depth", "tokens", "expected")
 
-    def __init__(self, key: tuple[float, float, int], price: float, record: StepRecord) -> None:
-        self.key = key  # the step's pass times and rows: its records share them
+    def __init__(self, key: tuple[float, float, int, int], price: float, record: StepRecord) -> None:
+        self.key = key  # the step's ``pass_key``: its records share it
         self.price = price  # the step's priced seconds at the rows and depth it ran
         self.draft_verify = record.draft_time + record.verify_time
         self.other = record.other_time  # its records' least other time, as the cost curves learn it
@@ -618,7 +618,7 @@ class AdaptivePolicy(Policy):
             # draft's catch-up are left out: that work is a request's, once, not every step's (``plan`` keeps it out
             # of the goodput too). The step's rest is its records' least other time, as the cost curves learn it (a
             # request that joined or waited carries its wait in its own).
-            key = (record.verify_time, record.draft_time, record.rows)
+            key = record.pass_key
             pending = self._bias_pending
             if pending is None or pending.key != key:
                 self._learn_bias()

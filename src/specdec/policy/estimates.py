@@ -588,7 +588,7 @@ class BatchCosts:
         rows = record.rows or record.tau + 1
         # The records of one step carry the same pass times: the passes are learnt once per step (the same
         # as each record at weight 1/batch, without 15 of 16 updates).
-        this_pass = (record.verify_time, record.draft_time, rows, record.batch_size)
+        this_pass = record.pass_key
         if record.batch_size <= 1 or this_pass != self._last_pass:
             self._learn_other()
             self._last_pass = this_pass
