@@ -91,7 +91,9 @@ def test_cli_bad_trace_is_one_line_error(tmp_path: Path, capsys: pytest.CaptureF
 
 
 def test_real_engine_with_a_useless_draft(tiny_models: dict[str, Path], tmp_path: Path) -> None:
-    """Random target, unrelated random draft: the draft never predicts the target, diagnose must say so."""
+    """Random target, unrelated random draft: the draft never predicts the target, diagnose must say so (as a critical
+    finding; with a target pass of ~0.04 ms the engine's own per-step work, the trace's writing included, may weigh
+    more and come first)."""
     import specdec
 
     path = tmp_path / "real.jsonl"
@@ -101,8 +103,10 @@ def test_real_engine_with_a_useless_draft(tiny_models: dict[str, Path], tmp_path
     engine.observers[-1].close()  # type: ignore[attr-defined]
     d = diagnose(read_trace(path))
     assert d.stats.alpha < 0.2, d.text()
-    assert d.top is not None and d.top.code == "draft_too_weak", d.text()
-    assert "τ=0" in d.top.action
+    weak = next((f for f in d.findings if f.code == "draft_too_weak"), None)
+    assert weak is not None and weak.severity == "critical", d.text()
+    assert "τ=0" in weak.action
+    assert d.top is not None and d.top.code in ("draft_too_weak", "host_overhead"), d.text()
 
 
 def _batched_trace(

@@ -368,8 +368,8 @@ def test_adaptive_reasons_reach_the_step_records_in_the_simulator() -> None:
 
     seen: list[StepRecord] = []
     policy = AdaptivePolicy()
-    observe = policy.observe
-    policy.observe = lambda r: (seen.append(r), observe(r))  # type: ignore[method-assign]
+    observe = policy.observe_step
+    policy.observe_step = lambda rs: (seen.extend(rs), observe(rs))  # type: ignore[method-assign]
     simulate(policy, replace(WORKLOADS["phases"], requests=10), load_costs("gpu-70b"), seed=0)
     reasons = {r.reason.split(":")[0].split(" ")[0] for r in seen}
     assert all(r.reason for r in seen)
@@ -594,9 +594,11 @@ def test_prompt_rows_joining_a_batch_step_are_priced_in_but_do_not_make_every_de
         r"25\.6 tokens in 18\.\d\d ms predicted \(step bias \+0\.00 ms, 200 prompt rows 12\.\d\d ms\)", plan[0].reason
     )
     # A step with prompt rows teaches no step bias (its prefill is a request's cost, once).
+    records = []
     for i in range(16):
         record = replace(record_for(f"s{i}", 0, 1, 1), draft_time=1e-3, verify_time=18e-3, other_time=7e-3)
-        policy.observe(replace(record, batch_size=16, rows=232, prompt_rows=200, drafting=16, draft_passes=1))
+        records.append(replace(record, batch_size=16, rows=232, prompt_rows=200, drafting=16, draft_passes=1))
+    policy.observe_step(records)
     assert policy._step_bias == [0.0, 0.0]
 
 
@@ -616,14 +618,16 @@ def test_a_batch_plan_prices_its_steps_with_what_they_measured_beyond_the_curves
     assert "25.6 tokens in 6.00 ms predicted (step bias +0.00 ms)" in plan[0].reason
     # Each record of a step carries its passes and its own other time: the time since its request's last step. One
     # request joined at this step after waiting 150 ms for its prompt to come in: its wait is no step's cost. The
-    # step weighs one step, with its least other time, once it is whole (the next step's first record).
+    # step weighs one step, with its least other time.
+    records = []
     for i in range(16):
         waited = 150e-3 if i == 5 else 7e-3
         record = replace(record_for(f"s{i}", 0, 1, 1), draft_time=1e-3, verify_time=5e-3, other_time=waited)
-        policy.observe(replace(record, batch_size=16, rows=32, drafting=16, draft_passes=1))
+        records.append(replace(record, batch_size=16, rows=32, drafting=16, draft_passes=1))
+    policy.observe_step(records)
+    # The plan is replayed for the next steps (a batch of 16), so what the step teaches waits until a plan reads it.
     assert policy._step_bias[1] == 0.0
-    record = replace(record_for("s0", 0, 1, 1), draft_time=1e-3, verify_time=4e-3, other_time=7e-3)
-    policy.observe(replace(record, batch_size=16, rows=32, drafting=16, draft_passes=1))
+    policy.learn()
     assert policy._step_bias[1] == pytest.approx(1.0)
     assert policy._step_bias[0] == pytest.approx(7e-3)  # 13 ms measured, 6 priced; not 150 ms less 6
     assert policy.batch_costs.other(16, 0.0) == pytest.approx(7e-3)  # the step's rest, learnt the same way

@@ -365,7 +365,20 @@ class Engine:
             g.commit_step(d, v, decision, t_plan=t1, t_draft=t2 - t1, t_verify=t3 - t2, shape=shape, logprobs=lp)
             for g, d, v, decision, lp in zip(live, drafts, verdicts, decisions, logprobs)
         ]
-        by_gen = {id(g): g.observe_step(step, t_verified=t3) for g, step in zip(live, pending)}
+        texts = [g.take_step(step) for g, step in zip(live, pending)]
+        # A record's rest: from the point its request's step before reached (all its sequences detokenised, ``t4``
+        # there) to this plan, whatever ran between (that step's learning and observers, the caller's loop, this plan),
+        # less other requests' prefills; and from this pass to here (every sequence's commit and detokenising). The
+        # records of a sequence that stepped in the step before then all carry the same: the whole of the step's time
+        # that is neither its draft nor its pass, each step counted once.
+        t4 = self.clock()
+        for step in pending:
+            step.record.other_time += t4 - t3
+        # Each policy learns from its records of the step in one call (a step's facts once, not once per record),
+        # before any of its requests ends.
+        for policy, idx in _by_policy(live):
+            policy.observe_step([pending[i].record for i in idx])
+        by_gen = {id(g): g.close_step(step, text, t4) for g, step, text in zip(live, pending, texts)}
         return [by_gen.get(id(g)) for g in generations]
 
     def _plan(self, live: list[Generation], ctxs: list[StepContext], prompt_rows: int = 0) -> list[Decision]:
@@ -374,10 +387,7 @@ class Engine:
         decisions: list[Decision | None] = [None] * len(live)
         if self.drafter is None:
             return [Decision(0, "no drafter") for _ in live]
-        groups: dict[int, tuple[Policy, list[int]]] = {}
-        for i, g in enumerate(live):
-            groups.setdefault(id(g.policy), (g.policy, []))[1].append(i)
-        for policy, idx in sorted(groups.values(), key=lambda group: group[0].batch_aware):
+        for policy, idx in sorted(_by_policy(live), key=lambda group: group[0].batch_aware):
             decided = [(d, ctx) for d, ctx in zip(decisions, ctxs) if d is not None]
             other_rows = sum(min(d.tau, ctx.max_tau) + 1 for d, ctx in decided)
             other_rows += len(live) - len(decided) - len(idx)  # undecided others: one row at least
@@ -457,6 +467,14 @@ class _StepShape:
     drafting: int  # sequences that drafted
     draft_passes: int  # lockstep draft forwards
     draft_fed: int  # context tokens the drafter took in before drafting, over all sequences (its catch-up)
+
+
+def _by_policy(live: Sequence[Generation]) -> list[tuple[Policy, list[int]]]:
+    """The step's sequences grouped by the policy instance that plans them (indices into ``live``), in first-seen order."""
+    groups: dict[int, tuple[Policy, list[int]]] = {}
+    for i, g in enumerate(live):
+        groups.setdefault(id(g.policy), (g.policy, []))[1].append(i)
+    return list(groups.values())
 
 
 @dataclass
@@ -631,21 +649,22 @@ class Generation:
         )
         return _Committed(record, finish, logprobs[: len(emitted)] if logprobs is not None else None)
 
-    def observe_step(self, step: _Committed, *, t_verified: float) -> StepEvent:
-        """Detokenise, count and tell the policy and the observers about a committed step."""
+    def take_step(self, step: _Committed) -> str:
+        """Detokenise a committed step; returns the text it made final. The engine then completes the record's times,
+        the policy learns from it (``Policy.observe_step``, with the step's other records), then ``close_step``."""
+        self.records.append(step.record)
+        return self._text.extend(step.record.emitted, final=step.finish is not None)
+
+    def close_step(self, step: _Committed, text_piece: str, t_taken: float) -> StepEvent:
+        """Count a step the policy has learnt from, tell the observers, and finish the request if it ended. Its next
+        step's rest runs from ``t_taken`` (when the engine had detokenised every sequence of this one)."""
         record, finish = step.record, step.finish
-        text_piece = self._text.extend(record.emitted, final=finish is not None)
-        # Other time: from this request's last step to the step's plan, and from the pass to now (commits of
-        # every sequence in the step, detokenising).
-        record.other_time += self.engine.clock() - t_verified
-        self.records.append(record)
         self.stats.add(record)
-        self.policy.observe(record)
         for obs in self.engine.observers:
             obs.on_step(record)
         if finish is not None:
             self._finish(finish)
-        self._t_mark, self._prefill_mark = self.engine.clock(), self.engine.prefill_seconds
+        self._t_mark, self._prefill_mark = t_taken, self.engine.prefill_seconds
         if step.logprobs is not None and self.token_logprobs is not None:
             self.token_logprobs.extend(step.logprobs)
         return StepEvent(record=record, text=text_piece, finished=self.done, logprobs=step.logprobs)

@@ -53,7 +53,7 @@ REACH_DEPTH = 8  # the stop rule may draft this many tokens beyond the plan's τ
 ARM_SETTLED_GAP = 0.04  # the stop rule this much ahead in goodput: settled
 ARM_CHECK_EVERY_SETTLED = 32  # steps: then one in 32 goes without the rule
 GAIN_PER_TOKEN = 0.02  # budget-limited: an extra draft token must add this many expected tokens
-REPLAN_EVERY = 4  # batch steps a batch plan serves (see ``plan``)
+REPLAN_EVERY = 8  # batch steps a batch plan serves (see ``plan``)
 REPLAN_MIN = 4  # sequences: smaller batches plan every step
 # A deeper batch depth must predict this much more goodput per extra position than the best so far: the predictions
 # err more the deeper they reach (acceptance of rarely drafted positions, pass sizes never run, joins waiting on
@@ -152,22 +152,6 @@ def _shift_terms(rates: list[float]) -> list[tuple[float, float]]:
     return out
 
 
-class _PendingStep:
-    """A batch step being recorded (its records come one by one) for the step bias and the depth calibration."""
-
-    __slots__ = ("key", "price", "draft_verify", "other", "sequences", "depth", "tokens", "expected")
-
-    def __init__(self, key: tuple[float, float, int, int], price: float, record: StepRecord) -> None:
-        self.key = key  # the step's ``pass_key``: its records share it
-        self.price = price  # the step's priced seconds at the rows and depth it ran
-        self.draft_verify = record.draft_time + record.verify_time
-        self.other = record.other_time  # its records' least other time, as the cost curves learn it
-        self.sequences = record.batch_size
-        self.depth = record.draft_passes
-        self.tokens = 0  # produced, before stop truncation (what a plan predicts)
-        self.expected = 0.0  # the plans' expected tokens at each record's τ (nan: a record without one)
-
-
 @dataclass
 class _Plan:
     rates: list[float]  # conditional acceptance by draft position 1..K
@@ -238,8 +222,9 @@ class AdaptivePolicy(Policy):
         self._batch_planned = False  # a batch plan has been made: its steps teach the step bias
         # measured ÷ predicted goodput of the batch steps, by depth: what the plans' prices miss the deeper they reach
         self.depth_calibration = DepthCalibration()
-        # The batch step being recorded, folded in once it is whole (``_learn_bias``).
-        self._bias_pending: _PendingStep | None = None
+        # Steps observed while a batch plan is replayed, learnt from at the next plan (``observe_step``): each with
+        # its requests as they were when it was observed.
+        self._unlearnt: list[tuple[list[_Request | None], Sequence[StepRecord]]] = []
 
     # -- estimates --------------------------------------------------------------------------
 
@@ -293,6 +278,7 @@ class AdaptivePolicy(Policy):
         self._request(ctx)
 
     def next_tau(self, ctx: StepContext) -> Decision:
+        self.learn()
         req = self._request(ctx)
         req.steps += 1
         k = min(self.max_tau, ctx.max_tau)
@@ -424,6 +410,7 @@ class AdaptivePolicy(Policy):
         self._batch_steps += 1
         if self._batch_steps <= self._reuse_until and abs(len(ctxs) - len(self._reuse)) * 4 <= len(self._reuse):
             return self._replay(ctxs, n)
+        self.learn()
         reqs: list[_Request] = []
         own: list[Decision | None] = []
         caps: list[int] = []
@@ -471,7 +458,6 @@ class AdaptivePolicy(Policy):
         # Each step's price is raised by the step bias, what the batch's steps have measured beyond their prices at
         # the rows they ran (work every step pays that the curves do not see: the scheduler's loop and hand-off): the
         # ratio of tokens to the priced seconds alone leans shallow wherever such a cost is real.
-        self._learn_bias()  # the last step is whole
         bias = self.step_bias()
         # Each depth's ratio is then scaled by what the steps run at that depth measured against their predictions
         # (``DepthCalibration``): the curves and the acceptance estimates err more the deeper they price.
@@ -511,43 +497,50 @@ class AdaptivePolicy(Policy):
             and depth + 1 < len(by_depth)
             and (rates[depth + 1] >= 0.9 * rates[depth] or depth == 0 or not self.batch_costs.draft_forward.seen)
         )
+        base = depth
         if explore:
             depth += 1
             self._explored = self._batch_steps
-        self._batch_depth = depth
+        self._batch_depth = base
         self._batch_planned = True
-        best = list(by_depth[depth])
-        # What the plan expects of the step, in each reason: a trace then holds the prediction against the step's
-        # measured times and tokens (how far the cost curves are from what the steps cost).
-        expect = (
-            f"{tokens[depth]:.1f} tokens in {(secs[depth] + bias) * 1e3:.2f} ms predicted "
-            f"(step bias {bias * 1e3:+.2f} ms"
-            + (f", {prompt_rows} prompt rows {sunk * 1e3:.2f} ms" if prompt_rows else "")
-            + f"); tokens/ms by depth {'/'.join(f'{r * 1e-3:.2f}' for r in rates)}"
-            + f" (steps' measured/predicted {'/'.join(f'{f:.2f}' for f in factors)})"
-        )
-        out: list[Decision] = []
-        for req, kept, tau in zip(reqs, own, best):
-            if kept is not None and tau == kept.tau:
-                out.append(kept)
-                continue
-            # No stop rule in a batch: its thresholds price a token at a lone step's costs (a draft forward of
-            # its own and a verify slot), but here the lockstep forward runs for the others anyway and a row of
-            # a big pass costs little, so it stopped drafts that would have paid.
-            req.arm = None
-            if tau == 0:
-                out.append(Decision(0, f"batch of {n}: plain (depth {depth} for the batch's goodput; {expect})"))
-            else:
-                reason = (
-                    f"batch of {n}: tau={tau} for the batch's goodput ("
-                    + ("explore; " if explore else "")
-                    + f"{expect})"
-                )
-                out.append(Decision(tau, reason))
-        # A batch of REPLAN_MIN or more keeps this plan for the next REPLAN_EVERY - 1 steps (an exploring one
-        # does not): its inputs move slowly, and re-deriving them costs tens of microseconds per request.
-        self._reuse = {ctx.request_id: d for ctx, d in zip(ctxs, out)}
-        reuse = len(ctxs) >= REPLAN_MIN and not explore
+
+        def decisions(depth: int, exploring: bool) -> list[Decision]:
+            # What the plan expects of the step, in each reason: a trace then holds the prediction against the step's
+            # measured times and tokens (how far the cost curves are from what the steps cost).
+            expect = (
+                f"{tokens[depth]:.1f} tokens in {(secs[depth] + bias) * 1e3:.2f} ms predicted "
+                f"(step bias {bias * 1e3:+.2f} ms"
+                + (f", {prompt_rows} prompt rows {sunk * 1e3:.2f} ms" if prompt_rows else "")
+                + f"); tokens/ms by depth {'/'.join(f'{r * 1e-3:.2f}' for r in rates)}"
+                + f" (steps' measured/predicted {'/'.join(f'{f:.2f}' for f in factors)})"
+            )
+            out: list[Decision] = []
+            for req, kept, tau in zip(reqs, own, by_depth[depth]):
+                if kept is not None and tau == kept.tau:
+                    out.append(kept)
+                    continue
+                # No stop rule in a batch: its thresholds price a token at a lone step's costs (a draft forward of
+                # its own and a verify slot), but here the lockstep forward runs for the others anyway and a row of
+                # a big pass costs little, so it stopped drafts that would have paid.
+                req.arm = None
+                if tau == 0:
+                    out.append(Decision(0, f"batch of {n}: plain (depth {depth} for the batch's goodput; {expect})"))
+                else:
+                    reason = (
+                        f"batch of {n}: tau={tau} for the batch's goodput ("
+                        + ("explore; " if exploring else "")
+                        + f"{expect})"
+                    )
+                    out.append(Decision(tau, reason))
+            return out
+
+        out = decisions(depth, explore)
+        # A batch of REPLAN_MIN or more keeps this plan for the next REPLAN_EVERY - 1 steps (an exploring one its plan
+        # without the further token): its inputs move slowly, and re-deriving them costs tens of microseconds per
+        # request.
+        reuse = len(ctxs) >= REPLAN_MIN
+        kept_plan = decisions(base, False) if explore and reuse else out
+        self._reuse = {ctx.request_id: d for ctx, d in zip(ctxs, kept_plan)}
         self._reuse_until = self._batch_steps + (REPLAN_EVERY - 1 if reuse else 0)
         return out
 
@@ -579,6 +572,7 @@ class AdaptivePolicy(Policy):
         them where they run; sizes never run keep them, which is their point: the cost of 64 rows is known
         before a pass of 64 rows is risked). Measured draft lines stay: the slope that the steps' lines are
         ridged toward (``DraftLine.line``)."""
+        self.learn()
         for rows, seconds in costs.passes.items():
             self.batch_costs.verify.observe(int(rows), float(seconds))
         for sequences, seconds in costs.draft_forwards.items():
@@ -594,52 +588,78 @@ class AdaptivePolicy(Policy):
         total, weight = self._step_bias
         return max(0.0, total / weight) if weight >= STEP_BIAS_WARM else 0.0
 
-    def _learn_bias(self) -> None:
-        """Fold the last recorded batch step into the step bias (decayed by STEP_BIAS_DECAY per record it had) and,
-        its goodput against the plans' prediction, into the depth calibration."""
-        step = self._bias_pending
-        if step is None:
-            return
-        self._bias_pending = None
-        predicted = step.price + self.step_bias()  # as its plan priced it: the bias before this step is in it
-        measured = step.draft_verify + step.other
-        if step.expected > 0.0:  # nan (a record without a plan) compares false
-            self.depth_calibration.observe(step.depth, step.tokens, step.expected, measured, predicted)
-        decay = STEP_BIAS_DECAY**step.sequences
+    def _learn_step(self, record: StepRecord, price: float, other: float, tokens: int, expected: float) -> None:
+        """A batch step of the plan against its price: the step bias learns what it measured beyond it (decayed by
+        STEP_BIAS_DECAY per record it had) and the depth calibration its goodput against the plans' prediction
+        (``tokens`` made before stop truncation, what a plan predicts; ``expected``: the plans' tokens at each
+        record's τ, nan where a record had none)."""
+        predicted = price + self.step_bias()  # as its plan priced it: the bias before this step is in it
+        measured = record.draft_time + record.verify_time + other
+        if expected > 0.0:  # nan (a record without a plan) compares false
+            self.depth_calibration.observe(record.draft_passes, tokens, expected, measured, predicted)
+        decay = STEP_BIAS_DECAY**record.batch_size
         b = self._step_bias
-        b[0] = decay * b[0] + (measured - step.price)
+        b[0] = decay * b[0] + (measured - price)
         b[1] = decay * b[1] + 1.0
 
     def observe(self, record: StepRecord) -> None:
-        req = self._requests.get(record.request_id)
-        if record.batch_size > 1 and self._batch_planned and steady_draft(record):
+        """A record alone: a step of its own (a batched step's records come together, ``observe_step``)."""
+        self.observe_step((record,))
+
+    def observe_step(self, records: Sequence[StepRecord]) -> None:
+        """Learn from a step: what it cost, once (step bias and depth calibration, the batch cost curves, the solo
+        costs), then each request's outcome (acceptance rates, shift test, probing, the draft's confidence).
+
+        While a batch plan is being replayed (``plan``) nothing reads what its steps teach, so they are learnt from
+        together, in order, when something next does (a plan made afresh, a request's own decision, ``learn``): the
+        same updates in the same order, but the second step's on caches the first has warmed, where each step alone
+        ran on caches the pass had just emptied (in the engine, half the time of learning step by step)."""
+        if records:
+            requests = self._requests
+            self._unlearnt.append(([requests.get(r.request_id) for r in records], records))
+        if self._batch_steps >= self._reuse_until:
+            self.learn()
+
+    def learn(self) -> None:
+        """Learn from the steps observed and not learnt from yet (``observe_step``)."""
+        if not self._unlearnt:
+            return
+        steps, self._unlearnt = self._unlearnt, []
+        for reqs, records in steps:
+            self._learn_from(reqs, records)
+
+    def _learn_from(self, reqs: list[_Request | None], records: Sequence[StepRecord]) -> None:
+        step = records[0]  # the step's pass, rows and times: every record carries them
+        if step.batch_size > 1 and self._batch_planned and steady_draft(step):
             # A step of the batch plan being served, against its price at the rows it ran (a replayed plan's step
             # differs from the plan's), by the curves before its records teach them. Steps with prompt rows or a
             # draft's catch-up are left out: that work is a request's, once, not every step's (``plan`` keeps it out
             # of the goodput too). The step's rest is its records' least other time, as the cost curves learn it (a
             # request that joined or waited carries its wait in its own).
-            key = record.pass_key
-            pending = self._bias_pending
-            if pending is None or pending.key != key:
-                self._learn_bias()
-                price = self.batch_costs.pricer(record.batch_size, self.costs)(
-                    record.rows, record.draft_passes, record.drafting
-                )
-                pending = self._bias_pending = _PendingStep(key, price, record)
-            else:
-                pending.other = min(pending.other, record.other_time)
-            pending.tokens += record.n_accepted + 1
-            pending.expected += _expected_tokens(req, record.tau)
-        self.batch_costs.observe(record)  # one-sequence steps too: the low end of the cost curves
-        if record.batch_size == 1 and (record.rows or record.tau + 1) == record.tau + 1:  # not a prompt's first step
+            price = self.batch_costs.pricer(step.batch_size, self.costs)(step.rows, step.draft_passes, step.drafting)
+            self._learn_step(
+                step,
+                price,
+                min(r.other_time for r in records),
+                sum(r.n_accepted for r in records) + len(records),
+                sum(_expected_tokens(req, r.tau) for req, r in zip(reqs, records)),
+            )
+        self.batch_costs.observe_step(records)  # one-sequence steps too: the low end of the cost curves
+        if step.batch_size == 1 and (step.rows or step.tau + 1) == step.tau + 1:  # not a prompt's first step
             # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.
-            forwards = record.tau if steady_draft(record) else 0  # a switch's catch-up is not a depth's cost
-            self.costs.observe(record.tau, forwards, record.draft_time, record.verify_time, record.other_time)
-        if req is not None and req.arm is not None and record.tau:
+            forwards = step.tau if steady_draft(step) else 0  # a switch's catch-up is not a depth's cost
+            self.costs.observe(step.tau, forwards, step.draft_time, step.verify_time, step.other_time)
+        for req, record in zip(reqs, records):
+            if record.tau:
+                self._learn_outcome(req, record)
+
+    def _learn_outcome(self, req: _Request | None, record: StepRecord) -> None:
+        """A drafted record's outcome: acceptance by position (shared and the request's own), the shift test against
+        the rates the step was planned with, a probe's backoff, the A/B of the stop rule, the draft's confidence."""
+        tau, n_accepted = record.tau, record.n_accepted
+        if req is not None and req.arm is not None:
             self.arms.observe(req.arm, len(record.emitted), record.total_time)
-        if record.tau == 0:
-            return
-        tested = min(record.n_accepted + 1, record.tau)
+        tested = min(n_accepted + 1, tau)
         # The rates the step was planned with (the plan's; else derived now, before this outcome is counted).
         if req is None:
             terms = []
@@ -647,20 +667,20 @@ class AdaptivePolicy(Policy):
             terms = req.plan.shift_terms()[:tested]
         else:
             terms = _shift_terms(self.rates(req, tested))
-        self.global_rates.update(record.tau, record.n_accepted)
+        self.global_rates.update(tau, n_accepted)
         if req is not None:
-            self.bucket_rates[req.bucket].update(record.tau, record.n_accepted)
-            req.rates.update(record.tau, record.n_accepted)
+            self.bucket_rates[req.bucket].update(tau, n_accepted)
+            req.rates.update(tau, n_accepted)
             self._detect_shift(req, record, terms)
             if req.probing:
                 req.probing = False
                 # All accepted: probe again at once; some: soon; none: back off further.
-                if record.n_accepted == record.tau:
+                if n_accepted == tau:
                     req.backoff = 1
                 else:
-                    req.backoff = self.min_backoff if record.n_accepted else min(2 * req.backoff, self.max_backoff)
+                    req.backoff = self.min_backoff if n_accepted else min(2 * req.backoff, self.max_backoff)
         if record.draft_token_probs:
-            self.calibration.update(record.draft_token_probs, record.tau, record.n_accepted)
+            self.calibration.update(record.draft_token_probs, tau, n_accepted)
 
     def _detect_shift(self, req: _Request, record: StepRecord, terms: list[tuple[float, float]]) -> None:
         """Two-sided Bernoulli CUSUM on the positions this step tested, against the rates it was planned

@@ -156,7 +156,13 @@ class Policy(ABC):
         return None
 
     def observe(self, record: StepRecord) -> None:  # noqa: B027 - optional hook
-        """Called after every step with its record."""
+        """A step's record (by default ``observe_step`` hands each of a step's records here in turn)."""
+
+    def observe_step(self, records: Sequence[StepRecord]) -> None:
+        """Called once after every step with the records of this policy's sequences in it (one per sequence; they
+        share the step's pass, rows and times). A policy that learns from a step as a whole overrides this."""
+        for record in records:
+            self.observe(record)
 
     def prime(self, costs: MeasuredCosts) -> None:  # noqa: B027
         """Measured costs to start from (``specdec tune --save-costs``, or measured as a server starts). Learning

@@ -99,6 +99,9 @@ class FleetBudgetPolicy(Policy):
     def observe(self, record: StepRecord) -> None:
         self.inner.observe(record)
 
+    def observe_step(self, records: Sequence[StepRecord]) -> None:
+        self.inner.observe_step(records)
+
     def end(self, request_id: str, stats: GenerationStats) -> None:
         self.ledger.close(request_id, stats.target_passes)
         self.inner.end(request_id, stats)

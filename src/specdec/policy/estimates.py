@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specdec.records import StepRecord
@@ -581,40 +581,26 @@ class BatchCosts:
     # Measured apart from the steps (``prime``): by sequences drafting, a draft's first forward and each further one.
     measured_lines: dict[int, tuple[float, float]] = field(default_factory=dict)
 
-    _last_pass: tuple[float, float, int, int] | None = field(default=None, repr=False, compare=False)
-    _step_other: tuple[int, float] | None = field(default=None, repr=False, compare=False)  # (sequences, least other)
-
     def observe(self, record: StepRecord) -> None:
-        rows = record.rows or record.tau + 1
-        # The records of one step carry the same pass times: the passes are learnt once per step (the same
-        # as each record at weight 1/batch, without 15 of 16 updates).
-        this_pass = record.pass_key
-        if record.batch_size <= 1 or this_pass != self._last_pass:
-            self._learn_other()
-            self._last_pass = this_pass
-            self.verify.observe(rows, record.verify_time)
-            passes = record.draft_passes or record.tau
-            if passes and record.draft_time > 0 and steady_draft(record):
-                drafting = max(1, record.drafting or 1)
-                self.draft_forward.observe(drafting, record.draft_time / passes)
-                self.draft_lines.setdefault(drafting, DraftLine()).observe(passes, record.draft_time)
-            self._step_other = (max(1, record.batch_size), record.other_time)
-        elif self._step_other is not None:
-            self._step_other = (self._step_other[0], min(self._step_other[1], record.other_time))
-        if record.batch_size <= 1:
-            self._learn_other()
+        """A record alone: a step of its own (a batched step's records come together, ``observe_step``)."""
+        self.observe_step((record,))
 
-    def _learn_other(self) -> None:
-        """The rest of the last step, learnt once it is whole: the least of its records' other times. A request that
-        stepped in the step before has the step's own rest (from the step before to this one's plan, and its
-        commits); one that joined, or was held while its prompt came in by pieces, carries its wait too (100-200 ms
-        behind prompts of hundreds of tokens), which is no step's cost. Learnt record by record, those waits priced
-        every step of a server at 7 clients 2-7 ms too high, and a step's fixed cost amortised over more tokens made
-        the batch plans go deeper than paid (docs/policy.md)."""
-        if self._step_other is not None:
-            sequences, seconds = self._step_other
-            self.other.observe(sequences, seconds)
-            self._step_other = None
+    def observe_step(self, records: Sequence[StepRecord]) -> None:
+        """A step's records (they carry the step's pass and draft times): the pass, the lockstep draft and the rest of
+        the step learnt once. The rest is the least of its records' other times. A request that stepped in the step
+        before has the step's own rest (from the step before to this one's plan, and its commits); one that joined,
+        or was held while its prompt came in by pieces, carries its wait too (100-200 ms behind prompts of hundreds of
+        tokens), which is no step's cost. Learnt record by record, those waits priced every step of a server at 7
+        clients 2-7 ms too high, and a step's fixed cost amortised over more tokens made the batch plans go deeper
+        than paid (docs/policy.md)."""
+        step = records[0]
+        self.verify.observe(step.rows or step.tau + 1, step.verify_time)
+        passes = step.draft_passes or step.tau
+        if passes and step.draft_time > 0 and steady_draft(step):
+            drafting = max(1, step.drafting or 1)
+            self.draft_forward.observe(drafting, step.draft_time / passes)
+            self.draft_lines.setdefault(drafting, DraftLine()).observe(passes, step.draft_time)
+        self.other.observe(max(1, step.batch_size), min(r.other_time for r in records))
 
     def measured_line(self, n: int) -> tuple[float, float] | None:
         """(first forward, each further one) of a lockstep draft over ``n`` sequences as measured apart from the steps
@@ -646,7 +632,6 @@ class BatchCosts:
     def pricer(self, sequences: int, solo: StepCosts) -> Callable[[int, int, int], float]:
         """``step_time`` for one step's ``sequences``, as a function of (rows, depth, drafting): what does not
         depend on those is read once (a batch plan prices a dozen shapes of the same step)."""
-        self._learn_other()  # the last step is whole: every record of a step is observed before the next is priced
         v0, v1 = solo.line()
         if solo.draft_per_token is not None:
             d1 = solo.draft_per_token
