@@ -749,3 +749,30 @@ def test_cost_estimates_learn_a_pause_as_at_most_a_few_times_their_usual_cost() 
         solo.observe(2, 2, 1e-3, 2e-3, 0.0)
     solo.observe(2, 2, 1e-3, 150e-3, 0.0)
     assert solo._by_block[3][1] < 2e-3 * OUTLIER_FACTOR / 2
+
+
+def test_a_size_the_steps_left_behind_weighs_less_than_its_neighbours_measured_since() -> None:
+    """The machine's speed drifts. Passes of 8, 12 and 16 rows measured slow (2.0 / 2.75 / 3.0 ms), then a long stretch
+    at 8 and 16 rows only, both faster now (1.6 / 2.6 ms): the 12-row price follows its neighbours (~2.1 ms, their line)
+    rather than keeping its old 2.75 at full weight (a depth priced by it looks worse than it is and, not run, is never
+    measured again); one new observation at 12 rows then mostly replaces the old mean. Without the aging (``age``
+    1.0) the price stays ~2.6 and one observation moves it by a tenth."""
+    from specdec.policy.estimates import CurveEWMA
+
+    def curve(age: float) -> CurveEWMA:
+        c = CurveEWMA(age=age)
+        for _ in range(20):
+            for rows, ms in ((8, 2.0), (12, 2.75), (16, 3.0)):
+                c.observe(rows, ms * 1e-3)
+        for _ in range(200):
+            c.observe(8, 1.6e-3)
+            c.observe(16, 2.6e-3)
+        return c
+
+    aged, kept = curve(CurveEWMA.age), curve(1.0)
+    assert aged(12, 0.0) == pytest.approx(2.1e-3, rel=0.05)
+    assert kept(12, 0.0) > 2.5e-3  # the mutant: the old mean at full weight
+    aged.observe(12, 2.1e-3)
+    assert aged._at[12][1] == pytest.approx(2.1e-3, rel=0.05)
+    kept.observe(12, 2.1e-3)
+    assert kept._at[12][1] > 2.6e-3

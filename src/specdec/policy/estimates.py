@@ -360,7 +360,17 @@ class CurveEWMA:
     # A size's estimate is the fit over the sizes seen within this factor of it (1: its own mean alone), ...
     window: float = 1.5
     neighbours: float = 2.0  # ... weighing as much as this many observations of its own
-    _at: dict[int, list[float]] = field(default_factory=dict)  # size -> [weight, mean]
+    # A size's weight is kept by this much for every ``epoch`` observations of the curve (of any size) that pass without
+    # one of its own: the machine's speed drifts (memory bandwidth moves by 5-10% between and within runs), and a size
+    # the steps left behind kept a mean from another time at full weight, beside neighbours measured now. A depth priced
+    # by it then looked worse than it was and, not run, was never measured again (a batch of 4 priced its 12-row pass
+    # at 2.75 ms where it took 2.2 and ran depth 1 instead of 2 for a whole run). Aged, such a size weighs less than its
+    # neighbourhood's fit, and its next observation mostly replaces it.
+    age: float = 0.85
+    epoch: int = 16
+    _at: dict[int, list[float]] = field(default_factory=dict)  # size -> [weight, mean, epoch of its last observation]
+    _ticks: int = field(default=0, repr=False, compare=False)  # observations so far
+    _epoch: int = field(default=0, repr=False, compare=False)  # _ticks // epoch
     _sizes: list[int] = field(default_factory=list, repr=False, compare=False)  # sorted(_at), kept as sizes come
     _logs: dict[int, float] = field(default_factory=dict, repr=False, compare=False)  # log of each size seen
     # The curve within the seen range by size, until an observation within ``window`` of it (plans and the step bias
@@ -374,16 +384,28 @@ class CurveEWMA:
             bisect.insort(self._sizes, size)
             self._logs[size] = math.log(size) if size > 0 else 0.0
             self._near.clear()
-        w_mean = self._at.setdefault(size, [0.0, 0.0])
-        if w_mean[0] >= OUTLIER_AFTER:
-            seconds = min(seconds, OUTLIER_FACTOR * w_mean[1])
-        w_mean[0] = self.decay**weight * w_mean[0] + weight
-        w_mean[1] += weight * (seconds - w_mean[1]) / w_mean[0]
+        self._ticks += 1
+        now = self._ticks // self.epoch
         cache = self._within_cache
+        if now != self._epoch:  # every weight has aged: every fit with it
+            self._epoch = now
+            cache.clear()
+        w_mean = self._at.setdefault(size, [0.0, 0.0, now])
+        w = self._weight(w_mean)
+        if w >= OUTLIER_AFTER:
+            seconds = min(seconds, OUTLIER_FACTOR * w_mean[1])
+        w_mean[0] = w = self.decay**weight * w + weight
+        w_mean[1] += weight * (seconds - w_mean[1]) / w
+        w_mean[2] = now
         if cache:
             lo, hi = size / self.window, size * self.window
             for cached in [c for c in cache if lo <= c <= hi]:
                 del cache[cached]
+
+    def _weight(self, at: list[float]) -> float:
+        """A size's weight now: as at its last observation, aged by the epochs since."""
+        since = self._epoch - at[2]
+        return at[0] * self.age**since if since else at[0]
 
     @property
     def seen(self) -> bool:
@@ -394,11 +416,12 @@ class CurveEWMA:
         toward the prior slope through the largest (a(1 + growth·(size - 1)) meeting its measured cost)."""
         top = max(self._at)
         prior = self.growth * self._at[top][1] / (1.0 + self.growth * (top - 1))
-        w = sum(v[0] for v in self._at.values())
-        mx = sum(v[0] * s for s, v in self._at.items()) / w
-        my = sum(v[0] * v[1] for v in self._at.values()) / w
-        var = sum(v[0] * (s - mx) ** 2 for s, v in self._at.items()) / w
-        cov = sum(v[0] * (s - mx) * (v[1] - my) for s, v in self._at.items()) / w
+        points = [(s, self._weight(v), v[1]) for s, v in self._at.items()]
+        w = sum(p[1] for p in points)
+        mx = sum(p[1] * p[0] for p in points) / w
+        my = sum(p[1] * p[2] for p in points) / w
+        var = sum(p[1] * (p[0] - mx) ** 2 for p in points) / w
+        cov = sum(p[1] * (p[0] - mx) * (p[2] - my) for p in points) / w
         lam = self.spread**2
         return max(0.0, (cov + lam * prior) / (var + lam))
 
@@ -414,11 +437,16 @@ class CurveEWMA:
             near = self._near[size] = self._neighbourhood(size)
         if len(near) < 2:
             return None
-        at = self._at
+        if len(near) == 2 and size in self._at:
+            # One other size near: a line through two points passes through the size's own mean whatever its weight, so
+            # an old mean would price it alone. The line between the sizes seen on either side instead.
+            return self._between(size)
+        at, weight = self._at, self._weight
         sw = sx = sy = sxx = sxy = 0.0
         for s, nearness, x in near:
-            weight, mean = at[s]
-            w = weight * nearness
+            v = at[s]
+            mean = v[1]
+            w = weight(v) * nearness
             wx = w * x
             sw += w
             sx += wx
@@ -472,14 +500,23 @@ class CurveEWMA:
             local = self._local(size)
             if local is not None:
                 if at is not None:
-                    local = (at[0] * at[1] + self.neighbours * local) / (at[0] + self.neighbours)
+                    own = self._weight(at)
+                    local = (own * at[1] + self.neighbours * local) / (own + self.neighbours)
                 value = self._within_cache[size] = max(local, 1e-9)
                 return value
         if at is not None:
             return at[1]
-        sizes = self._sizes  # between two seen sizes, none other near: the line between them (not kept)
-        i = bisect.bisect_left(sizes, size)  # sizes[i - 1] < size < sizes[i]
-        lo, hi = sizes[i - 1], sizes[i]
+        between = self._between(size)  # between two seen sizes, none other near: the line between them (not kept)
+        assert between is not None  # within the seen range, not seen itself
+        return between
+
+    def _between(self, size: int) -> float | None:
+        """The line between the nearest sizes seen below and above ``size`` (None at either end of the seen range)."""
+        sizes = self._sizes
+        i, j = bisect.bisect_left(sizes, size), bisect.bisect_right(sizes, size)
+        if i == 0 or j == len(sizes):
+            return None
+        lo, hi = sizes[i - 1], sizes[j]
         a, b = self._at[lo][1], self._at[hi][1]
         return a + (b - a) * (size - lo) / (hi - lo)
 
