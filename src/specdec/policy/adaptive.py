@@ -591,8 +591,8 @@ class AdaptivePolicy(Policy):
     def _learn_step(self, record: StepRecord, price: float, other: float, tokens: int, expected: float) -> None:
         """A batch step of the plan against its price: the step bias learns what it measured beyond it (decayed by
         STEP_BIAS_DECAY per record it had) and the depth calibration its goodput against the plans' prediction
-        (``tokens`` made before stop truncation, what a plan predicts; ``expected``: the plans' tokens at each
-        record's τ, nan where a record had none)."""
+        (``other``: its rest; ``tokens`` made before stop truncation, what a plan predicts; ``expected``: the plans'
+        tokens at each record's τ, nan where a record had none)."""
         predicted = price + self.step_bias()  # as its plan priced it: the bias before this step is in it
         measured = record.draft_time + record.verify_time + other
         if expected > 0.0:  # nan (a record without a plan) compares false
@@ -634,13 +634,18 @@ class AdaptivePolicy(Policy):
             # A step of the batch plan being served, against its price at the rows it ran (a replayed plan's step
             # differs from the plan's), by the curves before its records teach them. Steps with prompt rows or a
             # draft's catch-up are left out: that work is a request's, once, not every step's (``plan`` keeps it out
-            # of the goodput too). The step's rest is its records' least other time, as the cost curves learn it (a
-            # request that joined or waited carries its wait in its own).
-            price = self.batch_costs.pricer(step.batch_size, self.costs)(step.rows, step.draft_passes, step.drafting)
+            # of the goodput too). The step's rest is taken as priced (the rest curve's, which learns every step's):
+            # a step's own rest carries the policy's replanning, once every REPLAN_EVERY steps (a fresh plan and the
+            # learning of the steps replayed before it, ~0.5 ms at 4 sequences), and an exploring step always comes
+            # with a fresh plan, so its depth measured ~0.1 slower than it ran and was not explored again. What the
+            # depths are told apart by is what differs between them: drafts, passes and tokens.
+            batch_costs = self.batch_costs
+            rest = batch_costs.rest(step.batch_size, self.costs)
+            price = batch_costs.pricer(step.batch_size, self.costs)(step.rows, step.draft_passes, step.drafting)
             self._learn_step(
                 step,
                 price,
-                min(r.other_time for r in records),
+                rest,
                 sum(r.n_accepted for r in records) + len(records),
                 sum(_expected_tokens(req, r.tau) for req, r in zip(reqs, records)),
             )

@@ -666,6 +666,10 @@ class BatchCosts:
         for good: a policy that never drafts never measures a draft forward.)"""
         return self.pricer(sequences, solo)(rows, depth, drafting)
 
+    def rest(self, sequences: int, solo: StepCosts) -> float:
+        """Predicted seconds of a step's rest (all but its draft and pass) over ``sequences`` sequences."""
+        return self.other(sequences, (solo.other or 0.0) * sequences)
+
     def pricer(self, sequences: int, solo: StepCosts) -> Callable[[int, int, int], float]:
         """``step_time`` for one step's ``sequences``, as a function of (rows, depth, drafting): what does not
         depend on those is read once (a batch plan prices a dozen shapes of the same step)."""
@@ -674,7 +678,7 @@ class BatchCosts:
             d1 = solo.draft_per_token
         else:  # a share of the pass curve's floor (flat below its smallest size)
             d1 = solo.prior_draft_frac * self.verify(1, v0)
-        other = self.other(sequences, (solo.other or 0.0) * sequences)
+        other = self.rest(sequences, solo)
         drafts: dict[int, tuple[float, float, float]] = {}  # drafting -> (per forward, first, further), as below
 
         def draft_line(n: int) -> tuple[float, float, float]:
