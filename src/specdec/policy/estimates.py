@@ -373,8 +373,8 @@ class CurveEWMA:
     _epoch: int = field(default=0, repr=False, compare=False)  # _ticks // epoch
     _sizes: list[int] = field(default_factory=list, repr=False, compare=False)  # sorted(_at), kept as sizes come
     _logs: dict[int, float] = field(default_factory=dict, repr=False, compare=False)  # log of each size seen
-    # The curve within the seen range by size, until an observation within ``window`` of it (plans and the step bias
-    # ask for the same few sizes between observations; each answer is a fit over its neighbourhood).
+    # The curve within the seen range by size, until an observation within ``window`` of it or the next epoch (plans and
+    # the step bias ask for the same few sizes between observations; each answer is a fit over its neighbourhood).
     _within_cache: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
     # Each size's neighbourhood for ``_local``: (size seen, its nearness, its distance), until a new size is seen.
     _near: dict[int, list[tuple[int, float, int]]] = field(default_factory=dict, repr=False, compare=False)
