@@ -7,6 +7,7 @@ cancellation); sampled requests must keep their distribution and a seeded one it
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -127,6 +128,41 @@ def test_step_records_carry_the_batch_and_the_budget(engine: Engine) -> None:
     assert recs[0].max_verify_passes == 5 and recs[0].verify_passes == 1 and recs[1].max_verify_passes is None
     assert recs[1].tau == 0 and recs[1].tau_planned == 0 and recs[0].tau_planned == 3
     assert all(r.drafting == sum(x.tau > 0 for x in recs) for r in recs)
+
+
+def test_a_records_policy_time_is_the_policys_own_work_in_its_rest(engine: Engine) -> None:
+    """A record's ``policy_time`` is the part of its ``other_time`` that was the policies' own work: the learning after
+    its request's previous step and this step's plan. A policy that takes 30 ms over the plan of the third step and
+    20 ms over learning the fourth: the third step's records carry the plan, the fifth's the learning (it runs after
+    the fourth step is taken), whatever else a step's rest holds."""
+    from specdec.policy.fixed import FixedPolicy
+
+    class Slow(FixedPolicy):
+        def __init__(self) -> None:
+            super().__init__(tau=2)
+            self.plans = self.learnt = 0
+
+        def plan(self, ctxs: Any, other_rows: int = 0, prompt_rows: int = 0) -> Any:
+            self.plans += 1
+            if self.plans == 3:
+                time.sleep(0.03)
+            return super().plan(ctxs, other_rows, prompt_rows)
+
+        def observe_step(self, records: Any) -> None:
+            self.learnt += 1
+            if self.learnt == 4:
+                time.sleep(0.02)
+
+    slow = Slow()
+    gens = [engine.start(PROMPTS[i], max_new_tokens=40, policy=slow, defer_prefill=False) for i in (0, 3)]
+    for _ in range(5):
+        engine.step(gens)
+    for g in gens:
+        times = [r.policy_time for r in g.records]
+        assert all(0.0 <= r.policy_time <= r.other_time for r in g.records)
+        assert 0.03 <= times[2] < 0.04 and 0.02 <= times[4] < 0.03
+        assert all(t < 0.005 for i, t in enumerate(times) if i not in (2, 4))
+        assert g.records[2].other_time >= 0.03 and g.records[4].other_time >= 0.02
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

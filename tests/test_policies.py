@@ -24,6 +24,7 @@ from specdec.policy import (
     make_policy,
     split_policy_specs,
 )
+from specdec.policy.adaptive import POLICY_TIME_DECAY, STEP_BIAS_DECAY
 from specdec.records import GenerationStats, StepRecord
 
 pytestmark = pytest.mark.rules
@@ -616,26 +617,38 @@ def test_a_batch_plan_prices_its_steps_with_what_they_measured_beyond_the_curves
     plan = policy.plan(ctxs)
     assert max(d.tau for d in plan) == 1  # the priced ratio's best
     assert "25.6 tokens in 6.00 ms predicted (step bias +0.00 ms)" in plan[0].reason
-    # Each record of a step carries its passes and its own other time: the time since its request's last step. One
-    # request joined at this step after waiting 150 ms for its prompt to come in: its wait is no step's cost. The
-    # step weighs one step; its pass took 6 ms more than priced. Its rest is learnt by the rest curve (its records'
-    # least other time) and taken as priced by the bias (a step's own rest carries the policy's replanning now and then).
+    # Each record of a step carries its passes and its own other time: the time since its request's last step. The
+    # requests that stepped before carry the step's own rest, 7 ms, of it 0.5 ms the policy's own work (its learning
+    # and plan). One request was admitted just before the step (its rest runs from its admission: 0.4 ms), another
+    # waited 150 ms for its prompt to come in by pieces: neither is the step's. The step weighs one step; its pass took
+    # 6 ms more than priced, and its rest is not priced yet (the rest curve has seen no step).
     records = []
     for i in range(16):
-        waited = 150e-3 if i == 5 else 7e-3
-        record = replace(record_for(f"s{i}", 0, 1, 1), draft_time=1e-3, verify_time=11e-3, other_time=waited)
-        records.append(replace(record, batch_size=16, rows=32, drafting=16, draft_passes=1))
+        rest, step = {5: (0.4e-3, 0), 6: (150e-3, 0)}.get(i, (7e-3, 3))
+        record = replace(record_for(f"s{i}", step, 1, 1), draft_time=1e-3, verify_time=11e-3, other_time=rest)
+        records.append(replace(record, batch_size=16, rows=32, drafting=16, draft_passes=1, policy_time=0.5e-3))
     policy.observe_step(records)
     # The plan is replayed for the next steps (a batch of 16), so what the step teaches waits until a plan reads it.
     assert policy._step_bias[1] == 0.0
     policy.learn()
+    assert policy.batch_costs.other(16, 0.0) == pytest.approx(7e-3)  # the step's rest: not 0.4 ms, not 150 ms
+    assert policy._policy_time == pytest.approx([0.5e-3, 1.0])
     assert policy._step_bias[1] == pytest.approx(1.0)
-    assert policy._step_bias[0] == pytest.approx(6e-3)  # 12 ms of draft and pass measured, 6 priced
-    assert policy.batch_costs.other(16, 0.0) == pytest.approx(7e-3)  # the step's rest: its least, not 150 ms
+    # 12 ms of draft and pass measured, 6 priced; its rest less the policy's work in it, plus that work's mean a step
+    # before this one (none yet): 6.5 ms.
+    assert policy._step_bias[0] == pytest.approx(12.5e-3)
     assert policy.step_bias() == 0.0  # one step measured: not yet trusted
     # The same step against its plan's prediction, at its depth: 32 tokens made where the plan expected 16 × 1.6, in
-    # 12 ms priced 6.
-    assert policy.depth_calibration._sums[1] == pytest.approx([32.0, 25.6, 12e-3, 6e-3, 1.0])
+    # 18.5 ms priced 6 (more than twice off: counted as twice, ``DepthCalibration``).
+    assert policy.depth_calibration._sums[1] == pytest.approx([32.0, 25.6, 18.5e-3, 18.5e-3 / 2, 1.0])
+    # A step whose plan was made afresh carries the policy's replanning (3 ms here): its depth is charged the policy's
+    # mean a step instead (0.5 ms so far), so its rest of 10.5 ms measures 8 where the rest curve prices 7.
+    price = policy.batch_costs.pricer(16, policy.costs)(32, 1, 16)
+    fresh = [replace(r, step=r.step + 1, other_time=10.5e-3, policy_time=3e-3) for r in records]
+    policy.observe_step(fresh)
+    policy.learn()
+    assert policy._step_bias[0] == pytest.approx(STEP_BIAS_DECAY**16 * 12.5e-3 + (1e-3 + 11e-3 + 8e-3 - price))
+    assert policy._policy_time == pytest.approx([POLICY_TIME_DECAY * 0.5e-3 + 3e-3, POLICY_TIME_DECAY + 1.0])
 
     biased = primed_for_batch(ctxs)
     biased._step_bias = [5 * 6e-3, 5.0]  # five steps' worth, 6 ms over their prices

@@ -195,7 +195,7 @@ def test_batch_costs_price_drafting_against_the_measured_pass_before_any_solo_st
     # A server that starts busy: 32-row passes measured (~10 ms), no one-sequence step, no draft forward yet.
     costs = BatchCosts()
     for _ in range(5):
-        rec = StepRecord("r", 0, 10, 10, "p", "", 0, [], [], 0, "plain", [1], 0.0, 9.5e-3, 3e-3)
+        rec = StepRecord("r", 1, 10, 10, "p", "", 0, [], [], 0, "plain", [1], 0.0, 9.5e-3, 3e-3)  # not a first step
         costs.observe(replace(rec, batch_size=32, rows=32))
     solo = StepCosts()
     plain = costs.step_time(32, 0, 0, 32, solo)

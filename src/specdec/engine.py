@@ -120,6 +120,9 @@ class Engine:
         # Seconds of every request's prefill so far: a request's step record leaves out the prefills that ran
         # between its steps (requests admitted meanwhile: their passes, not this step's overhead).
         self.prefill_seconds = 0.0
+        # Seconds of the policies' own work so far (their plans and their learning): a record's ``policy_time``, the
+        # part of its rest that was the policy's, is what this ran up between the request's steps.
+        self.policy_seconds = 0.0
         # Prompt tokens the steps take in, at most, each: with a budget, prompts skip a prefill pass of their own and
         # the batch's steps take them in, in the passes they share with the other sequences (one stream of the
         # weights for all, and a long prompt in pieces rather than one long stall). The server sets it when it
@@ -335,7 +338,9 @@ class Engine:
         ctxs = [g.context_for_policy(len(live)) for g in live]
         # Prompt rows in this step's pass whatever is decided: joining sequences' prompt rests and the pieces.
         prompt_rows = sum(len(g.context) - 1 - g.cache.length for g in live) + sum(n for _, n in fills)
+        t0 = self.clock()
         decisions = self._plan(live, ctxs, prompt_rows)
+        self.policy_seconds += self.clock() - t0
         taus = [max(0, min(d.tau, ctx.max_tau)) if self.drafter is not None else 0 for d, ctx in zip(decisions, ctxs)]
 
         t1 = self.clock()
@@ -376,9 +381,12 @@ class Engine:
             step.record.other_time += t4 - t3
         # Each policy learns from its records of the step in one call (a step's facts once, not once per record),
         # before any of its requests ends.
+        # Their learning is in the next step's rest: that step's records count it as the policy's from here.
+        policy_mark = self.policy_seconds
         for policy, idx in _by_policy(live):
             policy.observe_step([pending[i].record for i in idx])
-        by_gen = {id(g): g.close_step(step, text, t4) for g, step, text in zip(live, pending, texts)}
+        self.policy_seconds += self.clock() - t4
+        by_gen = {id(g): g.close_step(step, text, t4, policy_mark) for g, step, text in zip(live, pending, texts)}
         return [by_gen.get(id(g)) for g in generations]
 
     def _plan(self, live: list[Generation], ctxs: list[StepContext], prompt_rows: int = 0) -> list[Decision]:
@@ -545,6 +553,7 @@ class Generation:
         self.stats.prefill_time = engine.clock() - self._t_start
         engine.prefill_seconds += self.stats.prefill_time
         self._t_mark, self._prefill_mark = engine.clock(), engine.prefill_seconds
+        self._policy_mark = engine.policy_seconds
         self.policy.begin(self.context_for_policy(1))
         allowance = self.policy.allowance(request_id)
         if allowance is not None:
@@ -634,6 +643,8 @@ class Generation:
             # passes, which its latency counts but the step's cost does not); the rest is added once the whole
             # step is committed.
             other_time=t_plan - self._t_mark - (self.engine.prefill_seconds - self._prefill_mark),
+            # Of that rest, the policies' own work: the learning after this request's last step and this step's plan.
+            policy_time=self.engine.policy_seconds - self._policy_mark,
             draft_token_probs=list(draft.token_probs),
             target_token_probs=verdict.target_token_probs,
             draft_confidence=list(draft.tops),
@@ -655,16 +666,17 @@ class Generation:
         self.records.append(step.record)
         return self._text.extend(step.record.emitted, final=step.finish is not None)
 
-    def close_step(self, step: _Committed, text_piece: str, t_taken: float) -> StepEvent:
+    def close_step(self, step: _Committed, text_piece: str, t_taken: float, policy_mark: float) -> StepEvent:
         """Count a step the policy has learnt from, tell the observers, and finish the request if it ended. Its next
-        step's rest runs from ``t_taken`` (when the engine had detokenised every sequence of this one)."""
+        step's rest runs from ``t_taken`` (when the engine had detokenised every sequence of this one), and the
+        policies' own work in it from ``policy_mark`` (``Engine.policy_seconds`` then, before their learning)."""
         record, finish = step.record, step.finish
         self.stats.add(record)
         for obs in self.engine.observers:
             obs.on_step(record)
         if finish is not None:
             self._finish(finish)
-        self._t_mark, self._prefill_mark = t_taken, self.engine.prefill_seconds
+        self._t_mark, self._prefill_mark, self._policy_mark = t_taken, self.engine.prefill_seconds, policy_mark
         if step.logprobs is not None and self.token_logprobs is not None:
             self.token_logprobs.extend(step.logprobs)
         return StepEvent(record=record, text=text_piece, finished=self.done, logprobs=step.logprobs)

@@ -16,7 +16,7 @@ Conventions (used the same way everywhere):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, Literal, TypeVar
 
@@ -64,6 +64,9 @@ class StepRecord:
     # The rest of the step: policy, bookkeeping, stop checks, detokenising (from the request's previous step; the
     # prefills of requests admitted in between are theirs, left out here and counted in latency).
     other_time: float
+    # Of ``other_time``, the policies' own work: their learning since the request's previous step and this step's plan
+    # (a batch plan made afresh once every few steps carries the learning of the steps replayed before it).
+    policy_time: float = 0.0
     draft_token_probs: list[float] = field(default_factory=list)  # q(ŷ_t): the draft's probability of its token
     target_token_probs: list[float] = field(default_factory=list)  # p(ŷ_t) of each draft token (sampled requests)
     draft_confidence: list[float] = field(default_factory=list)  # the draft's top probability at each position
@@ -113,6 +116,19 @@ class StepRecord:
         greedy mode and q(ŷ) when sampling, the nearest figure they recorded."""
         conf = getattr(self, "draft_confidence", None)
         return list(conf) if conf else list(self.draft_token_probs)
+
+
+def steady_rest(records: Sequence[StepRecord]) -> StepRecord | None:
+    """The record of a step that carries the step's own rest: the least ``other_time`` of the records whose request
+    stepped before (in a batched step every sequence that stepped in the step before carries the same). A request's
+    first step counts its rest from its admission, a moment before the step's plan, not from the step before: taken
+    as the step's least, those short rests priced a 16-sequence server's steps ~0.5 ms short wherever requests kept
+    joining (2026-11-26). None when every record is a request's first step."""
+    best: StepRecord | None = None
+    for r in records:
+        if r.step > 0 and (best is None or r.other_time < best.other_time):
+            best = r
+    return best
 
 
 @dataclass

@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from specdec.analysis import StepAggregate, VerifyFit, low_quantile
-from specdec.records import StepRecord
+from specdec.records import StepRecord, steady_rest
 from specdec.trace import Trace
 
 PROMPT_BUCKET_EDGES = (0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -238,8 +238,8 @@ def batch_goodput(steps: list[StepRecord]) -> dict[tuple[str, int, int], DepthGo
     """Goodput by (policy, sequences, depth) of the steps shared by several sequences (a batching server's), steps
     with prompt rows left out (their prefill is a request's, once). A step is the records that share its pass: the
     same draft and verify times, rows and batch size; its policy is its first record's (a load test runs one mode at a
-    time). Its time is its draft and pass plus the least other time of its records (the others carry their requests'
-    waits)."""
+    time). Its time is its draft and pass plus its rest, the least other time of its records whose request stepped
+    before (``steady_rest``: the others carry their requests' waits, or only the moment since their admission)."""
     by_step: dict[tuple[float, float, int, int], list[StepRecord]] = {}
     for s in steps:
         if s.batch_size > 1 and not s.prompt_rows:
@@ -249,7 +249,8 @@ def batch_goodput(steps: list[StepRecord]) -> dict[tuple[str, int, int], DepthGo
         depth = max(r.draft_passes for r in records)
         policy = records[0].policy
         g = out.setdefault((policy, n, depth), DepthGoodput(n, depth, policy))
-        rest = min(r.other_time for r in records)
+        steady = steady_rest(records)
+        rest = steady.other_time if steady is not None else min(r.other_time for r in records)
         g.steps += 1
         g.tokens += sum(len(r.emitted) for r in records)
         g.seconds += draft + verify + rest

@@ -32,7 +32,7 @@ from specdec.policy.estimates import (
     reach_weighted_mean,
     steady_draft,
 )
-from specdec.records import GenerationStats, StepRecord
+from specdec.records import GenerationStats, StepRecord, steady_rest
 
 BUDGET_SAFETY = 1.3
 REQUEST_DECAY = 0.95  # per observation of a position: a request remembers its last ~20 outcomes there
@@ -60,11 +60,13 @@ REPLAN_MIN = 4  # sequences: smaller batches plan every step
 # longer steps). In process, 4-32 sequences, the policy against the best fixed τ: 0.91-0.95x without it, 0.93-0.97x
 # at 0.03, 0.86-0.97x at 0.06.
 DEPTH_MARGIN = 0.03
-# What a batch step's draft and pass measure beyond their price at the rows it ran (what the curves do not see yet: a
-# pass size dearer than its neighbours, a draft line off; its rest is the rest curve's own to learn; steps with prompt
-# rows left out), decayed by this per record (~1,000 records, 60 steps of 16 sequences), and used once STEP_BIAS_WARM steps' worth is measured.
+# What a batch step measures beyond its price at the rows it ran (what the curves do not see yet: a pass size dearer
+# than its neighbours, a draft line off; its rest less the policy's own work, that work at its mean; steps with prompt
+# rows left out), decayed by this per record (~1,000 records, 60 steps of 16 sequences), and used once STEP_BIAS_WARM
+# steps' worth is measured.
 STEP_BIAS_DECAY = 0.999
 STEP_BIAS_WARM = 4.0
+POLICY_TIME_DECAY = 0.97  # per batch step: the mean of the policy's own work spans a few replanning cycles
 DEPTH_PATIENCE = 3  # the batch planner prices depths up to this many beyond the best found
 
 
@@ -219,6 +221,7 @@ class AdaptivePolicy(Policy):
         self._explored = 0  # the batch step that last explored one deeper
         self._batch_steps = 0  # steps planned for a batch (``plan``): one in EXPLORE_EVERY runs one deeper
         self._step_bias = [0.0, 0.0]  # decayed (measured - priced seconds, weight) of batch steps (``step_bias``)
+        self._policy_time = [0.0, 0.0]  # decayed (seconds, weight) of the policy's own work a batch step
         self._batch_planned = False  # a batch plan has been made: its steps teach the step bias
         # measured ÷ predicted goodput of the batch steps, by depth: what the plans' prices miss the deeper they reach
         self.depth_calibration = DepthCalibration()
@@ -580,8 +583,8 @@ class AdaptivePolicy(Policy):
         self.batch_costs.measured_lines = {int(n): (float(a), float(b)) for n, (a, b) in costs.draft_lines.items()}
 
     def step_bias(self) -> float:
-        """Seconds the recent batch steps' drafts and passes measured beyond what their plans priced (their rest is
-        taken as priced, ``_learn_from``), 0 until STEP_BIAS_WARM steps' worth is measured.
+        """Seconds the recent batch steps measured beyond what their plans priced (their rest less the policy's own work
+        in it, that work at its mean a step: ``_learn_from``), 0 until STEP_BIAS_WARM steps' worth is measured.
         Never below 0: curves that price too high (priors, before their sizes are measured) correct themselves as the
         steps run, and a negative bias favours the shortest steps (a batch of 4 without a cost file served 0.64x the
         best fixed τ for a whole load level)."""
@@ -635,13 +638,18 @@ class AdaptivePolicy(Policy):
             # A step of the batch plan being served, against its price at the rows it ran (a replayed plan's step
             # differs from the plan's), by the curves before its records teach them. Steps with prompt rows or a
             # draft's catch-up are left out: that work is a request's, once, not every step's (``plan`` keeps it out
-            # of the goodput too). The step's rest is taken as priced (the rest curve's, which learns every step's):
-            # a step's own rest carries the policy's replanning, once every REPLAN_EVERY steps (a fresh plan and the
-            # learning of the steps replayed before it, ~0.5 ms at 4 sequences), and an exploring step always comes
-            # with a fresh plan, so its depth measured ~10% slower than it ran and was not explored again. What the
-            # depths are told apart by is what differs between them: drafts, passes and tokens.
+            # of the goodput too). The step's rest is its own less the policy's work in it, plus that work's mean
+            # a step: the policy replans once every REPLAN_EVERY steps (a fresh plan and the learning of the steps
+            # replayed before it, ~0.5 ms at 4 sequences), and an exploring step always comes with a fresh plan, so
+            # taken whole its depth measured ~10% slower than it ran and was not explored again; taken as priced
+            # (2026-11-25 to 26), what the rest grows by with the tokens a step makes (commits, detokenising, a
+            # server's messages: 0.15 ms a depth at 16 sequences through the server) was in no depth's measure.
             batch_costs = self.batch_costs
-            rest = batch_costs.rest(step.batch_size, self.costs)
+            steady = steady_rest(records)
+            if steady is None:
+                rest = batch_costs.rest(step.batch_size, self.costs)
+            else:
+                rest = steady.other_time - steady.policy_time + self._policy_time[0] / max(self._policy_time[1], 1e-9)
             price = batch_costs.pricer(step.batch_size, self.costs)(step.rows, step.draft_passes, step.drafting)
             self._learn_step(
                 step,
@@ -650,6 +658,9 @@ class AdaptivePolicy(Policy):
                 sum(r.n_accepted for r in records) + len(records),
                 sum(_expected_tokens(req, r.tau) for req, r in zip(reqs, records)),
             )
+        if step.batch_size > 1 and (steady := steady_rest(records)) is not None:
+            p = self._policy_time
+            p[0], p[1] = POLICY_TIME_DECAY * p[0] + steady.policy_time, POLICY_TIME_DECAY * p[1] + 1.0
         self.batch_costs.observe_step(records)  # one-sequence steps too: the low end of the cost curves
         if step.batch_size == 1 and (step.rows or step.tau + 1) == step.tau + 1:  # not a prompt's first step
             # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.

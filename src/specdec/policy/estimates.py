@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from specdec.records import StepRecord
+from specdec.records import StepRecord, steady_rest
 
 
 def expected_emitted_all(rates: list[float]) -> list[float]:
@@ -624,12 +624,14 @@ class BatchCosts:
 
     def observe_step(self, records: Sequence[StepRecord]) -> None:
         """A step's records (they carry the step's pass and draft times): the pass, the lockstep draft and the rest of
-        the step learnt once. The rest is the least of its records' other times. A request that stepped in the step
-        before has the step's own rest (from the step before to this one's plan, and its commits); one that joined,
-        or was held while its prompt came in by pieces, carries its wait too (100-200 ms behind prompts of hundreds of
-        tokens), which is no step's cost. Learnt record by record, those waits priced every step of a server at 7
-        clients 2-7 ms too high, and a step's fixed cost amortised over more tokens made the batch plans go deeper
-        than paid (docs/policy.md)."""
+        the step learnt once. The rest is the least of the other times of its records whose request stepped before
+        (``steady_rest``): a request that stepped in the step before has the step's own rest (from the step before to
+        this one's plan, and its commits); one held while its prompt came in by pieces carries its wait (100-200 ms
+        behind prompts of hundreds of tokens), which is no step's cost (learnt record by record, those waits priced
+        every step of a server at 7 clients 2-7 ms too high, and a step's fixed cost amortised over more tokens made
+        the batch plans go deeper than paid: docs/policy.md), and one admitted just before the step only the moment
+        since (taken as the least, 0.4 ms where a 16-sequence server's steps had 1.2-2 ms). A step of first steps
+        only leaves the rest unlearnt."""
         step = records[0]
         self.verify.observe(step.rows or step.tau + 1, step.verify_time)
         passes = step.draft_passes or step.tau
@@ -637,7 +639,9 @@ class BatchCosts:
             drafting = max(1, step.drafting or 1)
             self.draft_forward.observe(drafting, step.draft_time / passes)
             self.draft_lines.setdefault(drafting, DraftLine()).observe(passes, step.draft_time)
-        self.other.observe(max(1, step.batch_size), min(r.other_time for r in records))
+        steady = steady_rest(records)
+        if steady is not None:
+            self.other.observe(max(1, step.batch_size), steady.other_time)
 
     def measured_line(self, n: int) -> tuple[float, float] | None:
         """(first forward, each further one) of a lockstep draft over ``n`` sequences as measured apart from the steps
