@@ -205,3 +205,23 @@ def test_a_policys_batched_steps_are_held_against_a_fixed_taus_at_the_same_depth
     ok = diagnose(_batched_trace(tmp_path / "same.jsonl", {3: (60, 4.4e-3)}, others=(same,)))
     f = next(f for f in ok.findings if f.code == "batch_beside_fixed")
     assert f.severity == "info" and "1.00x a fixed τ's" in f.title, f.title
+
+
+def test_host_overhead_says_how_much_of_it_was_the_policys_own_work(tmp_path: Path) -> None:
+    """Records carry the policy's own work within their rest (``policy_time``): where the rest dominates, the finding
+    says how much of the step time was the policy's; traces written before the field (0) say nothing of it."""
+    path = write_synthetic_trace(tmp_path / "t.jsonl", "host_overhead", seed=0)
+    before = next(f for f in diagnose(path).findings if f.code == "host_overhead")
+    assert not any("policy's own work" in e for e in before.evidence)
+
+    def edit(x: dict) -> dict:
+        if x["type"] == "step":
+            x["policy_time"] = 0.5 * x["other_time"]
+        return x
+
+    _rewrite(path, edit)
+    records = [r for r in read_trace(path).steps]
+    total = sum(r.draft_time + r.verify_time + r.other_time for r in records)
+    share = sum(r.policy_time for r in records) / total
+    after = next(f for f in diagnose(path).findings if f.code == "host_overhead")
+    assert f"of it, the policy's own work (its plans and learning) {share:.0%} of step time" in after.evidence

@@ -52,6 +52,7 @@ class StepAggregate:
     draft_time: float = 0.0
     verify_time: float = 0.0
     other_time: float = 0.0
+    policy_time: float = 0.0  # of other_time, the policies' own work (their plans and learning)
     reached: list[int] = field(default_factory=list)  # by 0-based draft position
     passed: list[int] = field(default_factory=list)
     verify_by_block: dict[int, list[float]] = field(default_factory=dict)  # k = τ + 1 -> each step's seconds
@@ -75,6 +76,7 @@ class StepAggregate:
         self.draft_time += r.draft_time
         self.verify_time += r.verify_time
         self.other_time += r.other_time
+        self.policy_time += r.policy_time
         self.verify_by_block.setdefault(tau + 1, []).append(r.verify_time)
         self.other.append(r.other_time)
         if tau <= 0:

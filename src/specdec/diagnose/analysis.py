@@ -103,6 +103,10 @@ class TraceStats:
         return self.timed.other_time
 
     @property
+    def policy_time(self) -> float:
+        return self.timed.policy_time
+
+    @property
     def position_reached(self) -> list[int]:
         """Steps whose position i was tested with every earlier draft accepted."""
         return self.agg.reached

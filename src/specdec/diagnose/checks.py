@@ -225,6 +225,10 @@ def check_host_overhead(ctx: Context) -> list[Finding]:
         f"{st.draft_time / st.total_time:.0%}, verify {st.verify_time / st.total_time:.0%})",
         f"median other time per step {st.other_per_step * 1e3:.2f} ms vs one target pass {st.t1 * 1e3:.2f} ms",
     ]
+    if st.policy_time > 0:  # traces written before policy_time carry 0
+        evidence.append(
+            f"of it, the policy's own work (its plans and learning) {st.policy_time / st.total_time:.0%} of step time"
+        )
     if st.concurrent:
         evidence.append(
             "requests were interleaved: a step's other time includes time spent on other requests "
