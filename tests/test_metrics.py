@@ -32,6 +32,7 @@ def _step(tau: int, n: int, emitted: int | None = None) -> StepRecord:
         draft_time=0.01,
         verify_time=0.02,
         other_time=0.005,
+        policy_time=0.001,
     )
 
 
@@ -61,6 +62,8 @@ def test_spec_decode_counters_follow_vllm_definitions() -> None:
     assert s[("specdec_accepted_length_sum", ())] == 12 and s[("specdec_accepted_length_count", ())] == 5
     assert s[("specdec_accepted_length_bucket", (("le", "1.0"),))] == 2
     assert abs(s[("specdec_step_seconds_total", (("phase", "verify"),))] - 0.1) < 1e-9
+    assert abs(s[("specdec_step_seconds_total", (("phase", "other"),))] - 0.025) < 1e-9
+    assert abs(s[("specdec_policy_seconds_total", ())] - 0.005) < 1e-9  # of the other phase
 
 
 def test_per_position_zeros_are_exported_up_to_the_largest_tau() -> None:

@@ -60,6 +60,11 @@ class SpecMetrics:
         self.step_seconds = Counter(
             "specdec_step_seconds", "Step time by phase: draft, verify, other.", ["phase"], registry=r
         )
+        self.policy_seconds = Counter(
+            "specdec_policy_seconds",
+            "Of the 'other' phase of specdec_step_seconds, the policies' own work (their plans and learning).",
+            registry=r,
+        )
         self.requests = Counter(
             "specdec_request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
         )
@@ -102,6 +107,7 @@ class SpecMetrics:
             sums.draft += record.draft_time
             sums.verify += record.verify_time
             sums.other += record.other_time
+            sums.policy += record.policy_time
             if record.tau > 0:
                 sums.drafts += 1
                 sums.draft_tokens += record.tau
@@ -126,6 +132,7 @@ class SpecMetrics:
                 self.accepted_length.observe(length)
         for child, seconds in zip(self._phase_seconds, (sums.draft, sums.verify, sums.other)):
             child.inc(seconds)
+        self.policy_seconds.inc(sums.policy)
         if sums.drafts:
             self.num_drafts.inc(sums.drafts)
             self.num_draft_tokens.inc(sums.draft_tokens)
@@ -166,6 +173,7 @@ class _StepSums:
     draft: float = 0.0
     verify: float = 0.0
     other: float = 0.0
+    policy: float = 0.0  # of other
     drafts: int = 0
     draft_tokens: int = 0
     accepted: int = 0
