@@ -380,8 +380,7 @@ class Engine:
         for step in pending:
             step.record.other_time += t4 - t3
         # Each policy learns from its records of the step in one call (a step's facts once, not once per record),
-        # before any of its requests ends.
-        # Their learning is in the next step's rest: that step's records count it as the policy's from here.
+        # before any of its requests ends. That learning is in the next step's rest: the policy's, from ``policy_mark``.
         policy_mark = self.policy_seconds
         for policy, idx in _by_policy(live):
             policy.observe_step([pending[i].record for i in idx])

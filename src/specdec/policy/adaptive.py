@@ -634,6 +634,7 @@ class AdaptivePolicy(Policy):
 
     def _learn_from(self, reqs: list[_Request | None], records: Sequence[StepRecord]) -> None:
         step = records[0]  # the step's pass, rows and times: every record carries them
+        steady = steady_rest(records) if step.batch_size > 1 else None  # the record with the step's own rest
         if step.batch_size > 1 and self._batch_planned and steady_draft(step):
             # A step of the batch plan being served, against its price at the rows it ran (a replayed plan's step
             # differs from the plan's), by the curves before its records teach them. Steps with prompt rows or a
@@ -645,7 +646,6 @@ class AdaptivePolicy(Policy):
             # (2026-11-25 to 26), what the rest grows by with the tokens a step makes (commits, detokenising, a
             # server's messages: 0.15 ms a depth at 16 sequences through the server) was in no depth's measure.
             batch_costs = self.batch_costs
-            steady = steady_rest(records)
             if steady is None:
                 rest = batch_costs.rest(step.batch_size, self.costs)
             else:
@@ -658,7 +658,7 @@ class AdaptivePolicy(Policy):
                 sum(r.n_accepted for r in records) + len(records),
                 sum(_expected_tokens(req, r.tau) for req, r in zip(reqs, records)),
             )
-        if step.batch_size > 1 and (steady := steady_rest(records)) is not None:
+        if steady is not None:
             p = self._policy_time
             p[0], p[1] = POLICY_TIME_DECAY * p[0] + steady.policy_time, POLICY_TIME_DECAY * p[1] + 1.0
         self.batch_costs.observe_step(records)  # one-sequence steps too: the low end of the cost curves
