@@ -213,8 +213,8 @@ class DepthGoodput:
     policy: str = ""  # the steps' policy (a load test's trace holds several: the policy's steps and fixed τ's)
     steps: int = 0
     tokens: int = 0  # emitted over the steps' records
-    seconds: float = 0.0  # each step's draft + pass + the least other time of its records
-    rest: float = 0.0  # of which the least other time (the engine's and the policy's work around the passes)
+    seconds: float = 0.0  # each step's draft + pass + its rest (``batch_goodput``)
+    rest: float = 0.0  # of which the rests (the engine's and the policy's work around the passes)
 
     @property
     def tokens_per_ms(self) -> float:
