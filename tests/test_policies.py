@@ -732,6 +732,33 @@ def test_a_batch_plan_leaves_a_depth_whose_steps_measured_less_than_it_predicted
     assert re.search(r"steps' measured/predicted 0\.99/0\.82/0\.82/", plan[0].reason), plan[0].reason
 
 
+def test_the_batch_depth_search_holds_the_last_depth_against_noise_and_reaches_back_past_a_dip() -> None:
+    """The search from the last plan's depth (``_search_depth``, DEPTH_MARGIN 0.03, plain's margin 0.03): a
+    shallower depth predicted within 3% of the last one does not move the plan (the predictions move by that much
+    from plan to plan), one predicted clearly better does, from any distance; a deeper one is asked 3% a position;
+    a depth past a dip is reached (the search from depth 1 upward stopped at the dip); drafting only beats plain by
+    the margin."""
+    from specdec.policy.adaptive import _search_depth
+
+    # Goodput flat across the depths, depth 1 predicted 1.6% above the last plan's depth 2: stays (it moved before).
+    flat = [2.67, 3.82, 3.76, 3.70, 3.71]
+    assert _search_depth(flat, 2, 0.03) == 2
+    assert _search_depth(flat, None, 0.03) == 1  # no plan before: from depth 1
+    # Last at 5, a dip at depth 2: depth 1 predicted 2% better than 5 does not take the plan; 5% better does.
+    dip = [2.40, 3.06, 2.70, 2.90, 2.95, 3.00, 2.98]
+    assert _search_depth(dip, 5, 0.03) == 5
+    assert _search_depth([2.40, 3.15, *dip[2:]], 5, 0.03) == 1
+    # From depth 1 the deep depth past the dip: asked 3% a position (12% for depth 5), reached when it has it.
+    assert _search_depth([2.40, 3.00, 2.70, 2.90, 3.10, 3.37, 3.20], 1, 0.03) == 5
+    assert _search_depth([2.40, 3.00, 2.70, 2.90, 3.10, 3.30, 3.20], 1, 0.03) == 1
+    # A shallower depth clearly better, far below: taken at once (asked 3%, not 3% a position).
+    assert _search_depth([2.46, 2.99, 3.37, 3.52, 3.34, 3.25, 3.21, 3.14], 7, 0.03) == 3
+    # Plain unless the depth found beats it by the margin; a last depth past the caps is read at the deepest priced.
+    assert _search_depth([3.00, 3.05, 3.08, 3.02], 2, 0.03) == 0
+    assert _search_depth([3.00, 3.20, 3.25], 6, 0.03) == 2
+    assert _search_depth([3.00], 2, 0.03) == 0
+
+
 def test_cost_estimates_learn_a_pause_as_at_most_a_few_times_their_usual_cost() -> None:
     """A pass, a draft or a one-sequence step measured at ~50x its usual cost (a machine's or a collector's pause: a
     144 ms draft forward where 0.3 ms is usual) is learnt as OUTLIER_FACTOR times it, once its size or depth has been
