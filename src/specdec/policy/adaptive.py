@@ -442,8 +442,9 @@ class AdaptivePolicy(Policy):
         caps: list[int] = []
         floors: list[int] = []
         gains: list[list[float]] = []
-        # The depth moves by a few per step at most: pricing deeper than the last best + DEPTH_PATIENCE + 1
-        # positions would only be cut off by the search below.
+        # A plan moves the depth a few positions deeper at most: depths beyond the last plan's + DEPTH_PATIENCE + 1
+        # are not priced (the search asks DEPTH_MARGIN more of each further position, and every depth priced costs a
+        # pass over the requests).
         horizon = min(self.max_tau, self._batch_depth + DEPTH_PATIENCE + 1)
         for ctx in ctxs:
             req = self._request(ctx)
