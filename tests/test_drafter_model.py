@@ -204,7 +204,7 @@ def test_kernel_greedy_draft_stops_where_the_rules_say(tiny_models: dict[str, Pa
 
 
 def test_kernel_draft_runs_on_the_draft_threads(tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """``set_draft_threads`` (a server's: one fewer than its passes): the kernel's one-call draft runs on that many
+    """``set_draft_threads`` (``specdec serve --draft-threads``): the kernel's one-call draft runs on that many
     threads, every compute thread without it, and drafts the same tokens either way."""
     from specdec.runtime import native_kernel as nk
     from specdec.runtime.native import NativeRunner

@@ -263,10 +263,10 @@ def test_models_health_metrics_and_auth(server: str, client: Any) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     assert health(server)["status"] == "ok"  # open without a key
-    # --threads auto: every usable CPU, a step's lockstep draft on one fewer
+    # --threads auto: every usable CPU, a step's lockstep draft on every one of them (no --draft-threads)
     h = health(server)
     cpus = len(os.sched_getaffinity(0))
-    assert h["threads"] == cpus and h["draft_threads"] == max(1, cpus - 1)
+    assert h["threads"] == cpus and h["draft_threads"] == cpus
     assert h["prefill_in_step"] == 256  # batching: short prompts join the step's pass
     if h["runtime"] == "cpu-kernel":  # bf16 weights: the caches in bf16 too (kv_dtype auto)
         assert h["kv_dtype"] == "bf16"
@@ -387,6 +387,19 @@ def test_cli_refuses_bad_flags(tiny_models: dict[str, Path]) -> None:
     assert proc.stderr.startswith("specdec: error:") and "Traceback" not in proc.stderr
 
 
+def test_cli_refuses_bad_draft_threads(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--draft-threads`` outside 1..--threads, or with --ray: one line naming the flag, exit 2, before any model
+    loads."""
+    from specdec.cli import main
+
+    assert main(["serve", "--threads", "2", "--draft-threads", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err == "specdec: error: --draft-threads must be an integer from 1 to the compute threads (2), got '3'\n"
+    assert main(["serve", "--ray", "--draft-threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == "specdec: error: --draft-threads: with --ray each replica computes on its --replica-cpus\n"
+
+
 def test_threads_setting() -> None:
     from specdec.commands.serve import serve_threads, usable_cpus
     from specdec.errors import InvalidRequestError
@@ -398,19 +411,26 @@ def test_threads_setting() -> None:
             serve_threads(bad)
 
 
-def test_apply_threads_drafts_on_one_fewer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--threads N``: every pass on N threads, a step's lockstep draft on N - 1 (the event loop streams meanwhile);
-    ``set_draft_threads`` refuses a count below 1 and never exceeds the compute threads."""
+def test_apply_threads_sets_the_pass_and_draft_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--threads N``: every pass on N threads, a step's lockstep draft too unless ``--draft-threads`` says fewer
+    (refused outside 1..N, by name); ``set_draft_threads`` refuses a count below 1 and never exceeds the compute
+    threads."""
     import torch
 
     from specdec.commands.serve import apply_threads
+    from specdec.errors import InvalidRequestError
     from specdec.runtime import native_kernel as nk
 
     monkeypatch.setattr(nk, "_DRAFT_THREADS", None)
     before = torch.get_num_threads()
     try:
-        assert apply_threads("3") == 3 and nk.pass_threads() == 3 and nk.draft_threads() == 2
+        assert apply_threads("3") == 3 and nk.pass_threads() == 3 and nk.draft_threads() == 3
+        assert apply_threads("3", "2") == 3 and nk.pass_threads() == 3 and nk.draft_threads() == 2
+        assert apply_threads("3") == 3 and nk.draft_threads() == 3  # unset again: every thread
         assert apply_threads("1") == 1 and nk.draft_threads() == 1
+        for bad in ("0", "2", "x", "-1"):
+            with pytest.raises(InvalidRequestError, match=r"--draft-threads must be an integer from 1 to .*\(1\)"):
+                apply_threads("1", bad)
         torch.set_num_threads(2)
         nk.set_draft_threads(4)
         assert nk.draft_threads() == 2  # at most the compute threads

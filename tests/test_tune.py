@@ -139,7 +139,7 @@ def test_measured_batch_costs_prime_the_adaptive_policy_only_for_their_models(
     path.write_text(json.dumps({**doc, "model": {**model_identity(engine), "target": "/elsewhere"}}))
     costs, note = matching_costs(engine, path)
     assert not costs and "other models" in note
-    # Measured with another number of compute threads, or drafts on other threads (a server drafts on one fewer): not
+    # Measured with another number of compute threads, or drafts on other threads (`--draft-threads`): not
     # used, and said.
     other = model_identity(engine)["threads"] + 1
     path.write_text(json.dumps({**doc, "model": {**model_identity(engine), "threads": other}}))

@@ -98,9 +98,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--threads",
         default=None,
         metavar="N",
-        help="compute threads of the model passes; auto (default): every CPU this process may use. A step's draft runs "
-        "on one fewer, the event loop streaming meanwhile (docs/server.md). With --ray each replica uses its "
-        "--replica-cpus",
+        help="compute threads of the model passes; auto (default): every CPU this process may use (docs/server.md). "
+        "With --ray each replica uses its --replica-cpus",
+    )
+    g.add_argument(
+        "--draft-threads",
+        default=None,
+        metavar="N",
+        help="threads of a step's lockstep draft, at most --threads (default: every compute thread; 1 leaves the "
+        "other cores to the event loop while it streams the step before: docs/server.md, Compute threads)",
     )
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     r = p.add_argument_group("ray (scale out over replicas; needs pip install 'specdec[ray]'; see docs/scaling.md)")
@@ -174,13 +180,15 @@ def run(args: argparse.Namespace) -> int:
         costs=args.costs if args.costs in (None, "none") else str(Path(args.costs).expanduser().resolve()),
     )
     if args.ray or args.ray_address:
-        if args.threads is not None:
-            raise InvalidRequestError("--threads: with --ray each replica computes on its --replica-cpus", "threads")
+        for name in ("threads", "draft_threads"):
+            if getattr(args, name) is not None:
+                flag = f"--{name.replace('_', '-')}"
+                raise InvalidRequestError(f"{flag}: with --ray each replica computes on its --replica-cpus", name)
         return run_ray(args, settings)
     given = [f"--{name.replace('_', '-')}" for name in _RAY_ONLY if getattr(args, name) is not None]
     if given:
         raise InvalidRequestError(f"{', '.join(given)}: only with --ray (or --ray-address)", given[0])
-    threads = apply_threads(args.threads)
+    threads = apply_threads(args.threads, args.draft_threads)
     engine = ModelSettings.from_args(args).load()
     from specdec.tune import prime_for_serving
 
@@ -252,17 +260,32 @@ def serve_threads(value: str) -> int:
     return n
 
 
-def apply_threads(value: str | None) -> int:
-    """Set this process's compute threads as ``--threads`` says (None: auto) and return their count. A step's lockstep
-    draft runs on one fewer (``native_kernel.set_draft_threads``): the event loop streams the step before it meanwhile.
-    """
+def apply_threads(value: str | None, draft: str | None = None) -> int:
+    """Set this process's compute threads as ``--threads`` says (None: auto) and a step's lockstep draft's as
+    ``--draft-threads`` says (None: every compute thread; ``native_kernel.set_draft_threads``); return the compute
+    threads' count.
+
+    A server's event loop streams the step before while the draft runs; on 2 cores a draft on one thread (the other core
+    left to the event loop) served less than one on both (docs/server.md, "Compute threads"), so both is the default
+    and one fewer a setting."""
     import torch
 
     from specdec.runtime.native_kernel import set_draft_threads
 
     threads = serve_threads(value or "auto")
+    drafting = None
+    if draft is not None:
+        try:
+            drafting = int(draft)
+        except ValueError:
+            drafting = 0
+        if not 1 <= drafting <= threads:
+            raise InvalidRequestError(
+                f"--draft-threads must be an integer from 1 to the compute threads ({threads}), got {draft!r}",
+                "draft_threads",
+            )
     torch.set_num_threads(threads)
-    set_draft_threads(max(1, threads - 1))
+    set_draft_threads(drafting)
     return threads
 
 

@@ -73,8 +73,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="N",
         help="compute threads to measure with (default: every CPU, as generate and bench run); auto or N: as `specdec "
-        "serve --threads` runs (every CPU or N, a step's draft on one fewer). A server uses a cost file only when it "
-        "was measured with its own threads",
+        "serve --threads` runs (every CPU or N). A server uses a cost file only when it was measured with its own "
+        "threads and draft threads",
+    )
+    p.add_argument(
+        "--draft-threads",
+        default=None,
+        metavar="N",
+        help="threads of the lockstep drafts measured, as `specdec serve --draft-threads` (default: every compute thread)",
     )
     p.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the full report as JSON")
     p.set_defaults(func=run)
@@ -101,10 +107,10 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"--max-new-tokens must be >= 2, got {args.max_new_tokens}", "max_new_tokens")
     if args.n_prompts is not None and args.n_prompts < 1:
         raise InvalidRequestError(f"--n-prompts must be >= 1, got {args.n_prompts}", "n_prompts")
-    if args.threads is not None:
+    if args.threads is not None or args.draft_threads is not None:
         from specdec.commands.serve import apply_threads
 
-        apply_threads(args.threads)
+        apply_threads(args.threads, args.draft_threads)
     prompts = load_prompts(args.prompts, args.n_prompts)
     target = args.target or default_target()
     drafts = args.draft or [default_draft()]

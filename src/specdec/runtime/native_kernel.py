@@ -123,12 +123,10 @@ def set_draft_threads(threads: int | None) -> None:
     """Run lockstep drafts (``draft_greedy``: a step's draft forwards, one call) on ``threads`` threads, at most the
     compute threads; None: on every compute thread.
 
-    ``specdec serve`` drafts on one thread fewer than it computes on. A step's draft runs right after the step before
-    it handed its tokens to the event loop, which streams them while the draft runs: with every core in the draft, the
-    event loop took one from a draft thread and the others waited at the next barrier (a traced server at 4 clients,
-    2 cores: a depth-3 draft of 3-4 sequences 1.4 ms against 0.6 in process). On one of 2 cores the servers served
-    1.11x the tokens at 1 client, 1.07x at 4 and 1.05x at 16 (τ = 2, two servers side by side); in process, with no
-    event loop, one thread drafted as fast from 4 sequences on and a little slower for one (docs/server.md)."""
+    ``specdec serve --draft-threads``. A step's draft runs right after the step before it handed its tokens to the event
+    loop, which streams them while the draft runs; a draft on one thread fewer leaves it a core. On 2 cores that served
+    0.88-0.99x the tokens of a draft on both (two servers side by side, τ = 2, session 32), so a server drafts on every
+    thread unless told (docs/server.md, "Compute threads")."""
     global _DRAFT_THREADS
     if threads is not None and threads < 1:
         raise ValueError(f"set_draft_threads needs a positive count or None, got {threads}")

@@ -355,8 +355,8 @@ def replica_threads() -> int:
     """Set this process's torch threads to the CPUs Ray reserved for it (at least 1) and return the count.
 
     Ray exports OMP_NUM_THREADS for the reservation, but only if unset and only when the worker starts its
-    task; setting torch's pool here makes ``num_cpus`` mean the replica's compute threads, always (and, as
-    ``specdec serve --threads``, a step's draft on one fewer: ``apply_threads``).
+    task; setting torch's pool here makes ``num_cpus`` mean the replica's compute threads, always (its drafts on
+    every one of them, as ``specdec serve --threads``: ``apply_threads``).
     """
     from specdec.commands.serve import apply_threads
 
