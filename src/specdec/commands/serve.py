@@ -266,8 +266,8 @@ def apply_threads(value: str | None, draft: str | None = None) -> int:
     threads' count.
 
     A server's event loop streams the step before while the draft runs; on 2 cores a draft on one thread (the other core
-    left to the event loop) served less than one on both (docs/server.md, "Compute threads"), so both is the default
-    and one fewer a setting."""
+    left to the event loop) served less than one on both (docs/server.md, "Compute threads"), so every compute thread is
+    the default and fewer a setting."""
     import torch
 
     from specdec.runtime.native_kernel import set_draft_threads
