@@ -26,6 +26,7 @@ from specdec.policy.estimates import (
     BatchCosts,
     ConfidenceCalibration,
     DepthCalibration,
+    ExcessFit,
     PositionRates,
     StepCosts,
     expected_emitted_all,
@@ -472,14 +473,15 @@ class AdaptivePolicy(Policy):
 
         def priced(taus: list[int]) -> tuple[float, float]:  # expected tokens, seconds
             rows = other_rows + prompt_rows + sum(taus) + len(taus)
-            seconds = price(rows, max(taus, default=0), len(taus) - taus.count(0))
-            return sum(g[t] for g, t in zip(gains, taus)), seconds
+            got = sum(g[t] for g, t in zip(gains, taus))
+            # the other sequences' rows make a token each at least
+            return got, price(rows, max(taus, default=0), len(taus) - taus.count(0), got + other_rows)
 
         # The prompt rows' own seconds (what they add to a plain pass of the others' rows): in every depth's step.
         sunk = 0.0
         if prompt_rows:
             plain_rows = other_rows + len(ctxs)
-            sunk = max(0.0, price(plain_rows + prompt_rows, 0, 0) - price(plain_rows, 0, 0))
+            sunk = max(0.0, price(plain_rows + prompt_rows, 0, 0, 0.0) - price(plain_rows, 0, 0, 0.0))
 
         # Every depth up to the caps priced, then the search (``_search_depth``) from the depth the last plan chose.
         # Each step's price is raised by the step bias, what the batch's steps' drafts and passes have measured beyond
@@ -591,14 +593,18 @@ class AdaptivePolicy(Policy):
     def prime(self, costs: MeasuredCosts) -> None:
         """Start the batch cost curves from measured figures (each as one observation: steps soon outweigh
         them where they run; sizes never run keep them, which is their point: the cost of 64 rows is known
-        before a pass of 64 rows is risked). Measured draft lines stay: the slope that the steps' lines are
-        ridged toward (``DraftLine.line``)."""
+        before a pass of 64 rows is risked). The measured passes and draft lines also stay as the shapes a plan prices
+        with once the steps have measured what they cost beyond them (``ExcessFit``), learnt afresh from new shapes."""
         self.learn()
+        batch_costs = self.batch_costs
         for rows, seconds in costs.passes.items():
-            self.batch_costs.verify.observe(int(rows), float(seconds))
+            batch_costs.verify.observe(int(rows), float(seconds))
         for sequences, seconds in costs.draft_forwards.items():
-            self.batch_costs.draft_forward.observe(int(sequences), float(seconds))
-        self.batch_costs.measured_lines = {int(n): (float(a), float(b)) for n, (a, b) in costs.draft_lines.items()}
+            batch_costs.draft_forward.observe(int(sequences), float(seconds))
+        lines = {int(n): (float(a), float(b)) for n, (a, b) in costs.draft_lines.items()}
+        passes = {int(rows): float(seconds) for rows, seconds in costs.passes.items()}
+        if lines != batch_costs.measured_lines or passes != batch_costs.measured_passes:
+            batch_costs.measured_lines, batch_costs.measured_passes, batch_costs.excess = lines, passes, ExcessFit()
 
     def step_bias(self) -> float:
         """Seconds the recent batch steps measured beyond what their plans priced (their rest less the policy's own work
@@ -668,12 +674,13 @@ class AdaptivePolicy(Policy):
                 rest = batch_costs.rest(step.batch_size, self.costs)
             else:
                 rest = steady.other_time - steady.policy_time + self._policy_time[0] / max(self._policy_time[1], 1e-9)
-            price = batch_costs.pricer(step.batch_size, self.costs)(step.rows, step.draft_passes, step.drafting)
+            made = sum(r.n_accepted for r in records) + len(records)
+            price = batch_costs.pricer(step.batch_size, self.costs)(step.rows, step.draft_passes, step.drafting, made)
             self._learn_step(
                 step,
                 price,
                 rest,
-                sum(r.n_accepted for r in records) + len(records),
+                made,
                 sum(_expected_tokens(req, r.tau) for req, r in zip(reqs, records)),
             )
         if steady is not None:

@@ -521,6 +521,65 @@ class CurveEWMA:
         return a + (b - a) * (size - lo) / (hi - lo)
 
 
+EXCESS_WARM = 3.0  # steps' worth an ExcessFit needs before a batch plan prices with it
+
+
+class ExcessFit:
+    """Seconds a step measures beyond the shapes of its pass and draft measured apart from the steps
+    (``BatchCosts.measured_passes`` and ``measured_lines``), as a line in two of the step's sizes, e(x1, x2) = a + b·x1
+    + c·x2: decayed least squares, b and c ridged toward 0 and kept at 0 or above (a machine's noise must not make a
+    size look cheaper the larger it is).
+
+    A server's steps cost more than their shapes measured quietly, and by about as much whatever the depth: its event
+    loop streams the last step's tokens while the pass and the draft run, and its rest between steps commits them (at
+    16 sequences on 2 cores, ~3.6 ms beyond a plain step's shapes, ~4 beyond a depth-2 step's and 5-6 beyond depths 3-5,
+    the draft's part landing on the pass when nothing drafts). Learnt as one excess over every step, the measured shapes
+    decide how the depths compare; learnt size by size (the curves), each size kept what it cost when last run, and
+    sizes not run again (a start's cold passes: 48 rows priced at 10.7 ms where they take 7.7) priced the shallow
+    depths out (``docs/policy.md``, session 33)."""
+
+    def __init__(self, decay: float = 0.98, ridge: tuple[float, float] = (4.0, 100.0)) -> None:
+        self.decay, self.ridge = decay, ridge
+        # decayed Σ of w, x1, x2, y, x1², x1·x2, x2², x1·y, x2·y
+        self._sums = [0.0] * 9
+        self._fit: tuple[float, float, float] | None = None
+
+    @property
+    def weight(self) -> float:
+        return self._sums[0]
+
+    def observe(self, x1: float, x2: float, seconds: float) -> None:
+        self._fit = None
+        keep, s = self.decay, self._sums
+        for i, v in enumerate((1.0, x1, x2, seconds, x1 * x1, x1 * x2, x2 * x2, x1 * seconds, x2 * seconds)):
+            s[i] = keep * s[i] + v
+
+    def coefficients(self) -> tuple[float, float, float]:
+        """(a, b, c), refitted after an observation."""
+        if self._fit is not None:
+            return self._fit
+        n, s1, s2, sy, s11, s12, s22, s1y, s2y = self._sums
+        if n <= 0.0:
+            return 0.0, 0.0, 0.0
+        m1, m2, my = s1 / n, s2 / n, sy / n
+        # centred (co)variances times n, each slope's ridge added to its own
+        v11, v12, v22 = s11 - n * m1 * m1 + self.ridge[0], s12 - n * m1 * m2, s22 - n * m2 * m2 + self.ridge[1]
+        c1, c2 = s1y - n * m1 * my, s2y - n * m2 * my
+        det = v11 * v22 - v12 * v12
+        b, c = (c1 * v22 - c2 * v12) / det, (c2 * v11 - c1 * v12) / det
+        if b < 0.0 or c < 0.0:  # one slope alone (the other at 0), the better of the two that stay at 0 or above
+            b1, c2_ = max(c1 / v11, 0.0), max(c2 / v22, 0.0)
+            gain_b = b1 * (2 * c1 - b1 * v11)  # what each slope alone takes off the squared residuals
+            gain_c = c2_ * (2 * c2 - c2_ * v22)
+            b, c = (b1, 0.0) if gain_b >= gain_c else (0.0, c2_)
+        self._fit = (my - b * m1 - c * m2, b, c)
+        return self._fit
+
+    def __call__(self, x1: float, x2: float) -> float:
+        a, b, c = self.coefficients()
+        return a + b * x1 + c * x2
+
+
 DRAFT_ROW_GROWTH = 0.05  # until measured: a lockstep draft forward costs 5% more per further sequence
 
 
@@ -615,8 +674,12 @@ class BatchCosts:
     # Each count of drafting sequences' draft seconds by depth (the cold first forward apart from the others).
     draft_lines: dict[int, DraftLine] = field(default_factory=dict)
     other: CurveEWMA = field(default_factory=CurveEWMA)  # sequences -> seconds of the rest of the step
-    # Measured apart from the steps (``prime``): by sequences drafting, a draft's first forward and each further one.
+    # Measured apart from the steps (``prime``): by sequences drafting, a draft's first forward and each further one;
+    # by rows, a target pass.
     measured_lines: dict[int, tuple[float, float]] = field(default_factory=dict)
+    measured_passes: dict[int, float] = field(default_factory=dict)
+    # What the steps measure beyond those shapes, by sequences and tokens made (``ExcessFit``).
+    excess: ExcessFit = field(default_factory=ExcessFit)
 
     def observe(self, record: StepRecord) -> None:
         """A record alone: a step of its own (a batched step's records come together, ``observe_step``)."""
@@ -642,6 +705,32 @@ class BatchCosts:
         steady = steady_rest(records)
         if steady is not None:
             self.other.observe(max(1, step.batch_size), steady.other_time)
+        if self.shaped and steady is not None and steady_draft(step):
+            shape = self.measured_pass(step.rows or step.tau + 1)
+            if passes:
+                first, further = self.measured_line(max(1, step.drafting or 1)) or (0.0, 0.0)
+                shape += first + further * (passes - 1)
+            made = sum(r.n_accepted for r in records) + len(records)
+            measured = step.draft_time + step.verify_time + steady.other_time
+            self.excess.observe(max(1, step.batch_size), made, measured - shape)
+
+    @property
+    def shaped(self) -> bool:
+        """Whether a pass's and a draft's shapes were measured apart from the steps (``prime``)."""
+        return bool(self.measured_passes and self.measured_lines)
+
+    def measured_pass(self, rows: int) -> float:
+        """Seconds of a target pass of ``rows`` as measured apart from the steps (``measured_passes``, not empty):
+        linear between the sizes measured, flat below the least, along the last two beyond."""
+        table = self.measured_passes
+        if rows in table:
+            return table[rows]
+        sizes = sorted(table)
+        i = bisect.bisect_left(sizes, rows)
+        if i == 0 or len(sizes) == 1:
+            return table[sizes[0] if i == 0 else sizes[-1]]
+        lo, hi = (sizes[i - 1], sizes[i]) if i < len(sizes) else (sizes[-2], sizes[-1])
+        return max(table[lo] + (rows - lo) * (table[hi] - table[lo]) / (hi - lo), 1e-9)
 
     def measured_line(self, n: int) -> tuple[float, float] | None:
         """(first forward, each further one) of a lockstep draft over ``n`` sequences as measured apart from the steps
@@ -660,23 +749,32 @@ class BatchCosts:
         a, b = lines[lo], lines[hi]
         return max(a[0] + f * (b[0] - a[0]), 1e-9), max(a[1] + f * (b[1] - a[1]), 0.0)
 
-    def step_time(self, rows: int, depth: int, drafting: int, sequences: int, solo: StepCosts) -> float:
+    def step_time(
+        self, rows: int, depth: int, drafting: int, sequences: int, solo: StepCosts, tokens: float = 0.0
+    ) -> float:
         """Predicted seconds of a step with ``rows`` target rows over ``sequences`` sequences, ``depth`` lockstep
         draft forwards over ``drafting`` of them. What is not measured yet falls back on the solo costs, and
         where those are not measured either, on priors *relative to what is measured*: a pass's seconds
         from the solo line, a draft forward as ``prior_draft_frac`` of a one-row pass (the pass curve's
         floor once seen), 5% more per further sequence. (Mixing the solo priors' absolute seconds, a 1 s
         pass and a 0.1 s draft forward, with measured passes of milliseconds would price drafting out
-        for good: a policy that never drafts never measures a draft forward.)"""
-        return self.pricer(sequences, solo)(rows, depth, drafting)
+        for good: a policy that never drafts never measures a draft forward.) ``tokens``: what the step makes (its rest
+        grows with them, ``ExcessFit``)."""
+        return self.pricer(sequences, solo)(rows, depth, drafting, tokens)
 
     def rest(self, sequences: int, solo: StepCosts) -> float:
         """Predicted seconds of a step's rest (all but its draft and pass) over ``sequences`` sequences."""
         return self.other(sequences, (solo.other or 0.0) * sequences)
 
-    def pricer(self, sequences: int, solo: StepCosts) -> Callable[[int, int, int], float]:
-        """``step_time`` for one step's ``sequences``, as a function of (rows, depth, drafting): what does not
-        depend on those is read once (a batch plan prices a dozen shapes of the same step)."""
+    def pricer(self, sequences: int, solo: StepCosts) -> Callable[[int, int, int, float], float]:
+        """``step_time`` for one step's ``sequences``, as a function of (rows, depth, drafting, tokens): what does not
+        depend on those is read once (a batch plan prices a dozen shapes of the same step).
+
+        Where the shapes were measured apart from the steps (``prime``) and the steps have measured enough beyond
+        them, a step is its pass's and its draft's measured shapes plus what the steps measure beyond those
+        (``excess``, by the step's sequences and tokens); otherwise its pass, draft and rest from the curves the
+        steps taught, size by size."""
+        shaped = self.shaped and self.excess.weight >= EXCESS_WARM
         v0, v1 = solo.line()
         if solo.draft_per_token is not None:
             d1 = solo.draft_per_token
@@ -700,14 +798,22 @@ class BatchCosts:
             scale = per_forward * mean_depth / max(d0 + slope * (mean_depth - 1.0), 1e-12)
             return per_forward, scale * d0, scale * slope
 
-        def price(rows: int, depth: int, drafting: int) -> float:
-            verify = self.verify(rows, v0 + v1 * (rows - 1))
-            if not depth:
-                return verify + other
+        excess = self.excess
+
+        def price(rows: int, depth: int, drafting: int, tokens: float = 0.0) -> float:
             n = max(1, drafting)
+            if shaped:
+                step = self.measured_pass(rows) + excess(sequences, tokens)
+                if depth:
+                    first, further = self.measured_line(n) or (0.0, 0.0)
+                    step += first + further * (depth - 1)
+                return max(step, 1e-9)
+            step = self.verify(rows, v0 + v1 * (rows - 1)) + other
+            if not depth:
+                return step
             shape = drafts.get(n)
             if shape is None:
                 shape = drafts[n] = draft_line(n)
-            return verify + shape[1] + shape[2] * (depth - 1) + other
+            return step + shape[1] + shape[2] * (depth - 1)
 
         return price
