@@ -489,6 +489,82 @@ def test_a_measured_draft_slope_prices_the_depths_steps_never_ran() -> None:
     )
 
 
+def test_excess_fit_recovers_a_line_and_keeps_its_slopes_at_zero_or_above() -> None:
+    """The excess beyond the measured shapes as a + b·sequences + c·tokens (decayed least squares, the slopes ridged
+    toward 0): recovered from steps whose sizes vary; a slope the data would make negative is held at 0 (a size must
+    not look cheaper the larger it is) and the level refitted without it. Seeded data, no noise: cannot flake."""
+    from specdec.policy.estimates import ExcessFit
+
+    rng = random.Random(0)
+    fit = ExcessFit()
+    assert fit.coefficients() == (0.0, 0.0, 0.0) and fit.weight == 0.0
+    for _ in range(300):
+        n = rng.randint(4, 16)
+        tokens = n * rng.uniform(1.0, 6.0)
+        fit.observe(n, tokens, 2e-3 + 0.1e-3 * n + 0.03e-3 * tokens)
+    a, b, c = fit.coefficients()
+    assert (a, b, c) == pytest.approx((2e-3, 0.1e-3, 0.03e-3), rel=0.02)
+    assert fit(16, 48) == pytest.approx(2e-3 + 1.6e-3 + 1.44e-3, rel=0.01)
+
+    falling = ExcessFit()
+    for i in range(200):
+        tokens = 20 + i % 40
+        falling.observe(16, tokens, 6e-3 - 0.05e-3 * tokens)  # dearer the fewer tokens: noise, not a cost
+    a, b, c = falling.coefficients()
+    assert b == 0.0 and c == 0.0
+    weights = [falling.decay ** (199 - i) for i in range(200)]  # the level: the mean excess, as decayed
+    mean = sum(w * (6e-3 - 0.05e-3 * (20 + i % 40)) for i, w in enumerate(weights)) / sum(weights)
+    assert a == pytest.approx(mean, rel=1e-6)
+
+
+def test_a_batch_plan_prices_a_depth_it_left_by_the_measured_shapes_plus_the_steps_excess() -> None:
+    """Shapes measured apart from the steps (a pass by rows, a draft line by sequences). A server's first steps ran
+    depth 2 (48 rows) cold, 7 ms beyond their shapes; it then ran depth 5 for 150 steps, 3 ms beyond them and a
+    rest of 1.5 ms. Every depth, the one left and a plain step too, is priced as its shapes plus the one excess the
+    recent steps measure beyond theirs: 4.5 ms, whatever depth measured it."""
+    from specdec.policy.estimates import EXCESS_WARM, StepCosts
+
+    passes = {16: 2.5e-3, 32: 4.2e-3, 64: 8.0e-3, 128: 15.6e-3}
+    lines = {1: (0.2e-3, 0.05e-3), 16: (0.63e-3, 0.33e-3)}
+    policy = AdaptivePolicy()
+    policy.prime(MeasuredCosts(passes, {}, lines))
+    batch = policy.batch_costs
+    assert batch.shaped and batch.measured_pass(48) == pytest.approx(6.1e-3) and batch.measured_pass(96) == 11.8e-3
+
+    def step(depth: int, extra: float, i: int) -> list[StepRecord]:
+        rows = 16 * (depth + 1)
+        draft = lines[16][0] + lines[16][1] * (depth - 1)
+        records = []
+        for k in range(16):
+            record = replace(record_for(f"s{k}", i + 1, depth, depth - 1), other_time=1.5e-3)
+            records.append(
+                replace(
+                    record,
+                    draft_time=draft,
+                    verify_time=batch.measured_pass(rows) + extra,
+                    batch_size=16,
+                    rows=rows,
+                    drafting=16,
+                    draft_passes=depth,
+                    draft_fed=32,
+                )  # fmt: skip
+            )
+        return records
+
+    # Before any step: the curves (primed with the same shapes; nothing measured beyond them yet).
+    assert batch.pricer(16, StepCosts())(48, 2, 16, 32.0) == pytest.approx(6.1e-3 + 0.96e-3, rel=0.05)
+    for i in range(10):
+        batch.observe_step(step(2, 7e-3, i))
+    assert batch.excess.weight >= EXCESS_WARM
+    for i in range(150):
+        batch.observe_step(step(5, 3e-3, 10 + i))
+    price = batch.pricer(16, StepCosts())
+    shape2 = 6.1e-3 + 0.63e-3 + 0.33e-3
+    assert price(48, 2, 16, 48.0) == pytest.approx(shape2 + 4.5e-3, abs=0.1e-3)
+    assert price(96, 5, 16, 80.0) == pytest.approx(11.8e-3 + 0.63e-3 + 4 * 0.33e-3 + 4.5e-3, abs=0.1e-3)
+    assert price(16, 0, 0, 16.0) == pytest.approx(2.5e-3 + 4.5e-3, abs=0.1e-3)
+
+
 def test_a_pass_curve_prices_a_size_from_its_neighbourhood_not_its_one_slow_step() -> None:
     """Passes of 40-120 rows costing 2 ms + 0.1 ms per row (±4%), each size seen twice, and one step at 80 rows
     pre-empted (twice as long): the curve at 80 is pulled toward its neighbourhood (its own mean alone: +37%), and

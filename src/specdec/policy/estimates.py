@@ -14,6 +14,7 @@ import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from specdec.records import StepRecord, steady_rest
 
@@ -662,6 +663,18 @@ def _shrunk(entry: list[float], k: float, toward: tuple[float, float]) -> tuple[
     )
 
 
+def _span(table: dict[int, Any], size: int) -> tuple[int, int]:
+    """The measured sizes of ``table`` (not empty) to read ``size`` from: itself twice where measured, the least twice
+    below it (flat), the two around it between, the last two beyond (a line along them)."""
+    if size in table:
+        return size, size
+    sizes = sorted(table)
+    i = bisect.bisect_left(sizes, size)
+    if i == 0 or len(sizes) == 1:
+        return (sizes[0], sizes[0]) if i == 0 else (sizes[-1], sizes[-1])
+    return (sizes[i - 1], sizes[i]) if i < len(sizes) else (sizes[-2], sizes[-1])
+
+
 @dataclass
 class BatchCosts:
     """What a step shared by many sequences costs: the target pass by its rows, a lockstep draft forward by
@@ -694,7 +707,8 @@ class BatchCosts:
         every step of a server at 7 clients 2-7 ms too high, and a step's fixed cost amortised over more tokens made
         the batch plans go deeper than paid: docs/policy.md), and one admitted just before the step only the moment
         since (taken as the least, 0.4 ms where a 16-sequence server's steps had 1.2-2 ms). A step of first steps
-        only leaves the rest unlearnt."""
+        only leaves the rest unlearnt. Where the shapes were measured (``shaped``), a steady step (its rest known, no
+        prompt rows, no draft catch-up) also teaches ``excess`` what it cost beyond them."""
         step = records[0]
         self.verify.observe(step.rows or step.tau + 1, step.verify_time)
         passes = step.draft_passes or step.tau
@@ -723,13 +737,9 @@ class BatchCosts:
         """Seconds of a target pass of ``rows`` as measured apart from the steps (``measured_passes``, not empty):
         linear between the sizes measured, flat below the least, along the last two beyond."""
         table = self.measured_passes
-        if rows in table:
-            return table[rows]
-        sizes = sorted(table)
-        i = bisect.bisect_left(sizes, rows)
-        if i == 0 or len(sizes) == 1:
-            return table[sizes[0] if i == 0 else sizes[-1]]
-        lo, hi = (sizes[i - 1], sizes[i]) if i < len(sizes) else (sizes[-2], sizes[-1])
+        lo, hi = _span(table, rows)
+        if lo == hi:
+            return table[lo]
         return max(table[lo] + (rows - lo) * (table[hi] - table[lo]) / (hi - lo), 1e-9)
 
     def measured_line(self, n: int) -> tuple[float, float] | None:
@@ -738,13 +748,9 @@ class BatchCosts:
         lines = self.measured_lines
         if not lines:
             return None
-        if n in lines:
-            return lines[n]
-        sizes = sorted(lines)
-        i = bisect.bisect_left(sizes, n)
-        if i == 0 or len(sizes) == 1:
-            return lines[sizes[0] if i == 0 else sizes[-1]]
-        lo, hi = (sizes[i - 1], sizes[i]) if i < len(sizes) else (sizes[-2], sizes[-1])
+        lo, hi = _span(lines, n)
+        if lo == hi:
+            return lines[lo]
         f = (n - lo) / (hi - lo)
         a, b = lines[lo], lines[hi]
         return max(a[0] + f * (b[0] - a[0]), 1e-9), max(a[1] + f * (b[1] - a[1]), 0.0)
