@@ -131,6 +131,12 @@ def steady_rest(records: Sequence[StepRecord]) -> StepRecord | None:
     return best
 
 
+def tokens_made(records: Sequence[StepRecord]) -> int:
+    """Tokens a step's records made before any stop cut them: each record's accepted draft tokens and its own token
+    (what a plan predicts of a step; ``emitted`` is after the cut)."""
+    return sum(r.n_accepted for r in records) + len(records)
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0

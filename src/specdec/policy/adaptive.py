@@ -33,7 +33,7 @@ from specdec.policy.estimates import (
     reach_weighted_mean,
     steady_draft,
 )
-from specdec.records import GenerationStats, StepRecord, steady_rest
+from specdec.records import GenerationStats, StepRecord, steady_rest, tokens_made
 
 BUDGET_SAFETY = 1.3
 REQUEST_DECAY = 0.95  # per observation of a position: a request remembers its last ~20 outcomes there
@@ -674,7 +674,7 @@ class AdaptivePolicy(Policy):
                 rest = batch_costs.rest(step.batch_size, self.costs)
             else:
                 rest = steady.other_time - steady.policy_time + self._policy_time[0] / max(self._policy_time[1], 1e-9)
-            made = sum(r.n_accepted for r in records) + len(records)
+            made = tokens_made(records)
             price = batch_costs.pricer(step.batch_size, self.costs)(step.rows, step.draft_passes, step.drafting, made)
             self._learn_step(
                 step,

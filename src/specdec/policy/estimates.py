@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.records import StepRecord, steady_rest
+from specdec.records import StepRecord, steady_rest, tokens_made
 
 
 def expected_emitted_all(rates: list[float]) -> list[float]:
@@ -720,13 +720,9 @@ class BatchCosts:
         if steady is not None:
             self.other.observe(max(1, step.batch_size), steady.other_time)
         if self.shaped and steady is not None and steady_draft(step):
-            shape = self.measured_pass(step.rows or step.tau + 1)
-            if passes:
-                first, further = self.measured_line(max(1, step.drafting or 1)) or (0.0, 0.0)
-                shape += first + further * (passes - 1)
-            made = sum(r.n_accepted for r in records) + len(records)
+            shape = self.measured_shape(step.rows or step.tau + 1, passes, step.drafting)
             measured = step.draft_time + step.verify_time + steady.other_time
-            self.excess.observe(max(1, step.batch_size), made, measured - shape)
+            self.excess.observe(max(1, step.batch_size), tokens_made(records), measured - shape)
 
     @property
     def shaped(self) -> bool:
@@ -741,6 +737,15 @@ class BatchCosts:
         if lo == hi:
             return table[lo]
         return max(table[lo] + (rows - lo) * (table[hi] - table[lo]) / (hi - lo), 1e-9)
+
+    def measured_shape(self, rows: int, depth: int, drafting: int) -> float:
+        """Seconds of a step's pass of ``rows`` and its draft of ``depth`` forwards over ``drafting`` sequences as
+        measured apart from the steps (``shaped``): what ``excess`` is measured beyond."""
+        seconds = self.measured_pass(rows)
+        if depth:
+            first, further = self.measured_line(max(1, drafting)) or (0.0, 0.0)
+            seconds += first + further * (depth - 1)
+        return seconds
 
     def measured_line(self, n: int) -> tuple[float, float] | None:
         """(first forward, each further one) of a lockstep draft over ``n`` sequences as measured apart from the steps
@@ -807,16 +812,12 @@ class BatchCosts:
         excess = self.excess
 
         def price(rows: int, depth: int, drafting: int, tokens: float = 0.0) -> float:
-            n = max(1, drafting)
             if shaped:
-                step = self.measured_pass(rows) + excess(sequences, tokens)
-                if depth:
-                    first, further = self.measured_line(n) or (0.0, 0.0)
-                    step += first + further * (depth - 1)
-                return max(step, 1e-9)
+                return max(self.measured_shape(rows, depth, drafting) + excess(sequences, tokens), 1e-9)
             step = self.verify(rows, v0 + v1 * (rows - 1)) + other
             if not depth:
                 return step
+            n = max(1, drafting)
             shape = drafts.get(n)
             if shape is None:
                 shape = drafts[n] = draft_line(n)
