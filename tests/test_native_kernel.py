@@ -295,10 +295,11 @@ def reference(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, isa: str) ->
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
 def test_product_rows_are_independent_of_the_row_count(isa: str, dtype: torch.dtype) -> None:
     """Every row count 1..70 (every tile row tail, several row groups), rows in any order, 1..3 threads: a row's
-    output is the same bit for bit; shapes cover every output-panel tail (m mod 16) and reduction tails (odd n,
-    n below a vector)."""
+    output is the same bit for bit; shapes cover every output-panel tail (m mod 16), reduction tails (odd n,
+    n below a vector), panel-group tails (grouped layouts: 7, 13 and 31 panels, a thread with no group) and
+    row groups re-reading L2 blocks of panels (481 x 2049: blocks of 12 panels)."""
     gen = torch.Generator().manual_seed(11)
-    for m, n in [(97, 72), (16, 17), (33, 1), (200, 100), (5, 257)]:
+    for m, n in [(97, 72), (16, 17), (33, 1), (200, 100), (5, 257), (481, 2049)]:
         w = torch.randn(m, n, generator=gen)
         b = torch.randn(m, generator=gen)
         x = torch.randn(70, n, generator=gen)
@@ -390,8 +391,16 @@ def test_pack_weight_layout() -> None:
     pairs = nk.pack_weight(w, torch.float32, panel=2, pairs=2)  # [panels, n/2, panel, 2], n padded to 6
     assert pairs.shape == (2, 3, 2, 2)
     assert pairs[0, 1, 1].tolist() == [w[1, 2], w[1, 3]] and pairs[0, 2, 0].tolist() == [w[0, 4], 0.0]
+    # Panels in groups of 2, interleaved pair by pair: [groups, n/2, group, panel, 2], panels padded to 4.
+    grouped = nk.pack_weight(w, torch.float32, panel=1, pairs=2, group=2)
+    assert grouped.shape == (2, 3, 2, 1, 2)
+    assert grouped[0, 1, 1, 0].tolist() == [w[1, 2], w[1, 3]] and grouped[1, 2, 0, 0].tolist() == [w[2, 4], 0.0]
+    assert grouped[1, :, 1].abs().sum() == 0  # the padding panel
+    assert torch.equal(nk.pack_weight(w, torch.float32, panel=2, pairs=1, group=1), single)
     with pytest.raises(ValueError, match="pack_weight needs"):
         nk.pack_weight(w, torch.float32, panel=16, pairs=3)
+    with pytest.raises(ValueError, match="pack_weight needs"):
+        nk.pack_weight(w, torch.float32, panel=16, pairs=1, group=0)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])

@@ -75,14 +75,15 @@ def test_a_model_in_huge_pages_gives_the_same_logits(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_the_arena_is_sized_without_packing(dtype: torch.dtype) -> None:
     """``packed_nbytes`` (what the arena is sized by before any weight is packed) is the size of the packed weight,
-    odd sizes included, for both layouts (single columns, bf16 column pairs)."""
+    odd sizes included, for every layout (single columns, bf16 column pairs, panels in groups)."""
     for m, n in ((16, 8), (37, 5), (100, 71), (8, 1)):
         w = torch.randn(m, n)
-        for pairs in (1, 2):
+        for pairs, group in ((1, 1), (2, 1), (2, 4), (1, 3)):
             if dtype == torch.int8:
-                if pairs == 2:
+                if (pairs, group) != (1, 1):
                     continue
                 t = nk.pack_weight_int8(w, 16)
             else:
-                t = nk.pack_weight(w, dtype, 16, pairs)
-            assert nk.packed_nbytes(m, n, dtype, 16, pairs) == t.numel() * t.element_size(), (m, n, pairs)
+                t = nk.pack_weight(w, dtype, 16, pairs, group)
+            size = t.numel() * t.element_size()
+            assert nk.packed_nbytes(m, n, dtype, 16, pairs, group) == size, (m, n, pairs, group)

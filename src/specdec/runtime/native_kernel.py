@@ -37,7 +37,7 @@ from specdec.runtime.native_weights import ModelWeights
 from specdec.runtime.pages import arena_for
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 12
+ABI_VERSION = 13
 # sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 # -ffp-contract=off: a multiply followed by an add stays two roundings wherever it is inlined (GCC fuses them into
@@ -315,6 +315,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.sd_weight_pairs.restype = ctypes.c_int
     lib.sd_weight_pairs.argtypes = [ctypes.c_int64]
     lib.sd_panel_width.restype = ctypes.c_int
+    lib.sd_panel_group.restype = ctypes.c_int
+    lib.sd_panel_group.argtypes = [ctypes.c_int64]
     lib.sd_key_block.restype = ctypes.c_int
     lib.sd_matmul.restype = ctypes.c_int
     lib.sd_matmul.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 4, ctypes.c_void_p]
@@ -380,26 +382,33 @@ def kernel_status() -> str:
     )
 
 
-def pack_weight(w: torch.Tensor, dtype: torch.dtype, panel: int, pairs: int) -> torch.Tensor:
+def pack_weight(w: torch.Tensor, dtype: torch.dtype, panel: int, pairs: int, group: int = 1) -> torch.Tensor:
     """``w`` ``[m, n]`` (outputs x inputs) in the kernel's panel layout, as ``dtype``.
 
     The outputs are cut into panels of ``panel`` (the last padded with zero rows); a panel stores its outputs
     interleaved along the reduction dimension: ``pairs == 1``: ``P[p][c][j] = w[panel*p + j][c]``;
     ``pairs == 2`` (bf16 dot products): ``P[p][c // 2][j][c % 2]``, ``n`` padded to even with a zero column.
+    ``group > 1`` (``sd_panel_group``): the panels in groups of ``group`` (their number padded with zero panels), a
+    group's panels interleaved pair by pair, ``G[p // group][c // pairs][p % group][j][c % pairs]``: a tile of one
+    group's panels reads one sequential stream.
     """
-    if w.dim() != 2 or pairs not in (1, 2) or panel < 1:
-        raise ValueError(f"pack_weight needs a matrix, pairs 1 or 2 and a positive panel, got {tuple(w.shape)}")
+    if w.dim() != 2 or pairs not in (1, 2) or panel < 1 or group < 1:
+        raise ValueError(f"pack_weight needs a matrix, pairs 1 or 2, a positive panel and group, got {tuple(w.shape)}")
     m, n = (int(s) for s in w.shape)
-    rows, cols = -(-m // panel) * panel, -(-n // pairs) * pairs
+    rows, cols = -(-m // (panel * group)) * panel * group, -(-n // pairs) * pairs
     w = torch.nn.functional.pad(w.to(dtype), (0, cols - n, 0, rows - m))
-    return w.view(rows // panel, panel, cols // pairs, pairs).transpose(1, 2).contiguous()
+    panels = w.view(rows // panel, panel, cols // pairs, pairs).transpose(1, 2)  # [p][c // pairs][j][c % pairs]
+    if group == 1:
+        return panels.contiguous()
+    return panels.reshape(rows // (panel * group), group, cols // pairs, panel, pairs).transpose(1, 2).contiguous()
 
 
-def packed_nbytes(m: int, n: int, dtype: torch.dtype, panel: int, pairs: int) -> int:
+def packed_nbytes(m: int, n: int, dtype: torch.dtype, panel: int, pairs: int, group: int = 1) -> int:
     """Bytes of ``pack_weight`` (or, for int8, ``pack_weight_int8``) of an ``[m, n]`` matrix, without packing it."""
-    rows = -(-m // panel) * panel
     if dtype == torch.int8:
+        rows = -(-m // panel) * panel
         return rows * n + rows * 4  # int8 panels (single columns), then the fp32 scales
+    rows = -(-m // (panel * group)) * panel * group
     return rows * (-(-n // pairs) * pairs) * dtype.itemsize
 
 
@@ -439,7 +448,8 @@ class PackedWeight:
         if dtype == torch.int8:
             self.data = pack_weight_int8(w, int(lib.sd_panel_width()))
         else:
-            self.data = pack_weight(w, dtype, int(lib.sd_panel_width()), int(lib.sd_weight_pairs(self.wtype)))
+            pairs, group = int(lib.sd_weight_pairs(self.wtype)), int(lib.sd_panel_group(self.wtype))
+            self.data = pack_weight(w, dtype, int(lib.sd_panel_width()), pairs, group)
 
     def matmul(
         self,
@@ -527,17 +537,18 @@ class FusedLlama:
             keep.append(t)
             return t.data_ptr()
 
-        # The products' weights in the kernel's panel layout (sd_weight_pairs / sd_panel_width).
+        # The products' weights in the kernel's panel layout (sd_weight_pairs / sd_panel_width / sd_panel_group).
         panel, pairs = int(lib.sd_panel_width()), int(lib.sd_weight_pairs(WEIGHT_TYPES[dtype]))
+        group = int(lib.sd_panel_group(WEIGHT_TYPES[dtype]))
 
         # Every product's weights (what a pass streams from memory), in the order the pass reads them, each packed and
         # placed in one huge-page arena where the OS has them (runtime/pages.py), one at a time.
         sources = [w for lw in weights.layers for w in (lw.wqkv, lw.wo, lw.wgu, lw.wd)] + [head]
-        sizes = [packed_nbytes(int(w.shape[0]), int(w.shape[1]), dtype, panel, pairs) for w in sources]
+        sizes = [packed_nbytes(int(w.shape[0]), int(w.shape[1]), dtype, panel, pairs, group) for w in sources]
         arena = arena_for(sizes)
         mats = []
         for w, size in zip(sources, sizes):
-            t = pack_weight_int8(w, panel) if dtype == torch.int8 else pack_weight(w, dtype, panel, pairs)
+            t = pack_weight_int8(w, panel) if dtype == torch.int8 else pack_weight(w, dtype, panel, pairs, group)
             assert t.numel() * t.element_size() == size
             mats.append(t if arena is None else arena.place(t))
         keep.extend(mats)
