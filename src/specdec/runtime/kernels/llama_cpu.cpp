@@ -72,7 +72,8 @@ struct SdModel {
     // 1 where the products' weights outgrow the last-level cache, so every pass streams them from memory: one-row
     // products then take one panel at a time, one sequential stream per thread (a Zen 4 read ~9% faster so when its
     // memory was fast); 0 keeps four panels side by side, four chains of dot products (a cache-resident draft's
-    // one-row pass took 1.33x as long with one). Speed only: a tile's shape never changes a result.
+    // one-row pass took 1.33x as long with one). Grouped layouts (sd_panel_group: bf16 dot products) keep the four
+    // panels either way: a group's are one sequential stream. Speed only: a tile's shape never changes a result.
     int64_t stream;
 };
 
@@ -392,7 +393,10 @@ static inline void products(int64_t k, int64_t m, int64_t panel_bytes, int strea
     int64_t block = p1 - p0;
     if (groups > 1) {
         block = L2_BLOCK / (panel_bytes > 0 ? panel_bytes : 1);
-        block = block < 12 ? 12 : block - block % 12;  // whole tiles of 1..4 panels and whole groups (1, 2, 3 or 4)
+        if (group > 1)  // whole groups (tiles never leave one): one group at least
+            block = block < group ? group : block - block % group;
+        else  // whole tiles of 1..4 panels: at least the widest tile
+            block = block < 12 ? 12 : block - block % 12;
     }
     for (int64_t q0 = p0; q0 < p1; q0 += block) {
         const int64_t q1 = q0 + block < p1 ? q0 + block : p1;
@@ -424,6 +428,10 @@ static inline void products(int64_t k, int64_t m, int64_t panel_bytes, int strea
                 case 6: run(IC<6>{}, IC<panels_max(6, CV)>{}); break;
                 default:
                     if constexpr (ROWS_MAX >= 8) {
+                        // Grouped: 3 of a group's panels, then the 4th alone. (6 rows x 4 panels, then the other
+                        // 1-2 rows over the same 4, took 1.05-1.10x as long at 7-8 rows of the Qwen2.5-0.5B body on
+                        // a Zen 4; the panel-after-panel layout's 8 x 3 tiles 0.95-0.97x: 7-8 row blocks lose a
+                        // little to the grouped layout, 2-6 row blocks gain 10-15%.)
                         if (rows == 7) run(IC<7>{}, IC<panels_max(7, CV)>{});
                         else run(IC<8>{}, IC<panels_max(8, CV)>{});
                     }
