@@ -27,6 +27,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -432,6 +433,30 @@ def pack_weight_int8(w: torch.Tensor, panel: int) -> torch.Tensor:
     return torch.cat([panels.view(torch.uint8), scales.view(torch.uint8)])
 
 
+@dataclass(frozen=True)
+class PanelLayout:
+    """The layout the kernel reads a weight type in (``sd_panel_width``, ``sd_weight_pairs``, ``sd_panel_group``)."""
+
+    dtype: torch.dtype
+    panel: int
+    pairs: int
+    group: int
+
+    @classmethod
+    def of(cls, lib: ctypes.CDLL, dtype: torch.dtype) -> PanelLayout:
+        wtype = WEIGHT_TYPES[dtype]
+        return cls(dtype, int(lib.sd_panel_width()), int(lib.sd_weight_pairs(wtype)), int(lib.sd_panel_group(wtype)))
+
+    def nbytes(self, m: int, n: int) -> int:
+        """Bytes of ``pack`` of an ``[m, n]`` matrix, without packing it."""
+        return packed_nbytes(m, n, self.dtype, self.panel, self.pairs, self.group)
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor:
+        if self.dtype == torch.int8:
+            return pack_weight_int8(w, self.panel)
+        return pack_weight(w, self.dtype, self.panel, self.pairs, self.group)
+
+
 class PackedWeight:
     """One weight matrix ``[m, n]`` laid out for the kernel's products, to run products outside a forward pass
     (tests, micro-benchmarks): ``PackedWeight(w, torch.bfloat16).matmul(x)`` is ``x @ w.T`` as the kernel
@@ -445,11 +470,7 @@ class PackedWeight:
             raise ValueError(f"the kernel's weights are fp32, bf16, fp16 or int8, not {dtype}")
         self._lib, self.wtype = lib, WEIGHT_TYPES[dtype]
         self.rows, self.cols = (int(s) for s in w.shape)
-        if dtype == torch.int8:
-            self.data = pack_weight_int8(w, int(lib.sd_panel_width()))
-        else:
-            pairs, group = int(lib.sd_weight_pairs(self.wtype)), int(lib.sd_panel_group(self.wtype))
-            self.data = pack_weight(w, dtype, int(lib.sd_panel_width()), pairs, group)
+        self.data = PanelLayout.of(lib, dtype).pack(w)
 
     def matmul(
         self,
@@ -537,18 +558,17 @@ class FusedLlama:
             keep.append(t)
             return t.data_ptr()
 
-        # The products' weights in the kernel's panel layout (sd_weight_pairs / sd_panel_width / sd_panel_group).
-        panel, pairs = int(lib.sd_panel_width()), int(lib.sd_weight_pairs(WEIGHT_TYPES[dtype]))
-        group = int(lib.sd_panel_group(WEIGHT_TYPES[dtype]))
+        # The products' weights in the kernel's panel layout.
+        layout = PanelLayout.of(lib, dtype)
 
         # Every product's weights (what a pass streams from memory), in the order the pass reads them, each packed and
         # placed in one huge-page arena where the OS has them (runtime/pages.py), one at a time.
         sources = [w for lw in weights.layers for w in (lw.wqkv, lw.wo, lw.wgu, lw.wd)] + [head]
-        sizes = [packed_nbytes(int(w.shape[0]), int(w.shape[1]), dtype, panel, pairs, group) for w in sources]
+        sizes = [layout.nbytes(int(w.shape[0]), int(w.shape[1])) for w in sources]
         arena = arena_for(sizes)
         mats = []
         for w, size in zip(sources, sizes):
-            t = pack_weight_int8(w, panel) if dtype == torch.int8 else pack_weight(w, dtype, panel, pairs, group)
+            t = layout.pack(w)
             assert t.numel() * t.element_size() == size
             mats.append(t if arena is None else arena.place(t))
         keep.extend(mats)
