@@ -297,7 +297,7 @@ def test_product_rows_are_independent_of_the_row_count(isa: str, dtype: torch.dt
     """Every row count 1..70 (every tile row tail, several row groups), rows in any order, 1..3 threads: a row's
     output is the same bit for bit; shapes cover every output-panel tail (m mod 16), reduction tails (odd n,
     n below a vector), panel-group tails (grouped layouts: 7, 13 and 31 panels, a thread with no group) and
-    row groups re-reading L2 blocks of panels (481 x 2049: blocks of 12 panels)."""
+    row groups re-reading L2 blocks of panels (481 x 2049: blocks of 12 panels, of one group in a grouped layout)."""
     gen = torch.Generator().manual_seed(11)
     for m, n in [(97, 72), (16, 17), (33, 1), (200, 100), (5, 257), (481, 2049)]:
         w = torch.randn(m, n, generator=gen)

@@ -240,8 +240,9 @@ enum { PANELS_MAX = 4 };
 #ifdef SD_AVX512BF16
 // The bf16 dot-product tiles read their weights in groups of this many panels interleaved pair by pair
 // (sd_panel_group): the panels of a tile are then one sequential stream, where panel after panel made a tile of 4
-// panels four streams 20-100 KB apart. Measured on a Zen 4 (2 threads, a 3456 x 640 matrix, ~44 MB of such
-// matrices cycled, as a pass reads them): 4-6 rows 0.80-0.82x the time, one row of four panels 0.91x.
+// panels four streams one panel (20-155 KB at the shapes measured) apart. Measured on a Zen 4 (2 threads, a
+// 3456 x 640 matrix, 35-48 MB of such matrices cycled, as a pass reads them): 4-6 rows 0.80-0.84x the time, one row
+// of four panels 0.91-0.99x (docs/runtime.md, "The products").
 enum { BF16_GROUP = PANELS_MAX };
 #endif
 
@@ -428,10 +429,10 @@ static inline void products(int64_t k, int64_t m, int64_t panel_bytes, int strea
                 case 6: run(IC<6>{}, IC<panels_max(6, CV)>{}); break;
                 default:
                     if constexpr (ROWS_MAX >= 8) {
-                        // Grouped: 3 of a group's panels, then the 4th alone. (6 rows x 4 panels, then the other
-                        // 1-2 rows over the same 4, took 1.05-1.10x as long at 7-8 rows of the Qwen2.5-0.5B body on
-                        // a Zen 4; the panel-after-panel layout's 8 x 3 tiles 0.95-0.97x: 7-8 row blocks lose a
-                        // little to the grouped layout, 2-6 row blocks gain 10-15%.)
+                        // Grouped: 3 of a group's panels, then the 4th alone. At 7-8 rows of the Qwen2.5-0.5B body
+                        // on a Zen 4 this took 1.01-1.13x the panel-after-panel layout's 8 x 3 tiles (2-6 rows gain
+                        // 5-15%); 6 rows x 4 panels then the other 1-2 over the same 4 read 1.05-1.10x in one pair
+                        // of runs, no better (docs/runtime.md, "The products").
                         if (rows == 7) run(IC<7>{}, IC<panels_max(7, CV)>{});
                         else run(IC<8>{}, IC<panels_max(8, CV)>{});
                     }
