@@ -38,6 +38,8 @@ def load_baseline(checkout: Path) -> Any:
     if spec is None or spec.loader is None:
         raise SystemExit(f"no kernel module at {path}")
     mod = importlib.util.module_from_spec(spec)
+    # Registered before it runs, as an import would be: a module-level dataclass looks its module up there.
+    sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
 
