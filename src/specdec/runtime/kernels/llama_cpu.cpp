@@ -176,9 +176,10 @@ static inline float exp1(float x) {
 // arithmetic with a smaller tile; output tails (m not a multiple of 16) compute zero rows that are not stored;
 // the reduction dimension has no tail at all (the chain steps one column at a time).
 //
-// Memory: a pass reads every weight once from memory. With one row group (k <= ROWS_MAX) each panel is streamed
-// once; with more, the rows are cut into balanced groups of <= ROWS_MAX and a thread's panels are taken in blocks
-// of about L2_BLOCK bytes, each block re-read from L2 by every row group. Threads take contiguous, balanced
+// Memory: a pass reads every weight once from memory. With one row group (k <= ROWS_MAX; grouped panels:
+// GROUPED_ROWS) each panel is streamed once; with more, the rows are cut into groups (balanced groups of <= ROWS_MAX;
+// grouped panels: GROUPED_ROWS each, the rest last) and a thread's panels are taken in blocks of about L2_BLOCK
+// bytes, each block re-read from L2 by every row group after the first. Threads take contiguous, balanced
 // ranges of panels (the outputs; whole groups of them), so each reads its own share of the weights, and a tile
 // never spans two groups.
 
@@ -237,6 +238,12 @@ static constexpr int panels_max(int r, bool convert) {
 }
 #endif
 enum { PANELS_MAX = 4 };
+// Rows of a row group over grouped panels (below): 6 x 4-panel tiles, the widest in the registers, then the rest. The
+// first row group reads the weights from memory and 6 rows' arithmetic about keeps pace with that read; the groups
+// after it read them again from L2. Measured on a Zen 4 (2 threads, a 3456 x 640 bf16 matrix, 53 MB of copies
+// cycled): 8 rows as 6 + 2 took 0.89-0.95x the time of 8 x 3-panel then 8 x 1-panel tiles (and of 4 + 4), 16 rows as
+// 6 + 6 + 4 0.91-0.94x (8 + 8) of those.
+enum { GROUPED_ROWS = 6 };
 #ifdef SD_AVX512BF16
 // The bf16 dot-product tiles read their weights in groups of this many panels interleaved pair by pair
 // (sd_panel_group): the panels of a tile are then one sequential stream, where panel after panel made a tile of 4
@@ -390,7 +397,10 @@ static inline void products(int64_t k, int64_t m, int64_t panel_bytes, int strea
     // This thread's panels: whole groups (a group's panels are read together), balanced.
     const int64_t g0 = group * (ng * me / nth), g1 = group * (ng * (me + 1) / nth);
     const int64_t p0 = g0 < np ? g0 : np, p1 = g1 < np ? g1 : np;
-    const int64_t groups = (k + ROWS_MAX - 1) / ROWS_MAX;        // row groups, balanced: sizes differ by <= 1
+    // Row groups: balanced (sizes differ by <= 1) of at most ROWS_MAX rows; over grouped panels, GROUPED_ROWS each and
+    // the rest last (see GROUPED_ROWS).
+    const int64_t rmax = group > 1 ? GROUPED_ROWS : ROWS_MAX;
+    const int64_t groups = (k + rmax - 1) / rmax;
     int64_t block = p1 - p0;
     if (groups > 1) {
         block = L2_BLOCK / (panel_bytes > 0 ? panel_bytes : 1);
@@ -402,7 +412,7 @@ static inline void products(int64_t k, int64_t m, int64_t panel_bytes, int strea
     for (int64_t q0 = p0; q0 < p1; q0 += block) {
         const int64_t q1 = q0 + block < p1 ? q0 + block : p1;
         for (int64_t g = 0, t0 = 0; g < groups; g++) {
-            const int64_t rows = k / groups + (g < k % groups ? 1 : 0);
+            const int64_t rows = group > 1 ? (k - t0 < rmax ? k - t0 : rmax) : k / groups + (g < k % groups ? 1 : 0);
             auto run = [&](auto R, auto P) {
                 for (int64_t p = q0; p < q1;) {
                     int64_t pn = q1 - p < P ? q1 - p : P;
@@ -429,10 +439,7 @@ static inline void products(int64_t k, int64_t m, int64_t panel_bytes, int strea
                 case 6: run(IC<6>{}, IC<panels_max(6, CV)>{}); break;
                 default:
                     if constexpr (ROWS_MAX >= 8) {
-                        // Grouped: 3 of a group's panels, then the 4th alone. At 7-8 rows of the Qwen2.5-0.5B body
-                        // on a Zen 4 this took 1.01-1.13x the panel-after-panel layout's 8 x 3 tiles (2-6 rows gain
-                        // 5-15%); 6 rows x 4 panels then the other 1-2 over the same 4 read 1.05-1.10x in one pair
-                        // of runs, no better (docs/runtime.md, "The products").
+                        // Panel after panel only (grouped panels take at most GROUPED_ROWS rows a row group): 7-8 x 3.
                         if (rows == 7) run(IC<7>{}, IC<panels_max(7, CV)>{});
                         else run(IC<8>{}, IC<panels_max(8, CV)>{});
                     }
