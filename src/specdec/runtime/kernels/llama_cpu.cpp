@@ -238,12 +238,19 @@ static constexpr int panels_max(int r, bool convert) {
 }
 #endif
 enum { PANELS_MAX = 4 };
-// Rows of a row group over grouped panels (below): 6 x 4-panel tiles, the widest in the registers, then the rest. The
-// first row group reads the weights from memory and 6 rows' arithmetic about keeps pace with that read; the groups
-// after it read them again from L2. Measured on a Zen 4 (2 threads, a 3456 x 640 bf16 matrix, 53 MB of copies
-// cycled): 8 rows as 6 + 2 took 0.89-0.95x the time of 8 x 3-panel then 8 x 1-panel tiles (and of 4 + 4), 16 rows as
-// 6 + 6 + 4 0.91-0.94x (8 + 8) of those.
+// Rows of a row group over grouped panels (below): 6 with 4-panel tiles, then the rest; a rest of one row joins the
+// group before it (7 rows: see tile_bf16dp). The first row group reads the weights from memory and 6-7 rows'
+// arithmetic about keeps pace with that read; the groups after it read them again from L2, where one row alone runs
+// at ~40% of the peak (a weight vector per 16 multiply-adds). Measured on a Zen 4 (2 threads, a 3456 x 640 bf16
+// matrix, 53 MB of copies cycled): 8 rows as 6 + 2 took 0.89-0.95x the time of 8 x 3-panel then 8 x 1-panel tiles
+// (and of 4 + 4), 16 rows as 6 + 6 + 4 0.91-0.94x (8 + 8) of those; 7 rows as one group 0.82x 6 + 1 (0.90x at 4864
+// inputs, and over weights in the caches).
 enum { GROUPED_ROWS = 6 };
+// Row group g's first row and rows over grouped panels: 6 each, a last one of 7 where one row would be left alone.
+static inline int64_t grouped_rows(int64_t k, int64_t t0) {
+    const int64_t left = k - t0;
+    return left == GROUPED_ROWS + 1 || left <= GROUPED_ROWS ? left : GROUPED_ROWS;
+}
 #ifdef SD_AVX512BF16
 // The bf16 dot-product tiles read their weights in groups of this many panels interleaved pair by pair
 // (sd_panel_group): the panels of a tile are then one sequential stream, where panel after panel made a tile of 4
@@ -390,17 +397,21 @@ static inline __attribute__((always_inline)) void with_panels(int64_t p, F& f) {
 // thread of the team; ends with the team's barrier (Y complete). `panel_bytes`: bytes of one weight panel.
 // tile(IC<R>, IC<P>, t0, p) computes rows t0..t0+R x panels p..p+P into Y; CV: the weights are widened in
 // registers (see panels_max).
-template <bool CV, class Tile>
-static inline void products(int64_t k, int64_t m, int64_t panel_bytes, int stream, int64_t group, Tile& tile) {
+template <bool CV, int G, class Tile>
+static inline void products(int64_t k, int64_t m, int64_t panel_bytes, int stream, Tile& tile) {
+    constexpr int64_t group = G;
     const int64_t np = (m + PANEL - 1) / PANEL, ng = (np + group - 1) / group;
     const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
     // This thread's panels: whole groups (a group's panels are read together), balanced.
     const int64_t g0 = group * (ng * me / nth), g1 = group * (ng * (me + 1) / nth);
     const int64_t p0 = g0 < np ? g0 : np, p1 = g1 < np ? g1 : np;
     // Row groups: balanced (sizes differ by <= 1) of at most ROWS_MAX rows; over grouped panels, GROUPED_ROWS each and
-    // the rest last (see GROUPED_ROWS).
-    const int64_t rmax = group > 1 ? GROUPED_ROWS : ROWS_MAX;
-    const int64_t groups = (k + rmax - 1) / rmax;
+    // the rest last (grouped_rows).
+    int64_t groups = (k + ROWS_MAX - 1) / ROWS_MAX;
+    if constexpr (G > 1) {
+        groups = 0;
+        for (int64_t t = 0; t < k; t += grouped_rows(k, t)) groups++;
+    }
     int64_t block = p1 - p0;
     if (groups > 1) {
         block = L2_BLOCK / (panel_bytes > 0 ? panel_bytes : 1);
@@ -412,7 +423,7 @@ static inline void products(int64_t k, int64_t m, int64_t panel_bytes, int strea
     for (int64_t q0 = p0; q0 < p1; q0 += block) {
         const int64_t q1 = q0 + block < p1 ? q0 + block : p1;
         for (int64_t g = 0, t0 = 0; g < groups; g++) {
-            const int64_t rows = group > 1 ? (k - t0 < rmax ? k - t0 : rmax) : k / groups + (g < k % groups ? 1 : 0);
+            const int64_t rows = G > 1 ? grouped_rows(k, t0) : k / groups + (g < k % groups ? 1 : 0);
             auto run = [&](auto R, auto P) {
                 for (int64_t p = q0; p < q1;) {
                     int64_t pn = q1 - p < P ? q1 - p : P;
@@ -438,8 +449,9 @@ static inline void products(int64_t k, int64_t m, int64_t panel_bytes, int strea
                 case 5: run(IC<5>{}, IC<panels_max(5, CV)>{}); break;
                 case 6: run(IC<6>{}, IC<panels_max(6, CV)>{}); break;
                 default:
-                    if constexpr (ROWS_MAX >= 8) {
-                        // Panel after panel only (grouped panels take at most GROUPED_ROWS rows a row group): 7-8 x 3.
+                    if constexpr (G > 1) {  // 7 rows over a group's 4 panels (grouped_rows; tile_bf16dp)
+                        run(IC<7>{}, IC<G>{});
+                    } else if constexpr (ROWS_MAX >= 8) {  // panel after panel: 7-8 x 3
                         if (rows == 7) run(IC<7>{}, IC<panels_max(7, CV)>{});
                         else run(IC<8>{}, IC<panels_max(8, CV)>{});
                     }
@@ -456,7 +468,9 @@ static inline void products(int64_t k, int64_t m, int64_t panel_bytes, int strea
 // 32 products per VDPBF16PS accumulated in fp32: twice (Zen 4) to four times (Sapphire Rapids) the multiply-adds
 // per cycle of fp32 FMAs. One lane of a panel vector holds the pair of columns (c, c+1) of one output.
 // `Wp`: the tile's first panel at column pair 0; panel p's pair c2 at Wp + p * pstride + c2 * cstride (the grouped
-// layout: pstride one pair of a panel, cstride a group's pairs; see BF16_GROUP).
+// layout: pstride one pair of a panel, cstride a group's pairs; see BF16_GROUP). Where R * P accumulators, P weight
+// vectors and the broadcast outgrow the 32 registers (7 x 4), the panels beyond the first HELD are read from memory
+// (L1: the tile's own line) by each row's instruction instead of held: the same operands, the same chains.
 template <int R, int P>
 static inline __attribute__((always_inline)) void tile_bf16dp(const uint16_t* Xb, int64_t ldxb, const uint16_t* Wp,
                                                               int64_t pstride, int64_t cstride, int64_t n,
@@ -464,11 +478,13 @@ static inline __attribute__((always_inline)) void tile_bf16dp(const uint16_t* Xb
     __m512 acc[R][P];
 #pragma GCC unroll 32
     for (int i = 0; i < R * P; i++) acc[i / P][i % P] = _mm512_setzero_ps();
+    constexpr int HELD = R * P + P + 1 <= 32 ? P : 31 - R * P;
+    static_assert(HELD >= 1, "tile_bf16dp: too many accumulators");
     const int64_t pairs = n >> 1;
     for (int64_t c2 = 0; c2 < pairs; c2++) {
         __m512bh w[P];
 #pragma GCC unroll 8
-        for (int p = 0; p < P; p++) {
+        for (int p = 0; p < HELD; p++) {
             const uint16_t* src = Wp + p * pstride + c2 * cstride;
             // PREFETCH_AHEAD columns ahead: half as many pairs
             if (BF16DP_PREFETCH && PREFETCH_AHEAD > 0 && R > 1) _mm_prefetch((const char*)(src + (PREFETCH_AHEAD / 2) * cstride), _MM_HINT_T0);
@@ -480,7 +496,13 @@ static inline __attribute__((always_inline)) void tile_bf16dp(const uint16_t* Xb
             memcpy(&xx, Xb + t * ldxb + 2 * c2, 4);
             const __m512bh x = (__m512bh)_mm512_set1_epi32((int)xx);
 #pragma GCC unroll 8
-            for (int p = 0; p < P; p++) acc[t][p] = _mm512_dpbf16_ps(acc[t][p], x, w[p]);
+            for (int p = 0; p < HELD; p++) acc[t][p] = _mm512_dpbf16_ps(acc[t][p], x, w[p]);
+#pragma GCC unroll 8
+            for (int p = HELD; p < P; p++) {
+                const uint16_t* src = Wp + p * pstride + c2 * cstride;
+                __asm__("" : "+r"(src));  // an address the compiler cannot share across rows: a load in each
+                acc[t][p] = _mm512_dpbf16_ps(acc[t][p], x, (__m512bh)_mm512_loadu_si512(src));
+            }
         }
     }
     if (n & 1) {  // the last column, paired with a zero (its weight pair is (W[.][n-1], 0))
@@ -554,7 +576,7 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
             tile_bf16dp<decltype(R)::value, decltype(P)::value>(xb + t0 * n, n, at, 2 * PANEL, G * 2 * PANEL, n, o, t0,
                                                                  p * PANEL);
         };
-        products<false>(k, m, ps * 2, stream, G, tile);
+        products<false, BF16_GROUP>(k, m, ps * 2, stream, tile);
         return;
     }
 #else
@@ -571,7 +593,7 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
         auto tile = [&](auto R, auto P, int64_t t0, int64_t p) {
             tile_f32<WT, decltype(R)::value, decltype(P)::value>(X + t0 * ldx, ldx, Wp + p * ps, ps, n, o, t0, p * PANEL);
         };
-        products<sizeof(typename WT::T) != 4>(k, m, ps * (int64_t)sizeof(typename WT::T), stream, 1, tile);
+        products<sizeof(typename WT::T) != 4, 1>(k, m, ps * (int64_t)sizeof(typename WT::T), stream, tile);
     };
     if (wtype == WT_BF16)
         run(BF16W{});
