@@ -110,6 +110,11 @@ def main() -> None:
     from specdec import real_shapes
     from specdec.runtime import native_kernel as nk
 
+    known = ["default", "draft", *real_shapes.SHAPES]
+    unknown = [shape for shape in args.shapes if shape not in known]
+    if unknown:
+        ap.error(f"unknown shape {unknown[0]!r}; known: {', '.join(known)}")
+
     base = load_baseline(args.baseline.resolve())
     print(f"A = {args.baseline} ({base.kernel_status()}), B = this tree ({nk.kernel_status()}), {args.dtype}")
     print(f"threads {torch.get_num_threads()}, context {args.context}, caches {args.kv_dtype}")

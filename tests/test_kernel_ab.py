@@ -37,3 +37,12 @@ def test_kernel_ab_against_itself(batch: bool) -> None:
     rows = [re.findall(r"\d+(?:\.\d+)?", line) for line in out.stdout.splitlines() if re.match(r"\s+\d+\s+\d", line)]
     assert [int(r[0]) for r in rows] == [1, 3]
     assert all(float(r[1]) > 0 and float(r[3]) > 0 for r in rows)
+
+
+def test_kernel_ab_names_an_unknown_shape() -> None:
+    """A misspelt shape is a usage error that names it and the known ones, before any checkpoint is loaded."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "kernel_ab.py"), "--baseline", str(ROOT), "--shapes", "llama-1b"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 2
+    assert "unknown shape 'llama-1b'" in out.stderr and "llama3.2-1b" in out.stderr
+    assert "Traceback" not in out.stderr
