@@ -241,12 +241,13 @@ enum { PANELS_MAX = 4 };
 // Rows of a row group over grouped panels (below): 6 with 4-panel tiles, then the rest; a rest of one row joins the
 // group before it (7 rows: see tile_bf16dp). The first row group reads the weights from memory and 6-7 rows'
 // arithmetic about keeps pace with that read; the groups after it read them again from L2, where one row alone runs
-// at ~40% of the peak (a weight vector per 16 multiply-adds). Measured on a Zen 4 (2 threads, a 3456 x 640 bf16
+// at ~40% of the peak (a 1 x 4 tile loads a weight vector per VDPBF16PS). Measured on a Zen 4 (2 threads, a 3456 x 640 bf16
 // matrix, 53 MB of copies cycled): 8 rows as 6 + 2 took 0.89-0.95x the time of 8 x 3-panel then 8 x 1-panel tiles
 // (and of 4 + 4), 16 rows as 6 + 6 + 4 0.91-0.94x (8 + 8) of those; 7 rows as one group 0.82x 6 + 1 (0.90x at 4864
 // inputs, and over weights in the caches).
 enum { GROUPED_ROWS = 6 };
-// Row group g's first row and rows over grouped panels: 6 each, a last one of 7 where one row would be left alone.
+// The rows of the row group from row t0 of k over grouped panels: 6, or all that are left where they are at most 7
+// (so no row is left alone).
 static inline int64_t grouped_rows(int64_t k, int64_t t0) {
     const int64_t left = k - t0;
     return left == GROUPED_ROWS + 1 || left <= GROUPED_ROWS ? left : GROUPED_ROWS;
@@ -484,11 +485,11 @@ static inline __attribute__((always_inline)) void tile_bf16dp(const uint16_t* Xb
     for (int64_t c2 = 0; c2 < pairs; c2++) {
         __m512bh w[P];
 #pragma GCC unroll 8
-        for (int p = 0; p < HELD; p++) {
+        for (int p = 0; p < P; p++) {
             const uint16_t* src = Wp + p * pstride + c2 * cstride;
             // PREFETCH_AHEAD columns ahead: half as many pairs
             if (BF16DP_PREFETCH && PREFETCH_AHEAD > 0 && R > 1) _mm_prefetch((const char*)(src + (PREFETCH_AHEAD / 2) * cstride), _MM_HINT_T0);
-            w[p] = (__m512bh)_mm512_loadu_si512(src);
+            if (p < HELD) w[p] = (__m512bh)_mm512_loadu_si512(src);
         }
 #pragma GCC unroll 8
         for (int t = 0; t < R; t++) {
