@@ -110,7 +110,8 @@ def main() -> None:
     from specdec import real_shapes
     from specdec.runtime import native_kernel as nk
 
-    known = ["default", "draft", *real_shapes.SHAPES]
+    shipped = {"default": "target", "draft": "draft"}
+    known = [*shipped, *real_shapes.SHAPES]
     unknown = [shape for shape in args.shapes if shape not in known]
     if unknown:
         ap.error(f"unknown shape {unknown[0]!r}; known: {', '.join(known)}")
@@ -119,7 +120,6 @@ def main() -> None:
     print(f"A = {args.baseline} ({base.kernel_status()}), B = this tree ({nk.kernel_status()}), {args.dtype}")
     print(f"threads {torch.get_num_threads()}, context {args.context}, caches {args.kv_dtype}")
     for shape in args.shapes:
-        shipped = {"default": "target", "draft": "draft"}
         path = ROOT / "src/specdec/models" / shipped[shape] if shape in shipped else real_shapes.checkpoint(shape)
         runners = {
             "A": runner_with(base.FusedLlama, path, DTYPES[args.dtype], args.kv_dtype),

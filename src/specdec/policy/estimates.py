@@ -785,7 +785,13 @@ class BatchCosts:
         them, a step is its pass's and its draft's measured shapes plus what the steps measure beyond those
         (``excess``, by the step's sequences and tokens); otherwise its pass, draft and rest from the curves the
         steps taught, size by size."""
-        shaped = self.shaped and self.excess.weight >= EXCESS_WARM
+        if self.shaped and self.excess.weight >= EXCESS_WARM:
+            excess = self.excess
+
+            def shaped(rows: int, depth: int, drafting: int, tokens: float = 0.0) -> float:
+                return max(self.measured_shape(rows, depth, drafting) + excess(sequences, tokens), 1e-9)
+
+            return shaped
         v0, v1 = solo.line()
         if solo.draft_per_token is not None:
             d1 = solo.draft_per_token
@@ -809,11 +815,7 @@ class BatchCosts:
             scale = per_forward * mean_depth / max(d0 + slope * (mean_depth - 1.0), 1e-12)
             return per_forward, scale * d0, scale * slope
 
-        excess = self.excess
-
         def price(rows: int, depth: int, drafting: int, tokens: float = 0.0) -> float:
-            if shaped:
-                return max(self.measured_shape(rows, depth, drafting) + excess(sequences, tokens), 1e-9)
             step = self.verify(rows, v0 + v1 * (rows - 1)) + other
             if not depth:
                 return step

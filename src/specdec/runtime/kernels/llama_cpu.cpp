@@ -424,7 +424,7 @@ static inline void products(int64_t k, int64_t m, int64_t panel_bytes, int strea
     for (int64_t q0 = p0; q0 < p1; q0 += block) {
         const int64_t q1 = q0 + block < p1 ? q0 + block : p1;
         for (int64_t g = 0, t0 = 0; g < groups; g++) {
-            const int64_t rows = G > 1 ? grouped_rows(k, t0) : k / groups + (g < k % groups ? 1 : 0);
+            const int64_t rows = group > 1 ? grouped_rows(k, t0) : k / groups + (g < k % groups ? 1 : 0);
             auto run = [&](auto R, auto P) {
                 for (int64_t p = q0; p < q1;) {
                     int64_t pn = q1 - p < P ? q1 - p : P;
