@@ -15,7 +15,10 @@ other mode runs on the first (``plain`` asks for ``"speculative": {"tau": 0}``, 
 order rotated each round (``--rounds``), and the JSON keeps each round's tokens/s (``round_tokens_per_s``).
 Every request streams (``stream_options.include_usage``) so time to first token is measured too, each client on a
 keep-alive connection of its own read by a small HTTP/1.1 reader (``StreamConnection``: httpx took ~0.3 of a core at
-16 clients, on the machine it measures).
+16 clients, on the machine it measures). ``--no-stream`` asks for whole responses instead (no time to first token):
+what a server serves to clients that do not stream, where each step's tokens are not written to every client as they
+come (docs/server.md: on two cores the event loop's and the load generator's work per streamed chunk lands on the
+model's passes).
 
 Reports, per mode and concurrency: output tokens/s (all clients together), requests/s, p50/p95 request
 latency, p50 time to first token, and each mode's throughput relative to batched plain. Every greedy output
@@ -204,6 +207,13 @@ class _Reading:
                 if not self.usage:  # a server that sends no usage chunk: one event per token (llama.cpp's does)
                     self.tokens += 1
 
+    def whole(self, response: dict[str, Any]) -> None:
+        """A response that did not stream: its text and completion tokens (no time to first text)."""
+        if "error" in response:
+            raise RuntimeError(response["error"]["message"])
+        self.text = [choice.get("text") or "" for choice in response.get("choices", ())[:1]]
+        self.tokens = response.get("usage", {}).get("completion_tokens", 0)
+
     def sample(self) -> Sample:
         return Sample(
             latency=time.perf_counter() - self.t0, ttft=self.ttft, tokens=self.tokens, text="".join(self.text)
@@ -211,12 +221,15 @@ class _Reading:
 
 
 async def one_request(conn: StreamConnection, body: dict[str, Any]) -> Sample:
-    """One streamed completion: its latency, time to first text, completion tokens (the usage chunk) and text."""
+    """One completion: its latency, time to first text (streamed), completion tokens (the usage chunk) and text."""
     reading = _Reading()
     status, pieces = await conn.post_stream("/v1/completions", body)
     if status != 200:
         raw = b"".join([p async for p in pieces])
         raise RuntimeError(f"HTTP {status}: {raw.decode(errors='replace')[:200]}")
+    if not body.get("stream"):
+        reading.whole(json.loads(b"".join([p async for p in pieces])))
+        return reading.sample()
     pending = b""
     async for piece in pieces:
         pending += piece
@@ -245,9 +258,10 @@ def request_body(args: argparse.Namespace, mode: str, i: int) -> dict[str, Any]:
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "seed": i,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream": not args.no_stream,
     }
+    if not args.no_stream:
+        body["stream_options"] = {"include_usage": True}
     if args.model:
         body["model"] = args.model
     if mode in args.other:  # another server: a plain OpenAI body and the fields given for it
@@ -441,6 +455,10 @@ async def _health(http: httpx.AsyncClient, url: str) -> Any:
         return {"error": str(e)}
 
 
+def _seconds(value: float) -> str:
+    return "–" if value != value else f"{value:.3f}"  # nan: not measured (responses not streamed)
+
+
 def render(report: dict[str, Any]) -> str:
     rows = report["rows"]
     by = {(r["mode"], r["concurrency"]): r for r in rows}
@@ -455,7 +473,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append(
             f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {r['tokens_per_s']:.1f} | "
             f"{ratio} | {r['requests_per_s']:.2f} | {r['p50_latency_s']:.3f} | {r['p95_latency_s']:.3f} | "
-            f"{r['p50_ttft_s']:.3f} | {r.get('identical_prompts', '')} |"
+            f"{_seconds(r['p50_ttft_s'])} | {r.get('identical_prompts', '')} |"
         )
     same = report["greedy_identity"]
     if same is not None:
@@ -647,6 +665,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="FILE",
         help="prompts: " + PROMPT_FILE_HELP + " (specdec bench's files too)",
+    )
+    p.add_argument(
+        "--no-stream",
+        action="store_true",
+        help="ask for whole responses (no time to first token) instead of streamed ones",
     )
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", default=None, metavar="FILE", help="also write the full report as JSON")

@@ -464,7 +464,11 @@ def test_the_load_test_client_reads_what_httpx_reads(server: str) -> None:
             with pytest.raises(RuntimeError, match="HTTP 400") as bad:
                 await lt.one_request(conn, {**body, "max_tokens": -1})
             after = await lt.one_request(conn, body)  # the connection still serves after an error response
-            return [*raw, after], ref, str(bad.value)
+            # --no-stream: a whole response on the same connection
+            whole = await lt.one_request(
+                conn, {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+            )
+            return [*raw, after, whole], ref, str(bad.value)
         finally:
             await conn.close()
 
@@ -472,6 +476,7 @@ def test_the_load_test_client_reads_what_httpx_reads(server: str) -> None:
     assert samples[0].text == samples[2].text == samples[3].text == ref.text and ref.text
     assert samples[0].tokens == ref.tokens == 12 and samples[1].tokens == 5
     assert samples[1].text == ref.text[: len(samples[1].text)] and samples[0].ttft <= samples[0].latency
+    assert samples[4].text == ref.text and samples[4].tokens == 12 and samples[4].ttft != samples[4].ttft  # nan
     assert "max_tokens" in error
     argv = ["--url", server, "--api-key", API_KEY, "--concurrency", "3", "--requests", "5", "--rounds", "2"]
     args = lt.parse_args([*argv, "--modes", "plain", "tau2"])
@@ -480,6 +485,14 @@ def test_the_load_test_client_reads_what_httpx_reads(server: str) -> None:
     assert report["greedy_identity"] == {"prompt_mode_levels": 6, "differing": 0}
     assert all(r["requests"] == 10 and r["errors"] == 0 and r["tokens_per_s"] > 0 for r in report["rows"])
     assert all(len(r["round_tokens_per_s"]) == 2 and min(r["round_tokens_per_s"]) > 0 for r in report["rows"])
+    # --no-stream: whole responses, no time to first token
+    whole = lt.parse_args([*argv, "--modes", "tau2", "--no-stream", "--rounds", "1"])
+    whole.max_tokens, whole.prompt_list = 10, PROMPTS[:3]
+    unstreamed = asyncio.run(lt.main_async(whole, {"batched": server}))
+    assert unstreamed["greedy_identity"] == {"prompt_mode_levels": 3, "differing": 0}
+    row = unstreamed["rows"][0]
+    assert row["errors"] == 0 and 0 < row["mean_tokens"] <= 10 and row["p50_ttft_s"] != row["p50_ttft_s"]
+    assert "| – |" in lt.render(unstreamed)
     # Another OpenAI server beside ours (here the same one, asked through plain bodies and --other-body's fields):
     # its own mode, held to its own solo outputs, and those compared with ours.
     other = ["--other", f"same={server}", "--other-body", '{"speculative": {"tau": 3}}', "--rounds", "1"]
