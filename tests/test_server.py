@@ -213,10 +213,15 @@ def test_stream_ends_with_done_and_carries_steps(server: str) -> None:
     with httpx.stream(
         "POST", f"{server}/v1/completions", json=body, timeout=60, headers={"Authorization": f"Bearer {API_KEY}"}
     ) as r:
-        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        assert r.status_code == 200 and r.headers["content-type"] == "text/event-stream; charset=utf-8"
+        # Written as it comes (chunked, no length), not cached or buffered by a proxy, with the request's id.
+        assert r.headers["transfer-encoding"] == "chunked" and "content-length" not in r.headers
+        assert r.headers["cache-control"] == "no-cache" and r.headers["x-accel-buffering"] == "no"
+        assert len(r.headers["x-request-id"]) == 24
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert {e["id"] for e in events} == {"cmpl-" + r.headers["x-request-id"]}
     steps = [e["speculative"]["step"] for e in events if "step" in e.get("speculative", {})]
     assert steps and [s["step"] for s in steps] == list(range(len(steps)))
     for s in steps:
