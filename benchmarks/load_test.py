@@ -180,6 +180,12 @@ class StreamConnection:
         self._reader = self._writer = None
 
 
+def _raise_reported(obj: dict[str, Any]) -> None:
+    """An error the server reported in an event or a response body (OpenAI's shape), as an exception."""
+    if "error" in obj:
+        raise RuntimeError(obj["error"]["message"])
+
+
 class _Reading:
     """What one streamed completion's SSE events say: its text, completion tokens and time to first text."""
 
@@ -195,8 +201,7 @@ class _Reading:
         if data in ("[DONE]", b"[DONE]"):
             return
         chunk = json.loads(data)
-        if "error" in chunk:
-            raise RuntimeError(chunk["error"]["message"])
+        _raise_reported(chunk)
         if chunk.get("usage"):
             self.tokens, self.usage = chunk["usage"]["completion_tokens"], True
         for choice in chunk.get("choices", ()):
@@ -209,8 +214,7 @@ class _Reading:
 
     def whole(self, response: dict[str, Any]) -> None:
         """A response that did not stream: its text and completion tokens (no time to first text)."""
-        if "error" in response:
-            raise RuntimeError(response["error"]["message"])
+        _raise_reported(response)
         self.text = [choice.get("text") or "" for choice in response.get("choices", ())[:1]]
         self.tokens = response.get("usage", {}).get("completion_tokens", 0)
 
