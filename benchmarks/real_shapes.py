@@ -1,8 +1,8 @@
 """What a target pass of 1..16 rows costs at real model shapes, next to the machine's limits, measured in one run.
 
 For each shape (random-init checkpoints with the published bodies of SmolLM2-135M, Qwen2.5-0.5B, Llama-3.2-1B;
-**vocabulary cut to the shipped 8,192-token tokenizer**, see ``specdec.real_shapes``) it measures, on the CPU
-kernel:
+**vocabulary cut to the shipped 8,192-token tokenizer** unless ``--vocab published`` asks for the published one, see
+``specdec.real_shapes``; or a checkpoint directory of your own, as it is) it measures, on the CPU kernel:
 
 - t(k) of a verify block (one sequence, k consecutive tokens) and of a batch (k sequences, one token each,
   through ``forward_batch``), k = 1..16, at 64 tokens of context, row counts taking turns in rounds;
@@ -18,6 +18,8 @@ Writes JSON and a PNG (t(k)/t(1) against k per shape, with the floor and the com
     python benchmarks/real_shapes.py                        # the three shapes, bf16, ~5 minutes
     python benchmarks/real_shapes.py --dtype fp32 --shapes qwen2.5-0.5b
     python benchmarks/real_shapes.py --quick --out /tmp/rs  # a tiny shape, seconds (smoke test)
+    python benchmarks/real_shapes.py --shapes qwen2.5-0.5b --vocab published   # its 151,936-token head too
+    python benchmarks/real_shapes.py --shapes ~/models/my-llama               # a checkpoint of your own
 
 Checkpoints go to ``$SPECDEC_CACHE_DIR/real_shapes`` (else ``~/.cache/specdec/real_shapes``), not the repo.
 """
@@ -31,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +66,8 @@ def plot(result: dict[str, Any], path: Path) -> str | None:
         bound = [max(s["floor_seconds"], s["flops_per_row"] * k / result["limits"]["peak_flops"]) / t1 for k in ks]
         ax.plot(ks, bound, ":", color="k", label="max(memory floor, FMA peak)")
         ax.axhline(s["floor_seconds"] / t1, color="gray", lw=0.8)
-        ax.set_title(f"{name} ({s['weight_mb']:.0f} MB {result['dtype']})", fontsize=9)
+        label = Path(name).name or name  # a checkpoint directory: its last part
+        ax.set_title(f"{label} ({s['weight_mb']:.0f} MB {result['dtype']}, {s['vocab']:,}-token head)", fontsize=9)
         ax.set_xlabel("rows k")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
@@ -79,9 +83,68 @@ def plot(result: dict[str, Any], path: Path) -> str | None:
     return None
 
 
+@dataclass
+class ShapeSource:
+    """Where a shape's checkpoint comes from: a named shape written here at ``vocab`` tokens, or a directory."""
+
+    name: str
+    directory: Path | None = None
+    vocab: int = 0
+    published_vocab: int | None = None
+    root: Path | None = None
+
+    def path(self) -> Path:
+        if self.directory is not None:
+            return self.directory
+        from specdec import real_shapes as rs
+
+        return rs.checkpoint(self.name, self.root, vocab=self.vocab)
+
+
+def parse_vocab(text: str) -> str | int:
+    """``--vocab``: ``shipped``, ``published`` or a positive number; SystemExit naming the value otherwise."""
+    if text in ("shipped", "published"):
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise SystemExit(f"--vocab must be shipped, published or a positive number, got {text!r}")
+    return n
+
+
+def shape_source(shape: str, vocab: str | int, root: Path | None) -> ShapeSource:
+    """``shape`` resolved: a named shape (with ``vocab``: shipped, published or a number) or a checkpoint directory;
+    SystemExit naming what is wrong otherwise."""
+    from specdec import real_shapes as rs
+
+    if shape in rs.SHAPES:
+        published = int(rs.SHAPES[shape]["published_vocab_size"])
+        n = rs.VOCAB if vocab == "shipped" else published if vocab == "published" else int(vocab)
+        return ShapeSource(shape, vocab=n, published_vocab=published, root=root)
+    d = Path(shape).expanduser()
+    if d.is_dir():
+        if not (d / "config.json").is_file():
+            raise SystemExit(f"{shape}: a directory without config.json is not a checkpoint")
+        return ShapeSource(shape, directory=d.resolve())
+    raise SystemExit(f"unknown shape {shape!r}: one of {', '.join(rs.SHAPES)} or a checkpoint directory")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shapes", nargs="+", default=None, help=f"default: {' '.join(DEFAULT_SHAPES)}")
+    ap.add_argument(
+        "--shapes",
+        nargs="+",
+        default=None,
+        help=f"named shapes or checkpoint directories (default: {' '.join(DEFAULT_SHAPES)})",
+    )
+    ap.add_argument(
+        "--vocab",
+        default="shipped",
+        help="vocabulary of the named shapes' checkpoints: shipped (the shipped tokenizer's 8,192, default), "
+        "published (each model's own) or a number; a checkpoint directory keeps its own",
+    )
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--max-rows", type=int, default=16)
     ap.add_argument("--context", type=int, default=64)
@@ -100,9 +163,8 @@ def main() -> None:
     if not nk.kernel_available():
         raise SystemExit(f"the CPU kernel is unavailable: {nk.kernel_status()}")
     shapes = args.shapes or (["tiny"] if args.quick else DEFAULT_SHAPES)
-    for s in shapes:
-        if s not in rs.SHAPES:
-            raise SystemExit(f"unknown shape {s!r}; known: {', '.join(rs.SHAPES)}")
+    vocab_wanted = parse_vocab(args.vocab)
+    sources = {s: shape_source(s, vocab_wanted, args.checkpoints) for s in shapes}
     if args.max_rows < 1 or args.context < 1 or args.rounds < 1:
         raise SystemExit("--max-rows, --context and --rounds must be positive")
     ks = [1, 2, 3, 4, 6, 8] if args.quick else list(range(1, args.max_rows + 1))
@@ -126,8 +188,13 @@ def main() -> None:
         del draft
     per_shape: dict[str, Any] = {}
     for name in shapes:
-        path = rs.checkpoint(name, args.checkpoints)
-        runner = NativeRunner.from_pretrained(path, dtype=dtype, kernel=True, max_context=args.context + max(ks) + 8)
+        path = sources[name].path()
+        try:
+            runner = NativeRunner.from_pretrained(
+                path, dtype=dtype, kernel=True, max_context=args.context + max(ks) + 8
+            )
+        except (ValueError, OSError, KeyError) as e:  # a checkpoint the native runtime cannot load: say which
+            raise SystemExit(f"{name}: cannot load {path} on the CPU kernel: {e}") from None
         # The memory's bandwidth is read again at every round, right before its one-row pass: on a shared host it
         # moves (a Zen 4 read 29-64 GB/s within minutes), and a floor read minutes away says little about a pass.
         times = rs.pass_times(
@@ -151,7 +218,7 @@ def main() -> None:
         "threads": threads,
         "dtype": args.dtype,
         "context": args.context,
-        "vocab": rs.VOCAB,
+        "vocab": args.vocab,
         "limits": {
             "read_bytes_per_s": bw,
             "read_bytes_per_s_start_end": [bw0, bw1],
@@ -170,14 +237,17 @@ def main() -> None:
     for name, entry in per_shape.items():
         cfg = entry["config"]
         times = entry["times"]
-        wbytes = rs.matrix_params(cfg, rs.VOCAB) * elem
+        vocab = cfg.vocab_size
+        wbytes = rs.matrix_params(cfg, vocab) * elem
         floor = wbytes / bw
-        flops1 = rs.pass_flops(cfg, rs.VOCAB, 1, args.context)
+        flops1 = rs.pass_flops(cfg, vocab, 1, args.context)
 
         t1 = times.block[1]
 
-        def row(k: int, t: float, cfg: Any = cfg, floor: float = floor, t1: float = t1) -> dict[str, float]:
-            flops = rs.pass_flops(cfg, rs.VOCAB, k, args.context)
+        def row(
+            k: int, t: float, cfg: Any = cfg, floor: float = floor, t1: float = t1, vocab: int = vocab
+        ) -> dict[str, float]:
+            flops = rs.pass_flops(cfg, vocab, k, args.context)
             return {
                 "seconds": t,
                 "vs_one_row": t / t1,
@@ -187,8 +257,9 @@ def main() -> None:
 
         s: dict[str, Any] = {
             "checkpoint": entry["path"],
-            "published_vocab": rs.SHAPES[name]["published_vocab_size"],
-            "matrix_params": rs.matrix_params(cfg, rs.VOCAB),
+            "vocab": vocab,
+            "published_vocab": sources[name].published_vocab,
+            "matrix_params": rs.matrix_params(cfg, vocab),
             "weight_mb": wbytes / 1e6,
             "floor_seconds": floor,
             "flops_per_row": flops1,
@@ -209,7 +280,7 @@ def main() -> None:
                 str(a): dict(zip(("tau", "speedup"), rs.ideal_speedup(times.block, c, a))) for a in ALPHAS
             }
         result["shapes"][name] = s
-        print(f"\n{name}: {wbytes / 1e6:.0f} MB of weights, floor {floor * 1e3:.2f} ms")
+        print(f"\n{name}: {wbytes / 1e6:.0f} MB of weights ({vocab:,}-token head), floor {floor * 1e3:.2f} ms")
         rf = s["round_floor"]
         if rf["one_row_vs_floor"]:
             ratio = rf["one_row_vs_floor"]

@@ -93,3 +93,31 @@ def test_command_runs_on_a_tiny_shape(tmp_path: Path) -> None:
     assert b["vs_one_row"] == pytest.approx(b["seconds"] / s["block"]["1"]["seconds"])
     assert set(s["ideal_speculative"]) == {"0.6", "0.7", "0.8"}
     assert "floor" in res.stdout
+
+
+@needs_kernel
+def test_command_takes_a_vocabulary_and_a_checkpoint_directory(tmp_path: Path) -> None:
+    """``--vocab`` sizes the named shapes' heads; a checkpoint directory is measured as it is (its own head)."""
+    own = rs.checkpoint("tiny", tmp_path / "mine", vocab=500)  # "a checkpoint of your own"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "real_shapes.py"), "--quick", "--out", str(tmp_path)]
+    cmd += ["--checkpoints", str(tmp_path / "ck"), "--max-rows", "2"]
+    res = subprocess.run(
+        cmd + ["--shapes", "tiny", str(own), "--vocab", "300"], env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    (out,) = tmp_path.glob("real_shapes-*-quick.json")
+    shapes = json.loads(out.read_text())["shapes"]
+    named, mine = shapes["tiny"], shapes[str(own)]
+    assert (named["vocab"], mine["vocab"], mine["published_vocab"]) == (300, 500, None)
+    assert mine["checkpoint"] == str(own.resolve()) and set(mine["block"]) == {"1", "2"}
+    cfg, _ = read_config(own)
+    assert mine["matrix_params"] == rs.matrix_params(cfg, 500) == named["matrix_params"] + 200 * 72
+    assert "500-token head" in res.stdout
+    for bad, says in (
+        (["--vocab", "many"], "--vocab must be"),
+        (["--shapes", str(tmp_path / "nowhere")], "unknown shape"),
+        (["--shapes", str(tmp_path)], "without config.json"),
+    ):
+        res = subprocess.run(cmd + bad, env=env, capture_output=True, text=True)
+        assert res.returncode != 0 and says in res.stderr and "Traceback" not in res.stderr, res.stderr
