@@ -1,6 +1,6 @@
 """specdec beside llama.cpp on the same checkpoints converted to GGUF, measured in one run on this machine.
 
-Two parts, each a side-by-side comparison with ratios:
+Three parts, each a side-by-side comparison with ratios:
 
 - ``passes``: what a target pass of k rows costs, at ``--context`` tokens of cache, in specdec's CPU kernel
   (``specdec.real_shapes.pass_times``) and in llama.cpp (``llama-bench`` and ``llama-batched-bench``), for the shipped
@@ -10,12 +10,18 @@ Two parts, each a side-by-side comparison with ratios:
   the output head for the last row only, so it is a lower bound on a llama.cpp verify pass); a *batch* is k sequences
   of one token each (llama.cpp's figure: ``llama-batched-bench``'s generation phase, k sequences per decode, every
   row's logits, as in specdec's). The two systems take turns in ``--rounds`` rounds; medians.
+- ``pairs``: one-token passes only, the two systems in close pairs (a few seconds a pair) for ``--seconds`` per shape,
+  the memory's read bandwidth read before and after each pair. A one-token pass streams every weight, and a shared
+  host's memory can move between states within minutes (a Zen 4 read ~35 and ~60 GB/s by turns), so a comparison
+  of passes taken minutes apart says more about the memory than about the code; a pair whose two reads agree is
+  classed by them (``fast``/``slow`` where both states were seen), and the ratio is given per class.
 - ``serve``: ``llama-server`` (plain decoding with ``--parallel`` slots and continuous batching, and with
   ``--spec`` also with the shipped draft as its speculative draft) beside ``specdec serve``, through
   ``benchmarks/load_test.py``'s clients (``--other``): the same prompts, clients and requests, in turn; tokens/s,
   latency, and each server's greedy outputs against its own solo run. Arguments after ``--`` go to load_test.
 
     python benchmarks/vs_llama_cpp.py --llama-cpp ~/src/llama.cpp passes --shapes default qwen2.5-0.5b llama3.2-1b
+    python benchmarks/vs_llama_cpp.py --llama-cpp ~/src/llama.cpp pairs --shapes llama3.2-1b --seconds 300
     python benchmarks/vs_llama_cpp.py --llama-cpp ~/src/llama.cpp serve --spec -- --concurrency 1 4 16 32
     python benchmarks/vs_llama_cpp.py --llama-cpp ~/src/llama.cpp passes --shapes ~/models/Qwen2.5-0.5B   # your own
     python benchmarks/vs_llama_cpp.py --llama-cpp ~/src/llama.cpp serve --target ~/models/T --draft ~/models/D --spec
@@ -42,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -281,6 +288,122 @@ def render_passes(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def llama_cpp_one_row(tools: dict[str, Path], model: Path, context: int, threads: int) -> float:
+    """llama.cpp's one-token pass at ``context`` tokens of cache (``llama-bench``: 16 generated tokens, twice)."""
+    cmd = [str(tools["llama-bench"]), "-m", str(model), "-t", str(threads), "-d", str(context)]
+    bench = parse_llama_bench(_run([*cmd, "-p", "0", "-n", "16", "-r", "2", "-o", "json"]))
+    return bench[(0, 16)] / 16
+
+
+STEADY = 1.15  # a pair's two bandwidth reads within this factor of each other: the memory held one state through it
+TWO_STATES = 1.3  # the fastest read over the slowest at least this: two states seen, classed at the midpoint
+
+
+def summarize_pairs(pairs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Medians of ``pairs`` (``read_before``/``read_after`` bytes/s, ``specdec``/``llama.cpp`` seconds) for all of
+    them and per memory state: the pairs whose two reads agree (within ``STEADY``), classed ``fast`` or ``slow`` by
+    the midpoint of every read where the reads span ``TWO_STATES`` or more, else ``steady``."""
+    reads = [p[k] for p in pairs for k in ("read_before", "read_after")]
+    groups: dict[str, list[dict[str, float]]] = {"all": list(pairs)}
+    if reads:
+        lo, hi = min(reads), max(reads)
+        mid = (lo + hi) / 2
+        for p in pairs:
+            a, b = sorted((p["read_before"], p["read_after"]))
+            if b > a * STEADY:
+                continue
+            state = "steady" if hi < lo * TWO_STATES else "fast" if a >= mid else "slow" if b <= mid else None
+            if state is not None:
+                groups.setdefault(state, []).append(p)
+    out = {}
+    for name, group in groups.items():
+        if not group:
+            continue
+        ratios = [p["llama.cpp"] / p["specdec"] for p in group]
+        out[name] = {
+            "pairs": len(group),
+            "specdec_seconds": statistics.median(p["specdec"] for p in group),
+            "llama_cpp_seconds": statistics.median(p["llama.cpp"] for p in group),
+            "llama_cpp_over_specdec": statistics.median(ratios),
+            "ratio_min": min(ratios),
+            "ratio_max": max(ratios),
+            "read_min": min(min(p["read_before"], p["read_after"]) for p in group),
+            "read_max": max(max(p["read_before"], p["read_after"]) for p in group),
+        }
+    return out
+
+
+def cmd_pairs(args: argparse.Namespace, tools: dict[str, Path]) -> int:
+    import torch
+
+    from specdec import real_shapes as rs
+    from specdec.runtime import native_kernel as nk
+    from specdec.runtime.native import NativeRunner
+
+    torch.set_num_threads(args.threads)
+    if not nk.kernel_available():
+        raise Failure(f"the CPU kernel is unavailable: {nk.kernel_status()}")
+
+    def read() -> float:
+        return rs.read_bandwidth(args.threads, mib=512, reps=3)
+
+    shapes: dict[str, Any] = {}
+    for shape in args.shapes:
+        model = gguf(shape, args.llama_cpp, args.out)
+        runner = NativeRunner.from_pretrained(
+            hf_dir(shape, args.out), dtype=torch.bfloat16, kernel=True, max_context=args.context + 8
+        )
+        pairs: list[dict[str, float]] = []
+        end = time.monotonic() + args.seconds
+        while time.monotonic() < end or len(pairs) < 2:
+            pair = {"read_before": read()}
+            for who in ["specdec", "llama.cpp"][:: 1 if len(pairs) % 2 == 0 else -1]:  # who goes first alternates
+                if who == "specdec":
+                    one = rs.pass_times(runner, [1], context=args.context, batches=False, rounds=1, min_seconds=0.3)
+                    pair[who] = one.block[1]
+                else:
+                    pair[who] = llama_cpp_one_row(tools, model, args.context, args.threads)
+            pair["read_after"] = read()
+            pairs.append(pair)
+        del runner
+        shapes[shape] = {"gguf": str(model), "summary": summarize_pairs(pairs), "pairs": pairs}
+        print(f"  {shape}: {len(pairs)} pairs", file=sys.stderr, flush=True)
+    report = {
+        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "cpu": rs.cpu_info(),
+        "kernel": nk.kernel_status(),
+        "llama_cpp": _llama_cpp_version(tools),
+        "threads": args.threads,
+        "context": args.context,
+        "shapes": shapes,
+    }
+    print(render_pairs(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return 0
+
+
+def render_pairs(report: dict[str, Any]) -> str:
+    lines = [
+        f"{report['cpu'].get('model', '?')}, {report['threads']} threads, {report['context']} tokens of context; "
+        f"specdec {report['kernel']}; llama.cpp {report['llama_cpp']}. One-token passes in close pairs, medians."
+    ]
+    for shape, s in report["shapes"].items():
+        lines += [
+            f"\n{shape}\n",
+            "| memory | pairs | read GB/s | specdec ms | llama.cpp ms | llama.cpp ÷ specdec (range) |",
+            "|---|---|---|---|---|---|",
+        ]
+        for state, g in s["summary"].items():
+            lines.append(
+                f"| {state} | {g['pairs']} | {g['read_min'] / 1e9:.0f}-{g['read_max'] / 1e9:.0f} | "
+                f"{_ms(g['specdec_seconds'])} | {_ms(g['llama_cpp_seconds'])} | "
+                f"{g['llama_cpp_over_specdec']:.2f}× ({g['ratio_min']:.2f}-{g['ratio_max']:.2f}) |"
+            )
+    return "\n".join(lines)
+
+
 def _ms(seconds: float | None) -> str:
     return f"{seconds * 1e3:.2f}" if seconds else "–"
 
@@ -349,6 +472,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     pp.add_argument("--context", type=int, default=64)
     pp.add_argument("--rounds", type=int, default=2)
     pp.add_argument("--json", default=None, metavar="FILE")
+    pr = sub.add_parser("pairs", help="one-token passes of both in close pairs, classed by the memory's state")
+    pr.add_argument("--shapes", nargs="+", default=["llama3.2-1b"])
+    pr.add_argument("--seconds", type=float, default=120.0, help="per shape (default 120; a pair takes a few)")
+    pr.add_argument("--context", type=int, default=64)
+    pr.add_argument("--json", default=None, metavar="FILE")
     ps = sub.add_parser("serve", help="llama-server beside specdec serve through load_test.py (args after --)")
     ps.add_argument("--spec", action="store_true", help="also llama-server speculating with the shipped draft")
     ps.add_argument("--draft-max", type=int, default=4, help="llama-server --spec-draft-n-max (default 4)")
@@ -368,14 +496,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 p.error(f"{flag} {where}: not a checkpoint directory (no config.json)")
         if (args.target or args.draft) and "--serve-args" in args.load_test_args:
             p.error("--target/--draft set both servers' models: leave --serve-args out")
-    if args.part == "passes":
+    if args.part in ("passes", "pairs"):
         from specdec import real_shapes as rs
 
         for shape in args.shapes:
             if shape != "default" and shape not in rs.SHAPES and not (Path(shape) / "config.json").is_file():
                 p.error(f"unknown shape {shape!r}: default, {', '.join(rs.SHAPES)} or a checkpoint directory")
-        if min(args.ks) < 1 or args.context < 1 or args.rounds < 1:
-            p.error("--ks, --context and --rounds must be positive")
+    if args.part == "passes" and (min(args.ks) < 1 or args.context < 1 or args.rounds < 1):
+        p.error("--ks, --context and --rounds must be positive")
+    if args.part == "pairs" and (args.seconds <= 0 or args.context < 1):
+        p.error("--seconds and --context must be positive")
     return args
 
 
@@ -384,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tools = find_tools(args.llama_cpp, args.bin)
         args.out.mkdir(parents=True, exist_ok=True)
-        return cmd_passes(args, tools) if args.part == "passes" else cmd_serve(args, tools)
+        run = {"passes": cmd_passes, "pairs": cmd_pairs, "serve": cmd_serve}[args.part]
+        return run(args, tools)
     except (Failure, OSError, subprocess.TimeoutExpired) as e:
         print(f"vs_llama_cpp: error: {e}", file=sys.stderr)
         return 2

@@ -184,3 +184,44 @@ def test_a_checkpoint_directory_of_ones_own_is_converted_once(tmp_path: Path) ->
     assert run.returncode == 2 and "not a checkpoint directory (no config.json)" in run.stderr
     run = _cli("--llama-cpp", str(tree), "serve", "--target", str(ckpt), "--", "--serve-args", "--tau 3")
     assert run.returncode == 2 and "leave --serve-args out" in run.stderr
+
+
+def test_pairs_are_classed_by_the_memorys_state_read_around_them() -> None:
+    """`pairs`: a pair whose two bandwidth reads agree is classed fast or slow by the midpoint of every read (two
+    states seen); a pair the memory changed state during counts in `all` only."""
+    mod = _module()
+
+    def pair(before: float, after: float, ours: float, theirs: float) -> dict[str, float]:
+        return {"read_before": before * 1e9, "read_after": after * 1e9, "specdec": ours, "llama.cpp": theirs}
+
+    pairs = [
+        pair(60, 58, 0.030, 0.040),  # fast: llama.cpp 1.33x our time
+        pair(61, 62, 0.032, 0.040),  # fast: 1.25x
+        pair(35, 36, 0.058, 0.058),  # slow: 1.00x
+        pair(34, 35, 0.056, 0.062),  # slow: ~1.11x
+        pair(36, 60, 0.050, 0.045),  # changed state mid-pair: in "all" only
+    ]
+    s = mod.summarize_pairs(pairs)
+    assert set(s) == {"all", "fast", "slow"}
+    assert s["all"]["pairs"] == 5 and s["fast"]["pairs"] == 2 and s["slow"]["pairs"] == 2
+    assert s["fast"]["llama_cpp_over_specdec"] == pytest.approx((4 / 3 + 1.25) / 2)
+    assert s["slow"]["specdec_seconds"] == pytest.approx(0.057)
+    assert (s["slow"]["ratio_min"], s["slow"]["read_max"]) == (pytest.approx(1.0), pytest.approx(36e9))
+    assert s["all"]["ratio_min"] == pytest.approx(0.9)
+    one_state = mod.summarize_pairs([pair(50, 52, 0.03, 0.03), pair(52, 51, 0.03, 0.036)])
+    assert set(one_state) == {"all", "steady"} and one_state["steady"]["llama_cpp_over_specdec"] == pytest.approx(1.1)
+    report = {
+        "cpu": {"model": "CPU"},
+        "threads": 2,
+        "context": 64,
+        "kernel": "k",
+        "llama_cpp": "v",
+        "shapes": {"llama3.2-1b": {"summary": s}},
+    }
+    assert "| fast | 2 | 58-62 | 31.00 | 40.00 | 1.29× (1.25-1.33) |" in mod.render_pairs(report)
+
+
+def test_pairs_refuses_a_non_positive_duration(tmp_path: Path) -> None:
+    tree = _fake_tree(tmp_path)
+    run = _cli("--llama-cpp", str(tree), "pairs", "--seconds", "0")
+    assert run.returncode == 2 and "--seconds and --context must be positive" in run.stderr
