@@ -49,7 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -217,7 +217,6 @@ def specdec_passes(path: Path, ks: list[int], context: int, rounds: int) -> dict
 def cmd_passes(args: argparse.Namespace, tools: dict[str, Path]) -> int:
     import torch
 
-    from specdec import real_shapes as rs
     from specdec.runtime import native_kernel as nk
 
     torch.set_num_threads(args.threads)
@@ -245,6 +244,20 @@ def cmd_passes(args: argparse.Namespace, tools: dict[str, Path]) -> int:
             for who, done in runs.items()
         }
         shapes[shape] = {"gguf": str(model), "median_seconds": med, "rounds": runs}
+    return _report(args, tools, shapes, render_passes)
+
+
+def _report(
+    args: argparse.Namespace,
+    tools: dict[str, Path],
+    shapes: dict[str, Any],
+    render: Callable[[dict[str, Any]], str],
+) -> int:
+    """A part's report: the run's machine, versions and settings around ``shapes``; printed, and written to
+    ``--json``."""
+    from specdec import real_shapes as rs
+    from specdec.runtime import native_kernel as nk
+
     report = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -255,17 +268,21 @@ def cmd_passes(args: argparse.Namespace, tools: dict[str, Path]) -> int:
         "context": args.context,
         "shapes": shapes,
     }
-    print(render_passes(report))
+    print(render(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
     return 0
 
 
-def render_passes(report: dict[str, Any]) -> str:
-    lines = [
+def _heading(report: dict[str, Any], what: str) -> str:
+    return (
         f"{report['cpu'].get('model', '?')}, {report['threads']} threads, {report['context']} tokens of context; "
-        f"specdec {report['kernel']}; llama.cpp {report['llama_cpp']}. Milliseconds per pass (medians over rounds)."
-    ]
+        f"specdec {report['kernel']}; llama.cpp {report['llama_cpp']}. {what}"
+    )
+
+
+def render_passes(report: dict[str, Any]) -> str:
+    lines = [_heading(report, "Milliseconds per pass (medians over rounds).")]
     for shape, s in report["shapes"].items():
         med = s["median_seconds"]
         lines += [
@@ -368,27 +385,11 @@ def cmd_pairs(args: argparse.Namespace, tools: dict[str, Path]) -> int:
         del runner
         shapes[shape] = {"gguf": str(model), "summary": summarize_pairs(pairs), "pairs": pairs}
         print(f"  {shape}: {len(pairs)} pairs", file=sys.stderr, flush=True)
-    report = {
-        "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "cpu": rs.cpu_info(),
-        "kernel": nk.kernel_status(),
-        "llama_cpp": _llama_cpp_version(tools),
-        "threads": args.threads,
-        "context": args.context,
-        "shapes": shapes,
-    }
-    print(render_pairs(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
-    return 0
+    return _report(args, tools, shapes, render_pairs)
 
 
 def render_pairs(report: dict[str, Any]) -> str:
-    lines = [
-        f"{report['cpu'].get('model', '?')}, {report['threads']} threads, {report['context']} tokens of context; "
-        f"specdec {report['kernel']}; llama.cpp {report['llama_cpp']}. One-token passes in close pairs, medians."
-    ]
+    lines = [_heading(report, "One-token passes in close pairs, medians.")]
     for shape, s in report["shapes"].items():
         lines += [
             f"\n{shape}\n",

@@ -106,21 +106,18 @@ def test_the_converter_is_told_the_shipped_tokenizer_is_gpt2s_and_to_skip_senten
     assert _convert(mod, tree, other, tmp_path / "b.txt")[0].startswith("refused: BPE pre-tokenizer")
 
 
+def _report(shapes: dict[str, Any]) -> dict[str, Any]:
+    """A report as a part writes it, around ``shapes``."""
+    return {"cpu": {"model": "CPU"}, "threads": 2, "context": 64, "kernel": "k", "llama_cpp": "v", "shapes": shapes}
+
+
 def test_the_table_gives_llama_cpp_over_specdec_per_row_count() -> None:
     mod = _module()
     med = {
         "specdec": {"block": {1: 0.001, 8: 0.002}, "batch": {1: 0.001, 8: 0.0025}},
         "llama.cpp": {"block": {1: 0.0012, 8: 0.004}, "batch": {1: 0.0011, 8: 0.005}},
     }
-    report = {
-        "cpu": {"model": "CPU"},
-        "threads": 2,
-        "context": 64,
-        "kernel": "k",
-        "llama_cpp": "v",
-        "shapes": {"default": {"median_seconds": med}},
-    }
-    text = mod.render_passes(report)
+    text = mod.render_passes(_report({"default": {"median_seconds": med}}))
     assert "| 8 | 2.00 | 4.00 | 2.00× | 2.50 | 5.00 | 2.00× |" in text
     assert "| 1 | 1.00 | 1.20 | 1.20× | 1.00 | 1.10 | 1.10× |" in text
 
@@ -210,15 +207,8 @@ def test_pairs_are_classed_by_the_memorys_state_read_around_them() -> None:
     assert s["all"]["ratio_min"] == pytest.approx(0.9)
     one_state = mod.summarize_pairs([pair(50, 52, 0.03, 0.03), pair(52, 51, 0.03, 0.036)])
     assert set(one_state) == {"all", "steady"} and one_state["steady"]["llama_cpp_over_specdec"] == pytest.approx(1.1)
-    report = {
-        "cpu": {"model": "CPU"},
-        "threads": 2,
-        "context": 64,
-        "kernel": "k",
-        "llama_cpp": "v",
-        "shapes": {"llama3.2-1b": {"summary": s}},
-    }
-    assert "| fast | 2 | 58-62 | 31.00 | 40.00 | 1.29× (1.25-1.33) |" in mod.render_pairs(report)
+    table = mod.render_pairs(_report({"llama3.2-1b": {"summary": s}}))
+    assert "| fast | 2 | 58-62 | 31.00 | 40.00 | 1.29× (1.25-1.33) |" in table
 
 
 def test_pairs_refuses_a_non_positive_duration(tmp_path: Path) -> None:
