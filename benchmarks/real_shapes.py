@@ -127,6 +127,13 @@ def shape_source(shape: str, vocab: str | int, root: Path | None) -> ShapeSource
     if d.is_dir():
         if not (d / "config.json").is_file():
             raise SystemExit(f"{shape}: a directory without config.json is not a checkpoint")
+        from specdec.errors import SpecdecError
+        from specdec.runtime.native_config import read_config
+
+        try:  # before any measuring: a model the CPU kernel does not run is said at once
+            read_config(d)
+        except SpecdecError as e:
+            raise SystemExit(f"{shape}: the CPU kernel cannot run it: {e}") from None
         return ShapeSource(shape, directory=d.resolve())
     raise SystemExit(f"unknown shape {shape!r}: one of {', '.join(rs.SHAPES)} or a checkpoint directory")
 
@@ -155,6 +162,7 @@ def main() -> None:
     ap.add_argument("--checkpoints", type=Path, default=None, help="where checkpoints are written (default: cache)")
     args = ap.parse_args()
     from specdec import real_shapes as rs
+    from specdec.errors import SpecdecError
     from specdec.runtime import native_kernel as nk
     from specdec.runtime.native import NativeRunner
 
@@ -193,7 +201,7 @@ def main() -> None:
             runner = NativeRunner.from_pretrained(
                 path, dtype=dtype, kernel=True, max_context=args.context + max(ks) + 8
             )
-        except (ValueError, OSError, KeyError) as e:  # a checkpoint the native runtime cannot load: say which
+        except (SpecdecError, ValueError, OSError, KeyError) as e:  # one the native runtime cannot load: say which
             raise SystemExit(f"{name}: cannot load {path} on the CPU kernel: {e}") from None
         # The memory's bandwidth is read again at every round, right before its one-row pass: on a shared host it
         # moves (a Zen 4 read 29-64 GB/s within minutes), and a floor read minutes away says little about a pass.

@@ -114,8 +114,12 @@ def test_command_takes_a_vocabulary_and_a_checkpoint_directory(tmp_path: Path) -
     cfg, _ = read_config(own)
     assert mine["matrix_params"] == rs.matrix_params(cfg, 500) == named["matrix_params"] + 200 * 72
     assert "500-token head" in res.stdout
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4}))
     for bad, says in (
         (["--vocab", "many"], "--vocab must be"),
+        (["--shapes", str(gpt2)], "the CPU kernel cannot run it"),
         (["--shapes", str(tmp_path / "nowhere")], "unknown shape"),
         (["--shapes", str(tmp_path)], "without config.json"),
     ):
