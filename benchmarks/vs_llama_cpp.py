@@ -319,7 +319,8 @@ TWO_STATES = 1.3  # the fastest read over the slowest at least this: two states 
 def summarize_pairs(pairs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     """Medians of ``pairs`` (``read_before``/``read_after`` bytes/s, ``specdec``/``llama.cpp`` seconds) for all of
     them and per memory state: the pairs whose two reads agree (within ``STEADY``), classed ``fast`` or ``slow`` by
-    the midpoint of every read where the reads span ``TWO_STATES`` or more, else ``steady``."""
+    the midpoint of every read where the reads span ``TWO_STATES`` or more (a pair whose reads lie either side of
+    it is in neither), else ``steady``."""
     reads = [p[k] for p in pairs for k in ("read_before", "read_after")]
     groups: dict[str, list[dict[str, float]]] = {"all": list(pairs)}
     if reads:
