@@ -6,11 +6,15 @@ Sampling: draw many seeded completions from the speculative configuration and te
 positions' token frequencies against the target's exact distributions (one target forward per
 context), with a chi-square goodness-of-fit test and a log-likelihood z-test. Tests are
 Bonferroni-corrected, so a correct engine fails an audit with probability at most ``alpha`` (default 1e-3).
+Batched (``batch`` > 1): the speculative runs are served up to ``batch`` at a time through shared steps, joining
+mid-flight in a seeded order and leaving when done, as a server with ``--max-batch`` serves them; each greedy output
+is still compared with its solo target-only run, so a row that depends on its company shows as a divergence.
 """
 
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -18,7 +22,7 @@ from typing import Any
 
 import torch
 
-from specdec.engine import Engine
+from specdec.engine import Engine, Generation, GenerationResult
 from specdec.sampling import SamplingParams, logits_to_probs
 
 Prompt = str | Sequence[int]
@@ -36,6 +40,10 @@ class Divergence:
     expected_text: str
     got_text: str
     logit_margin: float | None = None  # target logit(expected) - logit(got) there; ~0 means a near tie
+    # Batched audits: the speculative step that emitted the divergent position, and its pass's company.
+    step: int | None = None
+    sequences: int | None = None  # sequences that shared that step's passes
+    rows: int | None = None  # rows of that step's target pass
 
     def describe(self) -> str:
         near = ""
@@ -44,9 +52,12 @@ class Divergence:
                 f" (near tie: target logits differ by {self.logit_margin:.1e}; likely a numerical difference "
                 "between block and single-token kernels, e.g. bf16)"
             )
+        where = ""
+        if self.step is not None:
+            where = f" (step {self.step}, its pass shared by {self.sequences} sequence(s), {self.rows} rows)"
         return (
             f"prompt {self.prompt_index} ({_short(self.prompt)}): first divergence at generated position "
-            f"{self.position}: target-only {_tok(self.expected, self.expected_text)}, speculative "
+            f"{self.position}{where}: target-only {_tok(self.expected, self.expected_text)}, speculative "
             f"{_tok(self.got, self.got_text)}{near}"
         )
 
@@ -77,6 +88,11 @@ class AuditResult:
     divergences: list[Divergence] = field(default_factory=list)
     tests: list[DistributionTest] = field(default_factory=list)
     alpha: float = 1e-3
+    batch: int = 1  # speculative runs served at once (1: one at a time)
+    steps: int = 0  # batched audits: speculative steps over all runs (one per run per step)
+    shared_steps: int = 0  # of those, steps whose passes held other sequences too
+    max_sequences: int = 0  # the most sequences in one step
+    max_rows: int = 0  # the most rows in one target pass
 
     @property
     def ok(self) -> bool:
@@ -108,6 +124,11 @@ class AuditResult:
                 f"sampling audit: {len(self.tests)} distribution test(s) over {self.prompts} prompt(s), "
                 f"false-failure rate ≤ {self.alpha:g}"
             )
+        if self.batch > 1:
+            head += (
+                f"; served up to {self.batch} at a time: {self.shared_steps} of {self.steps} steps shared their "
+                f"passes (up to {self.max_sequences} sequences, {self.max_rows} rows a pass)"
+            )
         if self.ok:
             return f"PASS  {head}: outputs match the target\n"
         lines = [f"FAIL  {head}", f"  {self.first_failure}"]
@@ -125,7 +146,42 @@ class AuditResult:
             "divergences": [asdict(d) for d in self.divergences],
             "tests": [asdict(t) | {"ok": t.ok} for t in self.tests],
             "alpha": self.alpha,
+            "batch": self.batch,
+            "steps": self.steps,
+            "shared_steps": self.shared_steps,
+            "max_sequences": self.max_sequences,
+            "max_rows": self.max_rows,
         }
+
+    def count_steps(self, generations: Sequence[Generation]) -> None:
+        """Add the company the runs' steps kept (batched audits)."""
+        for g in generations:
+            for r in g.records:
+                self.steps += 1
+                self.shared_steps += r.batch_size > 1
+                self.max_sequences = max(self.max_sequences, r.batch_size)
+                self.max_rows = max(self.max_rows, r.rows)
+
+
+def serve_in_batches(engine: Engine, requests: Sequence[dict[str, Any]], batch: int, seed: int = 0) -> list[Generation]:
+    """Run ``requests`` (``Engine.start`` keyword arguments) up to ``batch`` at a time through ``Engine.step``, as a
+    continuously batching server would: in an order shuffled by ``seed``, each step admits between one request and as
+    many as there are free slots (uniformly), so requests join mid-flight, meet different company, and leave the
+    moment they finish. Returns the finished generations in the order of ``requests``."""
+    rng = random.Random(seed)
+    order = list(range(len(requests)))
+    rng.shuffle(order)
+    gens: list[Generation | None] = [None] * len(requests)
+    active: list[Generation] = []
+    while order or active:
+        free = min(batch - len(active), len(order))
+        for _ in range(rng.randint(1, free) if free else 0):
+            i = order.pop()
+            g = gens[i] = engine.start(**requests[i])
+            active.append(g)
+        engine.step(active)
+        active = [g for g in active if not g.done]
+    return [g for g in gens if g is not None]
 
 
 def audit_greedy(
@@ -133,25 +189,56 @@ def audit_greedy(
     prompts: Sequence[Prompt],
     max_new_tokens: int | Sequence[int] = 64,
     recorded: Sequence[Sequence[int]] | None = None,
+    batch: int = 1,
+    seed: int = 0,
     **spec_kwargs: Any,
 ) -> AuditResult:
     """Compare greedy outputs token by token: target-only vs speculative (or vs ``recorded`` outputs,
     e.g. the ones a trace says were served). ``max_new_tokens``: one limit, or one per prompt.
-    ``spec_kwargs`` (tau, policy) choose the speculative run (default: the engine's configuration)."""
-    result = AuditResult(mode="greedy", prompts=len(prompts))
+    ``spec_kwargs`` (tau, policy) choose the speculative run (default: the engine's configuration).
+    ``batch`` > 1: the speculative runs share steps, up to ``batch`` at a time (``serve_in_batches``, ``seed``);
+    the target-only references still run alone."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if batch > 1 and recorded is not None:
+        raise ValueError("a batched audit runs the speculative side itself; recorded outputs have no runs to batch")
+    result = AuditResult(mode="greedy", prompts=len(prompts), batch=batch)
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    runs: list[GenerationResult] | None = None
+    if batch > 1:
+        requests = [dict(prompt=p, max_new_tokens=n, temperature=0.0, **spec_kwargs) for p, n in zip(prompts, limits)]
+        gens = serve_in_batches(engine, requests, batch, seed)
+        result.count_steps(gens)
+        runs = [g.result() for g in gens]
     for i, prompt in enumerate(prompts):
         ref = engine.generate(prompt, max_new_tokens=limits[i], temperature=0.0, tau=0).token_ids
+        run: GenerationResult | None = None
         if recorded is not None:
             got = list(recorded[i])
         else:
-            got = engine.generate(prompt, max_new_tokens=limits[i], temperature=0.0, **spec_kwargs).token_ids
+            run = runs[i] if runs is not None else None
+            if run is None:
+                run = engine.generate(prompt, max_new_tokens=limits[i], temperature=0.0, **spec_kwargs)
+            got = run.token_ids
         n = min(len(ref), len(got))
         result.tokens_compared += n
         pos = next((j for j in range(n) if ref[j] != got[j]), n)
         if pos < max(len(ref), len(got)):
-            result.divergences.append(_divergence(engine, i, prompt, ref, got, pos))
+            d = _divergence(engine, i, prompt, ref, got, pos)
+            if batch > 1 and run is not None:
+                _locate(d, run)
+            result.divergences.append(d)
     return result
+
+
+def _locate(d: Divergence, run: GenerationResult) -> None:
+    """The step of ``run`` that emitted position ``d.position``, and its company."""
+    emitted = 0
+    for r in run.records:
+        emitted += len(r.emitted)
+        if emitted > d.position:
+            d.step, d.sequences, d.rows = r.step, r.batch_size, r.rows
+            return
 
 
 def _divergence(engine: Engine, i: int, prompt: Prompt, ref: list[int], got: list[int], pos: int) -> Divergence:
@@ -184,32 +271,46 @@ def audit_sampling(
     seed: int = 0,
     alpha: float = 1e-3,
     max_new_tokens: int | None = None,
+    batch: int = 1,
     **spec_kwargs: Any,
 ) -> AuditResult:
     """Chi-square goodness of fit of the first ``positions`` generated tokens against the target.
 
     Position 1 is tested against p(· | prompt); position 2 within each group of runs that share the
     first token y1 against p(· | prompt, y1). ``max_new_tokens`` defaults to positions + 8 so that the
-    first step drafts a full block.
+    first step drafts a full block. ``batch`` > 1: the runs of all prompts share steps, up to ``batch`` at
+    a time (``serve_in_batches``, shuffled by ``seed``); each run keeps its own seed.
     """
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
     if params.greedy:
         raise ValueError("audit_sampling needs temperature > 0; use audit_greedy for greedy decoding")
-    result = AuditResult(mode="sampling", prompts=len(prompts), alpha=alpha)
+    result = AuditResult(mode="sampling", prompts=len(prompts), alpha=alpha, batch=batch)
     eos = min(engine.eos_ids) if engine.eos_ids else None
+    requests = [
+        dict(
+            prompt=prompt,
+            max_new_tokens=max_new_tokens or positions + 8,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed + r,
+            **spec_kwargs,
+        )
+        for prompt in prompts
+        for r in range(runs)
+    ]
+    if batch > 1:
+        gens = serve_in_batches(engine, requests, batch, seed)
+        result.count_steps(gens)
+        results = [g.result() for g in gens]
+    else:
+        results = [engine.generate(**kw) for kw in requests]
     raw: list[tuple[int, list[int], list[list[int]]]] = []
     for i, prompt in enumerate(prompts):
         samples = []
-        for r in range(runs):
-            res = engine.generate(
-                prompt,
-                max_new_tokens=max_new_tokens or positions + 8,
-                temperature=temperature,
-                top_k=top_k,
-                top_p=top_p,
-                seed=seed + r,
-                **spec_kwargs,
-            )
+        for res in results[i * runs : (i + 1) * runs]:
             toks = list(res.token_ids[:positions])
             if len(toks) < positions and res.finish_reason == "stop" and eos is not None:
                 toks.append(eos)  # the engine strips EOS; it is a category of its own

@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "speculative configuration and compare token by token. Sampling (--temperature > 0): "
         "chi-square test of the first positions' token frequencies over many seeded runs against the "
         "target's exact distributions (false-failure rate ≤ --alpha). Exit status: 0 pass, 1 "
-        "divergence, 2 bad input.",
+        "divergence, 2 bad input. --batch N serves the speculative runs N at a time through shared steps, as "
+        "'specdec serve --max-batch N' does, and still compares each with its solo target-only run.",
     )
     add_model_args(p)
     src = p.add_mutually_exclusive_group()
@@ -56,7 +57,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--runs", type=int, default=400, help="sampling: seeded runs per prompt (default 400)")
     g.add_argument("--positions", type=int, default=2, choices=(1, 2), help="sampling: positions tested")
     g.add_argument("--alpha", type=float, default=1e-3, help="sampling: false-failure rate (default 1e-3)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the first run and of the prompt sample")
+    g.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        metavar="N",
+        help="serve the speculative runs up to N at a time through shared draft and target passes (continuous "
+        "batching: they join mid-flight in a seeded order and leave when done); each greedy output is still "
+        "compared with its solo target-only run (default 1: one at a time)",
+    )
+    g.add_argument(
+        "--seed", type=int, default=0, help="seed of the first run, of the prompt sample and of the batched order"
+    )
     g.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.set_defaults(func=run)
 
@@ -70,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
     if args.temperature == 0:
         # A recorded output is compared over its own length (a stop string may have cut it).
         limit = [len(out) for out in recorded] if recorded is not None else args.max_new_tokens
-        result = audit_greedy(engine, prompts, max_new_tokens=limit, recorded=recorded)
+        result = audit_greedy(
+            engine, prompts, max_new_tokens=limit, recorded=recorded, batch=args.batch, seed=args.seed
+        )
     else:
         n = 3 if args.samples == 8 else args.samples  # the statistical test is costly: fewer prompts by default
         result = audit_sampling(
@@ -83,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
             positions=args.positions,
             seed=args.seed,
             alpha=args.alpha,
+            batch=args.batch,
         )
     if args.json:
         print(json.dumps(result.to_json(), ensure_ascii=False))
@@ -92,13 +107,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    for name in ("samples", "runs", "max_new_tokens"):
+    for name in ("samples", "runs", "max_new_tokens", "batch"):
         if getattr(args, name) <= 0:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be a positive integer", name)
     if not 0 < args.alpha < 1:
         raise InvalidRequestError("--alpha must be in (0, 1)", "alpha")
     if args.temperature < 0:
         raise InvalidRequestError("--temperature must be >= 0", "temperature")
+    if args.batch > 1 and args.trace is not None and args.temperature == 0:
+        raise InvalidRequestError(
+            "--batch does not apply to a greedy --trace audit: it compares the outputs the trace recorded (served "
+            "however the server batched them) and runs no speculative decoding of its own",
+            "batch",
+        )
 
 
 def _prompts(args: argparse.Namespace) -> tuple[list[Any], list[list[int]] | None]:
