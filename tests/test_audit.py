@@ -154,12 +154,17 @@ def test_cli_audits_a_trace_and_catches_a_tampered_output(
 
     trace = tmp_path / "t.jsonl"
     eng = specdec.load(tiny_models["llama"], tiny_models["draft"], tau=3, trace=trace)
+    # A request with logits rules is replayed with them (without, its target-only run is another output).
+    rules = dict(presence_penalty=1.5, repetition_penalty=1.6, logit_bias={5: 4.0}, min_tokens=3)
+    ruled = eng.generate(PROMPTS[1], max_new_tokens=16, **rules).token_ids  # type: ignore[arg-type]
+    assert ruled != eng.generate(PROMPTS[1], max_new_tokens=16, tau=0).token_ids
     for p in PROMPTS:
         eng.generate(p, max_new_tokens=16)
     eng.observers[-1].close()  # type: ignore[attr-defined]
     models = ["--target", str(tiny_models["llama"]), "--draft", str(tiny_models["draft"])]
     assert main(["audit", *models, "--trace", str(trace)]) == 0, capsys.readouterr().out
-    assert capsys.readouterr().out.startswith("PASS")
+    out = capsys.readouterr().out
+    assert out.startswith("PASS  greedy audit: 4 prompt(s)"), out
 
     lines = [json.loads(x) for x in trace.read_text().splitlines()]
     step = next(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -191,10 +191,13 @@ def audit_greedy(
     recorded: Sequence[Sequence[int]] | None = None,
     batch: int = 1,
     seed: int = 0,
+    request_kwargs: Sequence[Mapping[str, Any]] | None = None,
     **spec_kwargs: Any,
 ) -> AuditResult:
     """Compare greedy outputs token by token: target-only vs speculative (or vs ``recorded`` outputs,
     e.g. the ones a trace says were served). ``max_new_tokens``: one limit, or one per prompt.
+    ``request_kwargs``: each prompt's own ``Engine.start`` arguments for both runs (its logits rules: penalties,
+    ``logit_bias``, ``min_tokens``, ``ignore_eos``, e.g. as a trace recorded them).
     ``spec_kwargs`` (tau, policy) choose the speculative run (default: the engine's configuration).
     ``batch`` > 1: the speculative runs share steps, up to ``batch`` at a time (``serve_in_batches``, ``seed``);
     the target-only references still run alone."""
@@ -204,27 +207,31 @@ def audit_greedy(
         raise ValueError("a batched audit runs the speculative side itself; recorded outputs have no runs to batch")
     result = AuditResult(mode="greedy", prompts=len(prompts), batch=batch)
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    own = list(request_kwargs) if request_kwargs is not None else [{} for _ in prompts]
     runs: list[GenerationResult] | None = None
     if batch > 1:
-        requests = [dict(prompt=p, max_new_tokens=n, temperature=0.0, **spec_kwargs) for p, n in zip(prompts, limits)]
+        requests = [
+            dict(prompt=p, max_new_tokens=n, temperature=0.0, **kw, **spec_kwargs)
+            for p, n, kw in zip(prompts, limits, own)
+        ]
         gens = serve_in_batches(engine, requests, batch, seed)
         result.count_steps(gens)
         runs = [g.result() for g in gens]
     for i, prompt in enumerate(prompts):
-        ref = engine.generate(prompt, max_new_tokens=limits[i], temperature=0.0, tau=0).token_ids
+        ref = engine.generate(prompt, max_new_tokens=limits[i], temperature=0.0, tau=0, **own[i]).token_ids
         run: GenerationResult | None = None
         if recorded is not None:
             got = list(recorded[i])
         else:
             run = runs[i] if runs is not None else None
             if run is None:
-                run = engine.generate(prompt, max_new_tokens=limits[i], temperature=0.0, **spec_kwargs)
+                run = engine.generate(prompt, max_new_tokens=limits[i], temperature=0.0, **own[i], **spec_kwargs)
             got = run.token_ids
         n = min(len(ref), len(got))
         result.tokens_compared += n
         pos = next((j for j in range(n) if ref[j] != got[j]), n)
         if pos < max(len(ref), len(got)):
-            d = _divergence(engine, i, prompt, ref, got, pos)
+            d = _divergence(engine, i, prompt, ref, got, pos, margin=not own[i])
             if batch > 1 and run is not None:
                 _locate(d, run)
             result.divergences.append(d)
@@ -241,13 +248,17 @@ def _locate(d: Divergence, run: GenerationResult) -> None:
             return
 
 
-def _divergence(engine: Engine, i: int, prompt: Prompt, ref: list[int], got: list[int], pos: int) -> Divergence:
+def _divergence(
+    engine: Engine, i: int, prompt: Prompt, ref: list[int], got: list[int], pos: int, margin: bool = True
+) -> Divergence:
+    """The first divergence, with the target's raw logit margin there (``margin``: not for a request whose logits
+    rules moved its logits)."""
     exp = ref[pos] if pos < len(ref) else None
     out = got[pos] if pos < len(got) else None
-    margin = None
-    if exp is not None and out is not None:
+    gap = None
+    if margin and exp is not None and out is not None:
         logits = _next_logits(engine, engine.encode(prompt) + ref[:pos])
-        margin = float(logits[exp] - logits[out])
+        gap = float(logits[exp] - logits[out])
     return Divergence(
         prompt_index=i,
         prompt=_as_text(engine, prompt),
@@ -256,7 +267,7 @@ def _divergence(engine: Engine, i: int, prompt: Prompt, ref: list[int], got: lis
         got=out,
         expected_text=_decode(engine, exp),
         got_text=_decode(engine, out),
-        logit_margin=margin,
+        logit_margin=gap,
     )
 
 

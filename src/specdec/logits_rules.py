@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specdec.errors import InvalidRequestError
 
@@ -102,20 +102,34 @@ class LogitsRules:
         )
 
     def settings(self) -> dict[str, object]:
-        """The non-default settings, for request summaries."""
+        """The non-default settings, for request summaries (``rules_from_settings`` reads them back)."""
         out: dict[str, object] = {}
-        for name, default in (
-            ("presence_penalty", 0.0),
-            ("frequency_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-            ("min_tokens", 0),
-            ("ignore_eos", False),
-        ):
+        for name, default in _SCALAR_DEFAULTS:
             if getattr(self, name) != default:
                 out[name] = getattr(self, name)
         if self.logit_bias:
             out["logit_bias"] = dict(self.logit_bias)
         return out
+
+
+_SCALAR_DEFAULTS = (
+    ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0),
+    ("repetition_penalty", 1.0),
+    ("min_tokens", 0),
+    ("ignore_eos", False),
+)
+
+
+def rules_from_settings(settings: Mapping[str, object]) -> dict[str, Any]:
+    """The ``Engine.start`` keyword arguments of the rules a request summary recorded (``LogitsRules.settings``, as a
+    trace holds them: ``logit_bias`` keyed by token ids written as JSON strings), so a replay decodes as the request
+    did."""
+    out: dict[str, Any] = {name: settings[name] for name, _ in _SCALAR_DEFAULTS if name in settings}
+    bias = settings.get("logit_bias")
+    if isinstance(bias, Mapping) and bias:
+        out["logit_bias"] = {int(token): float(value) for token, value in bias.items()}
+    return out
 
 
 def _is_number(value: object) -> bool:

@@ -78,12 +78,18 @@ def run(args: argparse.Namespace) -> int:
     engine = ModelSettings.from_args(args).load()
     from specdec.audit import audit_greedy, audit_sampling
 
-    prompts, recorded = _prompts(args)
+    prompts, recorded, rules = _prompts(args)
     if args.temperature == 0:
         # A recorded output is compared over its own length (a stop string may have cut it).
         limit = [len(out) for out in recorded] if recorded is not None else args.max_new_tokens
         result = audit_greedy(
-            engine, prompts, max_new_tokens=limit, recorded=recorded, batch=args.batch, seed=args.seed
+            engine,
+            prompts,
+            max_new_tokens=limit,
+            recorded=recorded,
+            batch=args.batch,
+            seed=args.seed,
+            request_kwargs=rules,
         )
     else:
         n = 3 if args.samples == 8 else args.samples  # the statistical test is costly: fewer prompts by default
@@ -122,22 +128,26 @@ def _check_args(args: argparse.Namespace) -> None:
         )
 
 
-def _prompts(args: argparse.Namespace) -> tuple[list[Any], list[list[int]] | None]:
-    """Prompts to replay and, for a greedy trace, the outputs it recorded."""
+Replay = tuple[list[Any], list[list[int]] | None, list[dict[str, Any]] | None]
+
+
+def _prompts(args: argparse.Namespace) -> Replay:
+    """Prompts to replay and, for a greedy trace, the outputs it recorded and each request's logits rules."""
     if args.trace is not None:
         return _trace_prompts(args)
     from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts  # the prompt files bench and tune read
 
     path = args.prompts or (DEFAULT_PROMPTS if DEFAULT_PROMPTS.exists() else None)
     if path is None:
-        return FALLBACK_PROMPTS[: args.samples], None
+        return FALLBACK_PROMPTS[: args.samples], None, None
     prompts = [p.text for p in load_prompts(path)]
     if len(prompts) > args.samples:
         prompts = random.Random(args.seed).sample(prompts, args.samples)
-    return prompts, None
+    return prompts, None, None
 
 
-def _trace_prompts(args: argparse.Namespace) -> tuple[list[Any], list[list[int]] | None]:
+def _trace_prompts(args: argparse.Namespace) -> Replay:
+    from specdec.logits_rules import rules_from_settings
     from specdec.trace import read_trace
 
     trace = read_trace(args.trace)
@@ -148,7 +158,7 @@ def _trace_prompts(args: argparse.Namespace) -> tuple[list[Any], list[list[int]]
             "older specdec): use --prompts"
         )
     if args.temperature != 0:
-        return [summary.prompt_ids for summary, _ in done[: args.samples]], None
+        return [summary.prompt_ids for summary, _ in done[: args.samples]], None, None
     # Replay exactly what was served: greedy requests that ran to a length limit or a stop.
     greedy = [
         (summary, r) for summary, r in done if r.temperature == 0 and summary.stats.finish_reason in ("length", "stop")
@@ -158,6 +168,10 @@ def _trace_prompts(args: argparse.Namespace) -> tuple[list[Any], list[list[int]]
             f"trace {args.trace} holds no finished greedy requests to compare; pass "
             "--temperature T to test its prompts statistically"
         )
-    pairs = [(summary.prompt_ids, [t for s in r.steps for t in s.emitted]) for summary, r in greedy]
-    pairs = [(ids, out) for ids, out in pairs if out][: args.samples]
-    return [ids for ids, _ in pairs], [out for _, out in pairs]
+    # Each request is replayed with the logits rules it was served with (penalties, logit_bias, min_tokens, ...).
+    replays = [
+        (summary.prompt_ids, [t for s in r.steps for t in s.emitted], rules_from_settings(summary.settings or {}))
+        for summary, r in greedy
+    ]
+    replays = [(ids, out, rules) for ids, out, rules in replays if out][: args.samples]
+    return [ids for ids, _, _ in replays], [out for _, out, _ in replays], [rules for _, _, rules in replays]
