@@ -96,6 +96,7 @@ def test_batched_greedy_audit_passes_and_says_what_shared_a_pass(engine: Engine)
     assert result.batch == 4 and 2 <= result.max_sequences <= 4 and result.shared_steps > 0
     assert result.max_rows > result.max_sequences  # the sequences drafted: ragged blocks in one pass
     assert "served up to 4 at a time" in result.text() and result.to_json()["shared_steps"] == result.shared_steps
+    assert "each prompt prefilled in a pass of its own" in result.text()
 
 
 @pytest.mark.identity
@@ -206,6 +207,10 @@ def test_cli_prompts_file_and_bad_input(
     assert capsys.readouterr().err == "specdec: error: --batch must be a positive integer\n"
     assert main(["audit", *models, "--trace", str(prompts), "--batch", "2"]) == 2
     assert "--batch does not apply to a greedy --trace audit" in capsys.readouterr().err
+    assert main(["audit", *models, "--prompts", str(prompts), "--prefill-in-step", "64"]) == 2
+    assert "--prefill-in-step applies to batched audits" in capsys.readouterr().err
+    assert main(["audit", *models, "--prompts", str(prompts), "--batch", "2", "--prefill-in-step", "-1"]) == 2
+    assert "--prefill-in-step must be >= 0" in capsys.readouterr().err
 
 
 def test_cli_batched_audit(tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -217,6 +222,11 @@ def test_cli_batched_audit(tiny_models: dict[str, Path], tmp_path: Path, capsys:
     assert main(["audit", *models, "--prompts", str(prompts), "--max-new-tokens", "12", "--batch", "3", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] and out["prompts"] == 5 and out["batch"] == 3 and out["max_sequences"] == 3
+    assert out["prefill_in_step"] == 256  # the server's default: prompts join the batch's passes
+    # Prompts of ~10-40 tokens in pieces of 4 over several steps, beside the others' drafts.
+    args = ["--max-new-tokens", "12", "--batch", "4", "--prefill-in-step", "4"]
+    assert main(["audit", *models, "--prompts", str(prompts), *args]) == 0
+    assert "prompts taken in by the steps, up to 4 tokens a step" in capsys.readouterr().out
 
 
 @pytest.mark.distribution

@@ -93,6 +93,7 @@ class AuditResult:
     shared_steps: int = 0  # of those, steps whose passes held other sequences too
     max_sequences: int = 0  # the most sequences in one step
     max_rows: int = 0  # the most rows in one target pass
+    prefill_in_step: int = 0  # batched audits: the engine's prompt budget per step (0: prompts prefilled alone)
 
     @property
     def ok(self) -> bool:
@@ -127,7 +128,12 @@ class AuditResult:
         if self.batch > 1:
             head += (
                 f"; served up to {self.batch} at a time: {self.shared_steps} of {self.steps} steps shared their "
-                f"passes (up to {self.max_sequences} sequences, {self.max_rows} rows a pass)"
+                f"passes (up to {self.max_sequences} sequences, {self.max_rows} rows a pass; "
+                + (
+                    f"prompts taken in by the steps, up to {self.prefill_in_step} tokens a step)"
+                    if self.prefill_in_step
+                    else "each prompt prefilled in a pass of its own)"
+                )
             )
         if self.ok:
             return f"PASS  {head}: outputs match the target\n"
@@ -151,10 +157,12 @@ class AuditResult:
             "shared_steps": self.shared_steps,
             "max_sequences": self.max_sequences,
             "max_rows": self.max_rows,
+            "prefill_in_step": self.prefill_in_step,
         }
 
-    def count_steps(self, generations: Sequence[Generation]) -> None:
+    def count_steps(self, engine: Engine, generations: Sequence[Generation]) -> None:
         """Add the company the runs' steps kept (batched audits)."""
+        self.prefill_in_step = engine.prefill_in_step
         for g in generations:
             for r in g.records:
                 self.steps += 1
@@ -165,9 +173,10 @@ class AuditResult:
 
 def serve_in_batches(engine: Engine, requests: Sequence[dict[str, Any]], batch: int, seed: int = 0) -> list[Generation]:
     """Run ``requests`` (``Engine.start`` keyword arguments) up to ``batch`` at a time through ``Engine.step``, as a
-    continuously batching server would: in an order shuffled by ``seed``, each step admits between one request and as
-    many as there are free slots (uniformly), so requests join mid-flight, meet different company, and leave the
-    moment they finish. Returns the finished generations in the order of ``requests``."""
+    continuously batching server would (prompts taken in as ``engine.prefill_in_step`` says): in an order shuffled by
+    ``seed``, each step admits between one request and as many as there are free slots (uniformly), so requests join
+    mid-flight, meet different company, and leave the moment they finish. Returns the finished generations in the
+    order of ``requests``."""
     rng = random.Random(seed)
     order = list(range(len(requests)))
     rng.shuffle(order)
@@ -215,7 +224,7 @@ def audit_greedy(
             for p, n, kw in zip(prompts, limits, own)
         ]
         gens = serve_in_batches(engine, requests, batch, seed)
-        result.count_steps(gens)
+        result.count_steps(engine, gens)
         runs = [g.result() for g in gens]
     for i, prompt in enumerate(prompts):
         ref = engine.generate(prompt, max_new_tokens=limits[i], temperature=0.0, tau=0, **own[i]).token_ids
@@ -314,7 +323,7 @@ def audit_sampling(
     ]
     if batch > 1:
         gens = serve_in_batches(engine, requests, batch, seed)
-        result.count_steps(gens)
+        result.count_steps(engine, gens)
         results = [g.result() for g in gens]
     else:
         results = [engine.generate(**kw) for kw in requests]

@@ -67,6 +67,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "compared with its solo target-only run (default 1: one at a time)",
     )
     g.add_argument(
+        "--prefill-in-step",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="with --batch: prompt tokens each batched step takes in, at most, as 'specdec serve --prefill-in-step' "
+        "(joining prompts prefilled in the passes they share with the batch, a longer one in pieces); 0: every "
+        "prompt in a pass of its own (default: 256, the server's)",
+    )
+    g.add_argument(
         "--seed", type=int, default=0, help="seed of the first run, of the prompt sample and of the batched order"
     )
     g.add_argument("--json", action="store_true", help="print the result as one JSON object")
@@ -77,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     engine = ModelSettings.from_args(args).load()
     from specdec.audit import audit_greedy, audit_sampling
+    from specdec.engine import DEFAULT_PREFILL_IN_STEP
+
+    if args.batch > 1:  # the prompts join the batch as a batching server takes them in
+        engine.prefill_in_step = DEFAULT_PREFILL_IN_STEP if args.prefill_in_step is None else args.prefill_in_step
 
     prompts, recorded, rules = _prompts(args)
     if args.temperature == 0:
@@ -116,6 +129,12 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("samples", "runs", "max_new_tokens", "batch"):
         if getattr(args, name) <= 0:
             raise InvalidRequestError(f"--{name.replace('_', '-')} must be a positive integer", name)
+    if args.prefill_in_step is not None and args.prefill_in_step < 0:
+        raise InvalidRequestError("--prefill-in-step must be >= 0", "prefill_in_step")
+    if args.prefill_in_step is not None and args.batch == 1:
+        raise InvalidRequestError(
+            "--prefill-in-step applies to batched audits: add --batch N (N > 1)", "prefill_in_step"
+        )
     if not 0 < args.alpha < 1:
         raise InvalidRequestError("--alpha must be in (0, 1)", "alpha")
     if args.temperature < 0:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec.engine import DEFAULT_PREFILL_IN_STEP
+
 STATIC_DIR = Path(__file__).resolve().parent / "static"
-# A step's prompt budget: 256 prompt rows add about what a 16-sequence batch's step costs (a ~25 ms pass on 2 cores).
-DEFAULT_PREFILL_IN_STEP = 256
 
 
 @dataclass
