@@ -1,0 +1,398 @@
+"""Soak test for ``specdec serve``: many clients send random requests of every kind the API takes, some hang up
+half way; then the server must be drained and healthy, and every greedy output it served must be its target-only
+output, token by token.
+
+    python benchmarks/soak.py --spawn --requests 800 --clients 32            # the shipped pair, a server started here
+    python benchmarks/soak.py --spawn --models "--target T --draft D" --serve-args "--max-batch 8"
+    python benchmarks/soak.py --url http://127.0.0.1:8000 --trace run.jsonl --models "--target T --draft D"
+
+The requests (seeded by ``--seed``): completions (text or token ids) and, where the model has a chat template, chat
+completions; streamed or whole; ``n`` 1-3; greedy or sampled (seeded or not); stop strings; logprobs; penalties,
+``logit_bias``, ``min_tokens``, ``ignore_eos``; ``speculative`` with a fixed τ (0 included), a policy, a verification
+budget, the step records. About one streamed request in ten hangs up after a few chunks, one whole request in
+twenty gives up after 50 ms.
+
+What must hold (exit status 1 if anything does not; 2 for bad arguments or a server that cannot be reached):
+- no response is a 5xx; every 4xx carries an OpenAI-style error body (``error.message``, ``error.type``), and a 4xx
+  that is not the model's missing chat template is reported (the requests are valid);
+- every 200 is well formed: whole responses with ``n`` choices (indices 0..n-1) and a finish reason each, usage that
+  adds up (with logprobs: one log probability per completion token); streams of JSON chunks ending in ``[DONE]``,
+  one finish reason per choice, usage last where asked;
+- after the run the server is drained (``/health``: nothing running or waiting) and ``/metrics`` parses as Prometheus
+  text;
+- ``specdec audit --trace`` (the server's trace: ``--spawn`` writes one, ``--trace`` names a running server's) replays
+  every finished greedy request, with the logits rules it was served with, against target-only decoding: all match.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+STOPS: list[str | list[str]] = ["\n", ")", ":", ["\n\n", "return"]]
+FINISH = {"stop", "length", "verify_budget"}
+NO_TEMPLATE = "no chat template"
+
+
+@dataclass
+class Plan:
+    """One request: where it goes, what it asks, and how its client behaves."""
+
+    path: str
+    body: dict[str, Any]
+    hang_up_after: int = 0  # streamed: chunks read before the client goes away (0: reads it all)
+    timeout: float = 600.0
+
+
+@dataclass
+class Tally:
+    outcomes: Counter[str] = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+
+    def problem(self, plan: Plan, what: str) -> None:
+        self.outcomes["problem"] += 1
+        brief = {k: v for k, v in plan.body.items() if k not in ("prompt", "messages")}
+        self.problems.append(f"{plan.path} {json.dumps(brief)}: {what}")
+
+
+def plan_request(rng: random.Random, prompts: list[str], vocab: int, max_tokens: int, chat: bool) -> Plan:
+    text = rng.choice(prompts)
+    text = text[: rng.choice([12, 80, 400, len(text)])] or text
+    body: dict[str, Any] = {"max_tokens": rng.randint(1, max_tokens)}
+    path = "/v1/completions"
+    if chat and rng.random() < 0.2:
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    if path == "/v1/completions" and rng.random() < 0.1:
+        body["prompt"] = [rng.randrange(1, vocab) for _ in range(rng.randint(1, 8))]
+    greedy = rng.random() < 0.7
+    body["temperature"] = 0.0 if greedy else rng.choice([0.5, 1.0])
+    if not greedy and rng.random() < 0.5:
+        body["seed"] = rng.randrange(1000)
+    if not greedy and rng.random() < 0.3:
+        if rng.random() < 0.5:
+            body["top_k"] = 20
+        else:
+            body["top_p"] = 0.9
+    if rng.random() < 0.2:
+        body["n"] = rng.randint(2, 3)
+    if rng.random() < 0.2:
+        body["stop"] = rng.choice(STOPS)
+    if rng.random() < 0.2:
+        if path == "/v1/chat/completions":
+            body["logprobs"], body["top_logprobs"] = True, 2
+        else:
+            body["logprobs"] = 2
+    for name, value, chance in (
+        ("presence_penalty", 0.6, 0.1),
+        ("frequency_penalty", 0.4, 0.1),
+        ("repetition_penalty", 1.3, 0.1),
+        ("ignore_eos", True, 0.1),
+    ):
+        if rng.random() < chance:
+            body[name] = value
+    if rng.random() < 0.05:
+        body["logit_bias"] = {str(rng.randrange(vocab)): rng.choice([-100, 5])}
+    if rng.random() < 0.05:
+        body["min_tokens"] = rng.randint(1, body["max_tokens"])
+    spec: dict[str, Any] = {}
+    r = rng.random()
+    if r < 0.4:
+        spec["tau"] = rng.randint(0, 7)
+    elif r < 0.6:
+        spec["policy"] = rng.choice(["adaptive", "heuristic", "fixed"])
+    if rng.random() < 0.1:
+        spec["max_verify_passes"] = rng.randint(1, 10)
+    body["stream"] = rng.random() < 0.6
+    if body["stream"] and rng.random() < 0.1:
+        spec["steps"] = True
+    if body["stream"] and rng.random() < 0.5:
+        body["stream_options"] = {"include_usage": True}
+    if spec:
+        body["speculative"] = spec
+    plan = Plan(path, body)
+    if body["stream"] and rng.random() < 0.1:
+        plan.hang_up_after = rng.randint(1, 4)
+    elif not body["stream"] and rng.random() < 0.05:
+        plan.timeout = 0.05
+    return plan
+
+
+def check_whole(plan: Plan, obj: dict[str, Any]) -> str | None:
+    """What is wrong with a whole response, or None."""
+    n = plan.body.get("n", 1)
+    choices = obj.get("choices")
+    if not isinstance(choices, list) or sorted(c.get("index") for c in choices) != list(range(n)):
+        return f"expected choices with indices 0..{n - 1}, got {choices!r:.200}"
+    if any(c.get("finish_reason") not in FINISH for c in choices):
+        return f"a finish reason outside {sorted(FINISH)}: {[c.get('finish_reason') for c in choices]}"
+    usage = obj.get("usage") or {}
+    done = usage.get("completion_tokens")
+    if not isinstance(done, int) or not 0 <= done <= n * plan.body["max_tokens"]:
+        return f"completion_tokens {done!r} outside 0..{n * plan.body['max_tokens']}"
+    if usage.get("total_tokens") != usage.get("prompt_tokens", 0) + done:
+        return f"usage does not add up: {usage}"
+    if plan.body.get("logprobs") and plan.path == "/v1/completions":
+        counted = sum(len((c.get("logprobs") or {}).get("token_logprobs") or []) for c in choices)
+        if counted != done:
+            return f"{counted} token log probabilities for {done} completion tokens"
+    return None
+
+
+def check_stream(plan: Plan, events: list[str]) -> str | None:
+    """What is wrong with a whole stream (its ``data:`` payloads), or None."""
+    if not events or events[-1] != "[DONE]":
+        return f"the stream does not end with [DONE] (last: {events[-1] if events else None!r:.100})"
+    finished: Counter[int] = Counter()
+    chunks = []
+    for raw in events[:-1]:
+        try:
+            chunk = json.loads(raw)
+        except ValueError:
+            return f"a chunk that is not JSON: {raw!r:.100}"
+        if "error" in chunk:
+            return f"an error in the stream: {chunk['error']}"
+        chunks.append(chunk)
+        for c in chunk.get("choices") or []:
+            if c.get("finish_reason") is not None:
+                if c["finish_reason"] not in FINISH:
+                    return f"finish reason {c['finish_reason']!r}"
+                finished[c.get("index")] += 1
+    n = plan.body.get("n", 1)
+    if finished != Counter(range(n)):
+        return f"finish reasons per choice {dict(finished)}, expected one for each of 0..{n - 1}"
+    if (plan.body.get("stream_options") or {}).get("include_usage") and not (chunks and chunks[-1].get("usage")):
+        return "include_usage asked, no usage in the last chunk"
+    return None
+
+
+async def send(client: httpx.AsyncClient, url: str, plan: Plan, tally: Tally) -> None:
+    try:
+        if plan.body["stream"]:
+            async with client.stream("POST", url + plan.path, json=plan.body, timeout=plan.timeout) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    return refused(plan, r, tally)
+                events = []
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if plan.hang_up_after and len(events) >= plan.hang_up_after:
+                            tally.outcomes["hung up mid-stream"] += 1
+                            return
+                wrong = check_stream(plan, events)
+        else:
+            r = await client.post(url + plan.path, json=plan.body, timeout=plan.timeout)
+            if r.status_code != 200:
+                return refused(plan, r, tally)
+            wrong = check_whole(plan, r.json())
+    except httpx.TimeoutException:
+        if plan.timeout < 1:
+            tally.outcomes["gave up after 50 ms"] += 1
+        else:
+            tally.problem(plan, "no answer within the timeout")
+        return
+    except (httpx.HTTPError, ValueError) as e:
+        tally.problem(plan, f"{type(e).__name__}: {e}")
+        return
+    if wrong:
+        tally.problem(plan, wrong)
+    else:
+        tally.outcomes["streamed" if plan.body["stream"] else "whole"] += 1
+
+
+def refused(plan: Plan, r: httpx.Response, tally: Tally) -> None:
+    try:
+        error = r.json()["error"]
+        message, kind = str(error["message"]), error["type"]
+    except (ValueError, KeyError, TypeError):
+        return tally.problem(plan, f"HTTP {r.status_code} without an OpenAI-style error body: {r.text[:200]!r}")
+    if r.status_code >= 500:
+        return tally.problem(plan, f"HTTP {r.status_code} ({kind}): {message}")
+    if r.status_code == 429:
+        tally.outcomes["429 (queue full)"] += 1
+    elif NO_TEMPLATE in message:
+        tally.outcomes["400 no chat template"] += 1
+    else:
+        tally.problem(plan, f"a valid request refused, HTTP {r.status_code} ({kind}): {message}")
+
+
+async def has_chat_template(client: httpx.AsyncClient, url: str) -> bool:
+    r = await client.post(
+        url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    )
+    return r.status_code == 200 or NO_TEMPLATE not in r.text
+
+
+async def drained(client: httpx.AsyncClient, url: str, within: float = 30.0) -> dict[str, Any]:
+    """``/health`` once nothing runs or waits (or as it is after ``within`` seconds)."""
+    deadline = time.monotonic() + within
+    while True:
+        health: dict[str, Any] = (await client.get(url + "/health")).json()
+        if (health.get("active"), health.get("queued")) == (0, 0) or time.monotonic() > deadline:
+            return health
+        await asyncio.sleep(0.2)
+
+
+async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    tally = Tally()
+    async with httpx.AsyncClient(timeout=600) as client:
+        health = (await client.get(url + "/health")).json()
+        chat = await has_chat_template(client, url)
+        vocab = 256  # token-id prompts stay in every vocabulary
+        rng = random.Random(args.seed)
+        plans = [plan_request(rng, args.prompt_list, vocab, args.max_tokens, chat) for _ in range(args.requests)]
+        queue = list(reversed(plans))
+        t0 = time.monotonic()
+
+        async def client_loop() -> None:
+            while queue:
+                await send(client, url, queue.pop(), tally)
+
+        await asyncio.gather(*(client_loop() for _ in range(args.clients)))
+        seconds = time.monotonic() - t0
+        after = await drained(client, url)
+        if (after.get("active"), after.get("queued")) != (0, 0):
+            tally.problems.append(f"not drained 30 s after the run: /health says {after}")
+        metrics = (await client.get(url + "/metrics")).text
+        try:
+            families = {f.name for f in text_string_to_metric_families(metrics)}
+        except ValueError as e:
+            families = set()
+            tally.problems.append(f"/metrics does not parse as Prometheus text: {e}")
+    return {
+        "url": url,
+        "requests": args.requests,
+        "clients": args.clients,
+        "seed": args.seed,
+        "seconds": round(seconds, 1),
+        "chat": chat,
+        "server": {k: health.get(k) for k in ("model", "runtime", "max_batch", "batched_passes")},
+        "outcomes": dict(tally.outcomes),
+        "after": {k: after.get(k) for k in ("active", "queued", "completed", "failed", "cancelled", "rejected")},
+        "metric_families": len(families),
+        "problems": tally.problems,
+    }
+
+
+def audit(args: argparse.Namespace, trace: str) -> dict[str, Any]:
+    """``specdec audit --trace``: every finished greedy request the trace holds against target-only decoding."""
+    command = [sys.executable, "-m", "specdec.cli", "audit", *shlex.split(args.models), "--trace", trace]
+    done = subprocess.run([*command, "--samples", "1000000000", "--json"], capture_output=True, text=True)
+    try:
+        result: dict[str, Any] = json.loads(done.stdout)
+    except ValueError:
+        lines = done.stderr.strip().splitlines()
+        return {"ok": False, "first_failure": f"audit exited {done.returncode}: {lines[-1] if lines else ''}"}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        with tempfile.TemporaryDirectory(prefix="specdec-soak-") as folder:
+            trace = args.trace
+            if args.spawn:
+                from load_test import running_servers  # type: ignore[import-not-found]
+
+                trace = os.path.join(folder, "trace.jsonl")
+                head = [sys.executable, "-m", "specdec.cli", "serve", "--log-level", "warning", "--trace", trace]
+                extra = [*shlex.split(args.models), *shlex.split(args.serve_args)]
+                serve = [("soak", lambda port: [*head, "--port", str(port), *extra])]
+                with running_servers(serve, log_dir=folder) as urls:
+                    report = asyncio.run(run(args, urls["soak"]))
+                # stopped: its trace is whole
+            else:
+                report = asyncio.run(run(args, args.url.rstrip("/")))
+            report["audit"] = audit(args, trace) if trace else None
+    except (httpx.HTTPError, OSError, RuntimeError) as e:
+        print(f"soak: error: {e}", file=sys.stderr)
+        return 2
+    print(render(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0 if ok(report) else 1
+
+
+def ok(report: dict[str, Any]) -> bool:
+    return not report["problems"] and (report["audit"] is None or bool(report["audit"].get("ok")))
+
+
+def render(report: dict[str, Any]) -> str:
+    server = report["server"]
+    lines = [
+        f"soak: {report['requests']} requests from {report['clients']} clients in {report['seconds']} s against "
+        f"{report['url']} ({server['model']}, {server['runtime']}, --max-batch {server['max_batch']}); chat: "
+        f"{'yes' if report['chat'] else 'no template'}",
+        "  " + ", ".join(f"{k} {v}" for k, v in sorted(report["outcomes"].items())),
+        f"  after the run: {report['after']}; /metrics: {report['metric_families']} metric families",
+    ]
+    lines += [f"  PROBLEM {p}" for p in report["problems"][:20]]
+    if len(report["problems"]) > 20:
+        lines.append(f"  ... {len(report['problems']) - 20} more")
+    a = report["audit"]
+    if a is None:
+        lines.append("  audit: no trace to audit (--spawn writes one; --trace names a running server's)")
+    elif a.get("ok"):
+        lines.append(
+            f"  audit: {a.get('prompts')} greedy requests, {a.get('tokens_compared')} tokens, all identical to "
+            "target-only decoding"
+        )
+    else:
+        lines.append(f"  audit: FAILED: {a.get('first_failure')}")
+    lines.append("PASS" if ok(report) else "FAIL")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from specdec.bench.prompts import FILE_HELP as PROMPT_FILE_HELP
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="a running server (without --spawn)")
+    p.add_argument("--spawn", action="store_true", help="start a server here (loopback, with a trace), stop it after")
+    p.add_argument(
+        "--models", default="", help="model arguments of the server and of the audit, e.g. '--target T --draft D'"
+    )
+    p.add_argument("--serve-args", default="", help="more 'specdec serve' arguments for --spawn (--max-batch, ...)")
+    p.add_argument("--trace", default=None, help="without --spawn: the trace the running server writes, to audit")
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--clients", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=80, help="each request asks 1..this many tokens")
+    p.add_argument("--seed", type=int, default=0, help="seed of the requests and of the clients' behaviour")
+    p.add_argument("--prompts", default=None, metavar="FILE", help="prompts: " + PROMPT_FILE_HELP)
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the report as JSON")
+    args = p.parse_args(argv)
+    for name in ("requests", "clients", "max_tokens"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer")
+    if args.spawn and args.trace:
+        p.error("--trace names a running server's trace; --spawn writes its own")
+    from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts
+    from specdec.errors import InvalidRequestError
+
+    try:
+        args.prompt_list = [q.text for q in load_prompts(args.prompts or DEFAULT_PROMPTS)]
+    except InvalidRequestError as e:
+        p.error(str(e))
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())

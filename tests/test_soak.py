@@ -1,0 +1,146 @@
+"""benchmarks/soak.py: random requests of every kind from many clients against a real server, some hanging up; the
+server drained and healthy after, and every greedy output it served audited against target-only decoding."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from specdec.testing import import_script
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "soak.py"
+
+
+def _soak() -> Any:
+    return import_script(SCRIPT, "soak_under_test")
+
+
+def _whole(n: int, finish: str = "length", completion: int = 4, logprobs: int | None = None) -> dict[str, Any]:
+    choices = []
+    for i in range(n):
+        c: dict[str, Any] = {"index": i, "text": "x", "finish_reason": finish}
+        if logprobs is not None:
+            c["logprobs"] = {"token_logprobs": [-1.0] * logprobs}
+        choices.append(c)
+    return {
+        "choices": choices,
+        "usage": {"prompt_tokens": 3, "completion_tokens": completion, "total_tokens": 3 + completion},
+    }
+
+
+def test_the_checks_catch_malformed_responses() -> None:
+    soak = _soak()
+    plan = soak.Plan("/v1/completions", {"max_tokens": 4, "n": 2, "logprobs": 1, "stream": False})
+    assert soak.check_whole(plan, _whole(2, completion=4, logprobs=2)) is None
+    assert "indices 0..1" in soak.check_whole(plan, _whole(1, completion=4, logprobs=4))
+    assert "finish reason" in soak.check_whole(plan, _whole(2, finish="eos", logprobs=2))
+    assert "outside 0..8" in soak.check_whole(plan, _whole(2, completion=9, logprobs=5))
+    assert "3 token log probabilities for 4" in soak.check_whole(
+        plan,
+        {
+            **_whole(2, logprobs=2),
+            "choices": [
+                {"index": 0, "finish_reason": "stop", "logprobs": {"token_logprobs": [-1.0]}},
+                {"index": 1, "finish_reason": "stop", "logprobs": {"token_logprobs": [-1.0, -2.0]}},
+            ],
+        },
+    )
+    bad_usage = _whole(2, logprobs=2)
+    bad_usage["usage"]["total_tokens"] += 1
+    assert "does not add up" in soak.check_whole(plan, bad_usage)
+
+    stream = soak.Plan(
+        "/v1/completions", {"max_tokens": 4, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    )
+
+    def chunk(index: int, finish: str | None = None) -> str:
+        return json.dumps({"choices": [{"index": index, "text": "a", "finish_reason": finish}]})
+
+    usage = json.dumps({"choices": [], "usage": {"completion_tokens": 2}})
+    good = [chunk(0), chunk(1), chunk(1, "length"), chunk(0, "stop"), usage, "[DONE]"]
+    assert soak.check_stream(stream, good) is None
+    assert "does not end with [DONE]" in soak.check_stream(stream, good[:-1])
+    assert "one for each of 0..1" in soak.check_stream(stream, [chunk(0, "stop"), usage, "[DONE]"])
+    assert "one for each of 0..1" in soak.check_stream(stream, [*good[:4], chunk(0, "stop"), usage, "[DONE]"])
+    assert "no usage" in soak.check_stream(stream, [*good[:4], "[DONE]"])
+    assert "not JSON" in soak.check_stream(stream, ["{", "[DONE]"])
+    assert "an error in the stream" in soak.check_stream(stream, [json.dumps({"error": {"message": "x"}}), "[DONE]"])
+
+
+def test_requests_are_valid_and_cover_the_api() -> None:
+    """The random requests stay within what the server accepts (so a refusal is a finding) and use every field."""
+    soak = _soak()
+    rng = random.Random(0)
+    plans = [soak.plan_request(rng, ["def f(x):\n    return x\n"], 320, 12, True) for _ in range(2000)]
+    seen = {k for p in plans for k in p.body} | {k for p in plans for k in p.body.get("speculative", {})}
+    for field in (
+        "prompt",
+        "messages",
+        "n",
+        "stop",
+        "logprobs",
+        "top_logprobs",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "min_tokens",
+        "ignore_eos",
+        "tau",
+        "policy",
+        "max_verify_passes",
+        "steps",
+        "stream_options",
+        "top_k",
+        "top_p",
+    ):
+        assert field in seen, field
+    for p in plans:
+        b = p.body
+        assert 1 <= b["max_tokens"] <= 12 and b.get("min_tokens", 0) <= b["max_tokens"] and b.get("n", 1) <= 3
+    assert sum(p.hang_up_after > 0 for p in plans) > 50 and sum(p.timeout < 1 for p in plans) > 20
+
+
+@pytest.mark.slow
+@pytest.mark.server
+def test_soak_against_a_spawned_server(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in ["def f(x):", "import os\n", "class A:\n    pass\n"]))
+    models = f"--target {tiny_models['llama']} --draft {tiny_models['draft']}"
+    out = tmp_path / "soak.json"
+    args = ["--spawn", "--models", models, "--serve-args", "--max-batch 6", "--requests", "60", "--clients", "6"]
+    args += ["--max-tokens", "10", "--prompts", str(prompts), "--seed", "3", "--json", str(out)]
+    done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["server"]["max_batch"] == 6 and report["problems"] == []
+    assert report["outcomes"].get("streamed", 0) > 0 and report["outcomes"].get("whole", 0) > 0
+    assert report["outcomes"].get("hung up mid-stream", 0) > 0
+    assert report["after"]["active"] == 0 and report["after"]["failed"] == 0 and report["metric_families"] > 10
+    assert report["audit"]["ok"] and report["audit"]["prompts"] > 20
+    assert done.stdout.strip().endswith("PASS")
+
+
+def test_bad_arguments_are_one_line(tmp_path: Path) -> None:
+    for args, message in (
+        (["--requests", "0"], "--requests must be a positive integer"),
+        (["--spawn", "--trace", "t.jsonl"], "--trace names a running server's trace"),
+        (["--prompts", str(tmp_path / "none.jsonl")], "prompt file not found"),
+    ):
+        done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--url", "http://127.0.0.1:9", "--requests", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and done.stderr.startswith("soak: error:") and done.stderr.count("\n") == 1
