@@ -22,6 +22,9 @@ What must hold (exit status 1 if anything does not; 2 for bad arguments or a ser
   text;
 - ``specdec audit --trace`` (the server's trace: ``--spawn`` writes one, ``--trace`` names a running server's) replays
   every finished greedy request, with the logits rules it was served with, against target-only decoding: all match.
+  Without a trace (a running server without ``--trace``, or ``--serve-args --ray``: replicas write none), each greedy
+  request served to its end is sent again, alone and target-only (``tau`` 0), to the same server, and every choice's
+  text must be that one's.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class Plan:
 class Tally:
     outcomes: Counter[str] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
+    # Greedy requests served whole to the end (a length limit or a stop), with each choice's text: the replay check.
+    greedy: list[tuple[Plan, list[str]]] = field(default_factory=list)
 
     def problem(self, plan: Plan, what: str) -> None:
         self.outcomes["problem"] += 1
@@ -195,11 +200,15 @@ async def send(client: httpx.AsyncClient, url: str, plan: Plan, tally: Tally) ->
                             tally.outcomes["hung up mid-stream"] += 1
                             return
                 wrong = check_stream(plan, events)
+                if wrong is None:
+                    keep(plan, [json.loads(e) for e in events[:-1]], tally)
         else:
             r = await client.post(url + plan.path, json=plan.body, timeout=plan.timeout)
             if r.status_code != 200:
                 return refused(plan, r, tally)
             wrong = check_whole(plan, r.json())
+            if wrong is None:
+                keep(plan, [r.json()], tally)
     except httpx.TimeoutException:
         if plan.timeout < 1:
             tally.outcomes["gave up after 50 ms"] += 1
@@ -213,6 +222,44 @@ async def send(client: httpx.AsyncClient, url: str, plan: Plan, tally: Tally) ->
         tally.problem(plan, wrong)
     else:
         tally.outcomes["streamed" if plan.body["stream"] else "whole"] += 1
+
+
+def keep(plan: Plan, chunks: list[dict[str, Any]], tally: Tally) -> None:
+    """A greedy request's texts, one per choice, where it ran to a length limit or a stop (not its budget)."""
+    if plan.body["temperature"] != 0:
+        return
+    texts = [""] * plan.body.get("n", 1)
+    for chunk in chunks:
+        for c in chunk.get("choices") or []:
+            if c.get("finish_reason") not in (None, "stop", "length"):
+                return
+            part = c.get("text")
+            if part is None:
+                part = (c.get("message") or c.get("delta") or {}).get("content")
+            texts[c["index"]] += part or ""
+    tally.greedy.append((plan, texts))
+
+
+async def replay(client: httpx.AsyncClient, url: str, tally: Tally) -> dict[str, Any]:
+    """Without a trace to audit: each greedy request served to its end, sent again alone and target-only (``tau``
+    0, whole, ``n`` 1) to the same server; every choice's text must be that one's."""
+    differ: list[str] = []
+    for plan, texts in tally.greedy:
+        body = {k: v for k, v in plan.body.items() if k not in ("stream", "stream_options", "n", "speculative")}
+        r = await client.post(url + plan.path, json={**body, "speculative": {"tau": 0}})
+        c = r.json()["choices"][0]
+        alone = c["text"] if "text" in c else c["message"]["content"]
+        differ += [
+            f"{plan.path} {json.dumps(body)[:300]}: served {t!r:.80}, alone {alone!r:.80}" for t in texts if t != alone
+        ]
+    return {
+        "ok": not differ,
+        "mode": "replay",
+        "prompts": len(tally.greedy),
+        "choices": sum(len(t) for _, t in tally.greedy),
+        "first_failure": differ[0] if differ else None,
+        "differing": len(differ),
+    }
 
 
 def refused(plan: Plan, r: httpx.Response, tally: Tally) -> None:
@@ -276,6 +323,7 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         except ValueError as e:
             families = set()
             tally.problems.append(f"/metrics does not parse as Prometheus text: {e}")
+        replayed = None if args.has_trace else await replay(client, url, tally)
     return {
         "url": url,
         "requests": args.requests,
@@ -288,6 +336,7 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         "after": {k: after.get(k) for k in ("active", "queued", "completed", "failed", "cancelled", "rejected")},
         "metric_families": len(families),
         "problems": tally.problems,
+        "audit": replayed,
     }
 
 
@@ -308,11 +357,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="specdec-soak-") as folder:
             trace = args.trace
+            ray = "--ray" in shlex.split(args.serve_args)  # replicas write no trace: the replay check instead
+            args.has_trace = bool(trace) or (args.spawn and not ray)
             if args.spawn:
                 from load_test import running_servers  # type: ignore[import-not-found]
 
-                trace = os.path.join(folder, "trace.jsonl")
-                head = [sys.executable, "-m", "specdec.cli", "serve", "--log-level", "warning", "--trace", trace]
+                trace = None if ray else os.path.join(folder, "trace.jsonl")
+                head = [sys.executable, "-m", "specdec.cli", "serve", "--log-level", "warning"]
+                head += ["--trace", trace] if trace else []
                 extra = [*shlex.split(args.models), *shlex.split(args.serve_args)]
                 serve = [("soak", lambda port: [*head, "--port", str(port), *extra])]
                 with running_servers(serve, log_dir=folder) as urls:
@@ -320,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
                 # stopped: its trace is whole
             else:
                 report = asyncio.run(run(args, args.url.rstrip("/")))
-            report["audit"] = audit(args, trace) if trace else None
+            if trace:
+                report["audit"] = audit(args, trace)
     except (httpx.HTTPError, OSError, RuntimeError) as e:
         print(f"soak: error: {e}", file=sys.stderr)
         return 2
@@ -332,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def ok(report: dict[str, Any]) -> bool:
-    return not report["problems"] and (report["audit"] is None or bool(report["audit"].get("ok")))
+    return not report["problems"] and bool(report["audit"].get("ok"))
 
 
 def render(report: dict[str, Any]) -> str:
@@ -348,8 +401,11 @@ def render(report: dict[str, Any]) -> str:
     if len(report["problems"]) > 20:
         lines.append(f"  ... {len(report['problems']) - 20} more")
     a = report["audit"]
-    if a is None:
-        lines.append("  audit: no trace to audit (--spawn writes one; --trace names a running server's)")
+    if a.get("mode") == "replay":
+        lines.append(
+            f"  replay (no trace to audit): {a['prompts']} greedy requests ({a['choices']} choices) sent again alone, "
+            "target-only: " + ("all identical" if a["ok"] else f"{a['differing']} differ; first: {a['first_failure']}")
+        )
     elif a.get("ok"):
         lines.append(
             f"  audit: {a.get('prompts')} greedy requests, {a.get('tokens_compared')} tokens, all identical to "

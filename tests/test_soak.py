@@ -144,3 +144,52 @@ def test_bad_arguments_are_one_line(tmp_path: Path) -> None:
         timeout=60,
     )
     assert done.returncode == 2 and done.stderr.startswith("soak: error:") and done.stderr.count("\n") == 1
+
+
+def test_the_replay_check_compares_each_choice_with_a_solo_target_only_run() -> None:
+    """Without a trace: the greedy requests served to their end go again, alone, ``tau`` 0, whole, ``n`` 1; a choice
+    whose text differs fails the run (a server here that answers from a table)."""
+    import asyncio
+
+    import httpx
+
+    soak = _soak()
+    alone = {"a": "one", "b": "two"}
+    sent: list[dict[str, Any]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        sent.append(body)
+        return httpx.Response(
+            200, json={"choices": [{"index": 0, "text": alone[body["prompt"]], "finish_reason": "length"}]}
+        )
+
+    tally = soak.Tally()
+    greedy = {"temperature": 0.0, "max_tokens": 4, "stream": True, "n": 2, "speculative": {"tau": 3}}
+    stream = [
+        {"choices": [{"index": i, "text": t, "finish_reason": None}]} for i, t in ((0, "o"), (1, "on"), (0, "ne"))
+    ]
+    stream += [
+        {
+            "choices": [
+                {"index": 0, "text": "", "finish_reason": "length"},
+                {"index": 1, "text": "e", "finish_reason": "stop"},
+            ]
+        }
+    ]
+    soak.keep(soak.Plan("/v1/completions", {**greedy, "prompt": "a"}), stream, tally)
+    whole = {"choices": [{"index": 0, "text": "twx", "finish_reason": "length"}]}
+    soak.keep(soak.Plan("/v1/completions", {**greedy, "stream": False, "n": 1, "prompt": "b"}), [whole], tally)
+    budget = {"choices": [{"index": 0, "text": "t", "finish_reason": "verify_budget"}]}
+    soak.keep(soak.Plan("/v1/completions", {**greedy, "n": 1, "prompt": "b"}), [budget], tally)  # not replayed
+    soak.keep(soak.Plan("/v1/completions", {**greedy, "temperature": 1.0, "prompt": "b"}), [whole], tally)  # sampled
+    assert [texts for _, texts in tally.greedy] == [["one", "one"], ["twx"]]
+
+    async def go() -> dict[str, Any]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            return await soak.replay(client, "http://soak.test", tally)
+
+    result = asyncio.run(go())
+    assert not result["ok"] and result["differing"] == 1 and "served 'twx', alone 'two'" in result["first_failure"]
+    assert result["prompts"] == 2 and result["choices"] == 3
+    assert all(b["speculative"] == {"tau": 0} and "n" not in b and "stream" not in b for b in sent)
