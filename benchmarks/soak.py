@@ -48,6 +48,7 @@ import httpx
 STOPS: list[str | list[str]] = ["\n", ")", ":", ["\n\n", "return"]]
 FINISH = {"stop", "length", "verify_budget"}
 NO_TEMPLATE = "no chat template"
+RETRIES = 200  # tries of one request that meets a full queue (429)
 
 
 @dataclass
@@ -186,6 +187,18 @@ def check_stream(plan: Plan, events: list[str]) -> str | None:
 
 
 async def send(client: httpx.AsyncClient, url: str, plan: Plan, tally: Tally) -> None:
+    """One request as a well-behaved client sends it: a 429 (the server's queue is full) is tried again after the
+    ``Retry-After`` it names (at most 1 s), up to ``RETRIES`` times."""
+    for _ in range(RETRIES):
+        wait = await attempt(client, url, plan, tally)
+        if wait is None:
+            return
+        await asyncio.sleep(wait)
+    tally.outcomes["429 until the client stopped trying"] += 1
+
+
+async def attempt(client: httpx.AsyncClient, url: str, plan: Plan, tally: Tally) -> float | None:
+    """Send ``plan`` once and tally the outcome; the seconds to wait before trying again after a 429, else None."""
     try:
         if plan.body["stream"]:
             async with client.stream("POST", url + plan.path, json=plan.body, timeout=plan.timeout) as r:
@@ -198,7 +211,7 @@ async def send(client: httpx.AsyncClient, url: str, plan: Plan, tally: Tally) ->
                         events.append(line[6:])
                         if plan.hang_up_after and len(events) >= plan.hang_up_after:
                             tally.outcomes["hung up mid-stream"] += 1
-                            return
+                            return None
                 wrong = check_stream(plan, events)
                 if wrong is None:
                     keep(plan, [json.loads(e) for e in events[:-1]], tally)
@@ -214,14 +227,15 @@ async def send(client: httpx.AsyncClient, url: str, plan: Plan, tally: Tally) ->
             tally.outcomes["gave up after 50 ms"] += 1
         else:
             tally.problem(plan, "no answer within the timeout")
-        return
+        return None
     except (httpx.HTTPError, ValueError) as e:
         tally.problem(plan, f"{type(e).__name__}: {e}")
-        return
+        return None
     if wrong:
         tally.problem(plan, wrong)
     else:
         tally.outcomes["streamed" if plan.body["stream"] else "whole"] += 1
+    return None
 
 
 def keep(plan: Plan, chunks: list[dict[str, Any]], tally: Tally) -> None:
@@ -262,20 +276,27 @@ async def replay(client: httpx.AsyncClient, url: str, tally: Tally) -> dict[str,
     }
 
 
-def refused(plan: Plan, r: httpx.Response, tally: Tally) -> None:
+def refused(plan: Plan, r: httpx.Response, tally: Tally) -> float | None:
+    """Tally a refusal; for a 429, the seconds its ``Retry-After`` asks (at most 1 s)."""
     try:
         error = r.json()["error"]
         message, kind = str(error["message"]), error["type"]
     except (ValueError, KeyError, TypeError):
-        return tally.problem(plan, f"HTTP {r.status_code} without an OpenAI-style error body: {r.text[:200]!r}")
+        tally.problem(plan, f"HTTP {r.status_code} without an OpenAI-style error body: {r.text[:200]!r}")
+        return None
     if r.status_code >= 500:
-        return tally.problem(plan, f"HTTP {r.status_code} ({kind}): {message}")
-    if r.status_code == 429:
-        tally.outcomes["429 (queue full)"] += 1
+        tally.problem(plan, f"HTTP {r.status_code} ({kind}): {message}")
+    elif r.status_code == 429:
+        tally.outcomes["429 (queue full), tried again"] += 1
+        try:
+            return min(1.0, max(0.01, float(r.headers.get("retry-after", "0.1"))))
+        except ValueError:
+            tally.problem(plan, f"429 with a Retry-After that is not a number: {r.headers['retry-after']!r}")
     elif NO_TEMPLATE in message:
         tally.outcomes["400 no chat template"] += 1
     else:
         tally.problem(plan, f"a valid request refused, HTTP {r.status_code} ({kind}): {message}")
+    return None
 
 
 async def has_chat_template(client: httpx.AsyncClient, url: str) -> bool:

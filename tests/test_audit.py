@@ -113,6 +113,15 @@ def test_batched_greedy_audit_catches_a_row_that_depends_on_its_company(
     assert f"(step {d.step}, its pass shared by {d.sequences} sequence(s), {d.rows} rows)" in result.text()
 
 
+@pytest.mark.identity
+def test_a_replay_shorter_than_its_min_tokens_is_compared(engine: Engine) -> None:
+    """A served output a stop string cut before its ``min_tokens``: compared over its length (EOS masked there either
+    way) instead of refused as a request whose min_tokens exceeds max_new_tokens."""
+    out = engine.generate(PROMPTS[0], max_new_tokens=6, tau=0, min_tokens=6).token_ids
+    result = audit_greedy(engine, PROMPTS[:1], max_new_tokens=[6], recorded=[out], request_kwargs=[{"min_tokens": 20}])
+    assert result.ok and result.tokens_compared == 6, result.text()
+
+
 def test_batched_audits_refuse_what_they_cannot_do(engine: Engine) -> None:
     with pytest.raises(ValueError, match="batch must be >= 1"):
         audit_greedy(engine, PROMPTS, batch=0)

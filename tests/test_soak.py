@@ -193,3 +193,35 @@ def test_the_replay_check_compares_each_choice_with_a_solo_target_only_run() -> 
     assert not result["ok"] and result["differing"] == 1 and "served 'twx', alone 'two'" in result["first_failure"]
     assert result["prompts"] == 2 and result["choices"] == 3
     assert all(b["speculative"] == {"tau": 0} and "n" not in b and "stream" not in b for b in sent)
+
+
+def test_a_full_queue_is_tried_again_after_its_retry_after() -> None:
+    """429 twice (Retry-After 0), then the answer: the client tries again as told; a 5xx is a problem."""
+    import asyncio
+
+    import httpx
+
+    soak = _soak()
+    replies = iter(
+        [
+            httpx.Response(
+                429, json={"error": {"message": "queue full", "type": "queue_full"}}, headers={"Retry-After": "0"}
+            ),
+            httpx.Response(
+                429, json={"error": {"message": "queue full", "type": "queue_full"}}, headers={"Retry-After": "0"}
+            ),
+            httpx.Response(200, json=_whole(1, completion=2)),
+            httpx.Response(500, json={"error": {"message": "boom", "type": "internal_error"}}),
+        ]
+    )
+    plan = soak.Plan("/v1/completions", {"prompt": "a", "max_tokens": 4, "temperature": 1.0, "stream": False})
+    tally = soak.Tally()
+
+    async def go() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(lambda request: next(replies))) as client:
+            await soak.send(client, "http://soak.test", plan, tally)
+            await soak.send(client, "http://soak.test", plan, tally)
+
+    asyncio.run(go())
+    assert tally.outcomes["429 (queue full), tried again"] == 2 and tally.outcomes["whole"] == 1
+    assert len(tally.problems) == 1 and "HTTP 500 (internal_error): boom" in tally.problems[0]

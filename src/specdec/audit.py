@@ -216,7 +216,12 @@ def audit_greedy(
         raise ValueError("a batched audit runs the speculative side itself; recorded outputs have no runs to batch")
     result = AuditResult(mode="greedy", prompts=len(prompts), batch=batch)
     limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    own = list(request_kwargs) if request_kwargs is not None else [{} for _ in prompts]
+    own = [dict(kw) for kw in request_kwargs] if request_kwargs is not None else [{} for _ in prompts]
+    for kw, limit in zip(own, limits):
+        # A recorded output a stop string cut may be shorter than its min_tokens: over the positions compared, EOS is
+        # masked at every one either way.
+        if kw.get("min_tokens", 0) > limit:
+            kw["min_tokens"] = limit
     runs: list[GenerationResult] | None = None
     if batch > 1:
         requests = [
