@@ -192,6 +192,33 @@ def test_cli_audits_a_trace_and_catches_a_tampered_output(
     assert out["ok"] is False and out["divergences"][0]["position"] == pos
 
 
+@pytest.mark.identity
+def test_cli_refuses_a_trace_served_with_other_numerics(
+    tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A greedy replay is exact only on a target that computes as the serving one did: the trace's header says how
+    (``target_numerics``), and an audit set up otherwise is refused with the difference named, not run into false
+    divergences."""
+    from specdec.cli import main
+    from specdec.trace import read_trace
+
+    trace = tmp_path / "t.jsonl"
+    eng = specdec.load(tiny_models["llama"], tiny_models["draft"], tau=3, trace=trace, dtype="float32")
+    eng.generate(PROMPTS[0], max_new_tokens=8)
+    eng.observers[-1].close()  # type: ignore[attr-defined]
+    served = read_trace(trace).headers[0]["meta"]["target_numerics"]
+    assert served["dtype"] == "float32" and served["kv_dtype"] == "fp32" and served["runtime"] == "cpu-kernel"
+    models = ["--target", str(tiny_models["llama"]), "--draft", str(tiny_models["draft"])]
+    assert main(["audit", *models, "--dtype", "float32", "--trace", str(trace)]) == 0
+    capsys.readouterr()
+    assert main(["audit", *models, "--dtype", "bfloat16", "--trace", str(trace)]) == 2
+    err = capsys.readouterr().err
+    assert "dtype float32 (here bfloat16), kv_dtype fp32 (here bf16)" in err and err.count("\n") == 1
+    # A sampling audit of the trace's prompts tests distributions, not bits: not refused.
+    args = ["--dtype", "bfloat16", "--trace", str(trace), "--temperature", "1", "--runs", "30", "--samples", "1"]
+    assert main(["audit", *models, *args]) in (0, 1)
+
+
 def test_cli_prompts_file_and_bad_input(
     tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

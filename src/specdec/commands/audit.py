@@ -6,11 +6,14 @@ import argparse
 import json
 import random
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdec.bench.prompts import FILE_HELP as PROMPT_FILE_HELP
 from specdec.commands.common import ModelSettings, add_model_args
 from specdec.errors import InvalidRequestError, SpecdecError
+
+if TYPE_CHECKING:
+    from specdec.engine import Engine
 
 FALLBACK_PROMPTS = [
     "def fibonacci(n):\n",
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.batch > 1:  # the prompts join the batch as a batching server takes them in
         engine.prefill_in_step = DEFAULT_PREFILL_IN_STEP if args.prefill_in_step is None else args.prefill_in_step
 
-    prompts, recorded, rules = _prompts(args)
+    prompts, recorded, rules = _prompts(args, engine)
     if args.temperature == 0:
         # A recorded output is compared over its own length (a stop string may have cut it).
         limit = [len(out) for out in recorded] if recorded is not None else args.max_new_tokens
@@ -150,10 +153,10 @@ def _check_args(args: argparse.Namespace) -> None:
 Replay = tuple[list[Any], list[list[int]] | None, list[dict[str, Any]] | None]
 
 
-def _prompts(args: argparse.Namespace) -> Replay:
+def _prompts(args: argparse.Namespace, engine: Engine) -> Replay:
     """Prompts to replay and, for a greedy trace, the outputs it recorded and each request's logits rules."""
     if args.trace is not None:
-        return _trace_prompts(args)
+        return _trace_prompts(args, engine)
     from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts  # the prompt files bench and tune read
 
     path = args.prompts or (DEFAULT_PROMPTS if DEFAULT_PROMPTS.exists() else None)
@@ -165,11 +168,13 @@ def _prompts(args: argparse.Namespace) -> Replay:
     return prompts, None, None
 
 
-def _trace_prompts(args: argparse.Namespace) -> Replay:
+def _trace_prompts(args: argparse.Namespace, engine: Engine) -> Replay:
     from specdec.logits_rules import rules_from_settings
     from specdec.trace import read_trace
 
     trace = read_trace(args.trace)
+    if args.temperature == 0:
+        _check_numerics(args.trace, trace.headers, engine)
     done = [(r.summary, r) for r in trace.requests if r.summary is not None and r.summary.prompt_ids]
     if not done:
         raise SpecdecError(
@@ -194,3 +199,25 @@ def _trace_prompts(args: argparse.Namespace) -> Replay:
     ]
     replays = [(ids, out, rules) for ids, out, rules in replays if out][: args.samples]
     return [ids for ids, _, _ in replays], [out for _, out, _ in replays], [rules for _, _, rules in replays]
+
+
+def _check_numerics(path: Path, headers: list[dict[str, Any]], engine: Engine) -> None:
+    """A greedy replay is token for token only against a target that computes as the one that served: the same
+    dtype, KV cache type, runtime, kernel instruction set and device (``target_numerics`` in the trace's headers;
+    older traces do not say). Refuse the audit, naming the difference, rather than report divergences that are
+    rounding."""
+    from specdec.runtime.base import numerics
+
+    here = numerics(engine.target)
+    for header in headers:
+        served = (header.get("meta") or {}).get("target_numerics")
+        if not isinstance(served, dict):
+            continue
+        differ = [f"{k} {served.get(k)} (here {here.get(k)})" for k in here if served.get(k, here[k]) != here[k]]
+        if differ:
+            raise SpecdecError(
+                f"trace {path} was served by a target computing otherwise: {', '.join(differ)}; a greedy replay is "
+                "exact only with the same numerics: give audit the model options the server had (--dtype, "
+                "--kv-dtype, --runtime, --device; SPECDEC_CPU_KERNEL_ISA=avx2 for the AVX2 kernel), or audit where "
+                "it was served"
+            )

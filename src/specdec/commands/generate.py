@@ -84,12 +84,15 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(
             "--show-steps and --json cannot be combined: --json prints one JSON object", "show_steps"
         )
+    engine = ModelSettings.from_args(args).load()
     observers: list[Observer] = []
     if args.trace:
+        from specdec.runtime.base import numerics
         from specdec.trace import JsonlTrace
 
-        observers.append(JsonlTrace(args.trace))
-    engine = ModelSettings.from_args(args).load(observers=observers)
+        meta = {"command": "generate", "target": engine.target.name, "target_numerics": numerics(engine.target)}
+        observers.append(JsonlTrace(args.trace, meta=meta))
+        engine.observers.extend(observers)
     kwargs = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,

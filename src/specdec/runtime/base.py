@@ -142,3 +142,25 @@ def eos_ids_of(*sources: Any) -> frozenset[int]:
             if isinstance(e, int) and not isinstance(e, bool):
                 ids.add(e)
     return frozenset(ids)
+
+
+def numerics(runner: ModelRunner) -> dict[str, str | None]:
+    """What a runner's logits depend on besides its checkpoint, for traces and audits: two runs of one checkpoint
+    that agree on these give the same logits bit for bit (the CPU kernel's promise) and so the same greedy outputs;
+    where one differs (a dtype, the KV cache's type, the runtime, the kernel's instruction set, the device) a near-tie
+    may round the other way."""
+    from specdec.runtime.native import kv_dtype_of
+
+    runtime = str(getattr(runner, "backend", type(runner).__name__))
+    isa = None
+    if runtime == "cpu-kernel":
+        from specdec.runtime.native_kernel import kernel_isa
+
+        isa = kernel_isa()
+    return {
+        "device": str(runner.device),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "runtime": runtime,
+        "kv_dtype": kv_dtype_of(runner),
+        "isa": isa,
+    }
