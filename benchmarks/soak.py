@@ -74,7 +74,9 @@ class Tally:
         self.problems.append(f"{plan.path} {json.dumps(brief)}: {what}")
 
 
-def plan_request(rng: random.Random, prompts: list[str], vocab: int, max_tokens: int, chat: bool) -> Plan:
+def plan_request(
+    rng: random.Random, prompts: list[str], vocab: int, max_tokens: int, chat: bool, max_n: int = 3
+) -> Plan:
     text = rng.choice(prompts)
     text = text[: rng.choice([12, 80, 400, len(text)])] or text
     body: dict[str, Any] = {"max_tokens": rng.randint(1, max_tokens)}
@@ -94,8 +96,8 @@ def plan_request(rng: random.Random, prompts: list[str], vocab: int, max_tokens:
             body["top_k"] = 20
         else:
             body["top_p"] = 0.9
-    if rng.random() < 0.2:
-        body["n"] = rng.randint(2, 3)
+    if rng.random() < 0.2 and max_n > 1:
+        body["n"] = rng.randint(2, max_n)
     if rng.random() < 0.2:
         body["stop"] = rng.choice(STOPS)
     if rng.random() < 0.2:
@@ -325,7 +327,9 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         chat = await has_chat_template(client, url)
         vocab = 256  # token-id prompts stay in every vocabulary
         rng = random.Random(args.seed)
-        plans = [plan_request(rng, args.prompt_list, vocab, args.max_tokens, chat) for _ in range(args.requests)]
+        # n samples run together: at most the server's --max-batch and --max-active (a larger n is refused, 400).
+        max_n = min(3, int(health.get("max_batch") or 3), int(health.get("max_active") or 3))
+        plans = [plan_request(rng, args.prompt_list, vocab, args.max_tokens, chat, max_n) for _ in range(args.requests)]
         queue = list(reversed(plans))
         t0 = time.monotonic()
 
@@ -361,9 +365,31 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     }
 
 
+def model_options(argv: list[str]) -> list[str]:
+    """The model options (those every command takes: ``--dtype``, ``--kv-dtype``, ...) among ``argv``, with their
+    values, in order: what of ``--serve-args`` the audit must be given too, to compute as the server did."""
+    from specdec.commands.common import add_model_args
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_model_args(parser)
+    known = parser._option_string_actions
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        name = argv[i].split("=", 1)[0]
+        action = known.get(name)
+        takes = 0 if action is None or "=" in argv[i] or action.nargs == 0 else 1
+        if action is not None:
+            out += argv[i : i + 1 + takes]
+        i += 1 + takes
+    return out
+
+
 def audit(args: argparse.Namespace, trace: str) -> dict[str, Any]:
-    """``specdec audit --trace``: every finished greedy request the trace holds against target-only decoding."""
-    command = [sys.executable, "-m", "specdec.cli", "audit", *shlex.split(args.models), "--trace", trace]
+    """``specdec audit --trace``: every finished greedy request the trace holds against target-only decoding, on a
+    target loaded with the server's model options (``--models`` and those among ``--serve-args``)."""
+    models = [*shlex.split(args.models), *model_options(shlex.split(args.serve_args))]
+    command = [sys.executable, "-m", "specdec.cli", "audit", *models, "--trace", trace]
     done = subprocess.run([*command, "--samples", "1000000000", "--json"], capture_output=True, text=True)
     try:
         result: dict[str, Any] = json.loads(done.stdout)
@@ -445,9 +471,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="a running server (without --spawn)")
     p.add_argument("--spawn", action="store_true", help="start a server here (loopback, with a trace), stop it after")
     p.add_argument(
-        "--models", default="", help="model arguments of the server and of the audit, e.g. '--target T --draft D'"
+        "--models",
+        default="",
+        help="model options of the server and of the audit, e.g. '--target T --draft D' (one option alone: "
+        "--models=--prompt-lookup)",
     )
-    p.add_argument("--serve-args", default="", help="more 'specdec serve' arguments for --spawn (--max-batch, ...)")
+    p.add_argument(
+        "--serve-args",
+        default="",
+        help="more 'specdec serve' options for --spawn (--max-batch, ...); model options among them (--kv-dtype, ...) "
+        "go to the audit too",
+    )
     p.add_argument("--trace", default=None, help="without --spawn: the trace the running server writes, to audit")
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--clients", type=int, default=24)

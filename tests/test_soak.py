@@ -109,6 +109,21 @@ def test_requests_are_valid_and_cover_the_api() -> None:
     assert sum(p.hang_up_after > 0 for p in plans) > 50 and sum(p.timeout < 1 for p in plans) > 20
 
 
+def test_the_audit_is_given_the_servers_model_options() -> None:
+    soak = _soak()
+    serve = ["--max-batch", "4", "--kv-dtype", "fp32", "--prompt-lookup", "--port", "9", "--draft-vocab=full"]
+    assert soak.model_options(serve) == ["--kv-dtype", "fp32", "--prompt-lookup", "--draft-vocab=full"]
+    assert soak.model_options(["--max-batch", "1", "--stream-interval", "3"]) == []
+
+
+def test_n_stays_within_what_the_server_runs_together() -> None:
+    soak = _soak()
+    for max_n, allowed in ((1, {1}), (2, {1, 2}), (3, {1, 2, 3})):
+        rng = random.Random(1)
+        ns = {soak.plan_request(rng, ["x"], 320, 8, False, max_n).body.get("n", 1) for _ in range(300)}
+        assert ns == allowed
+
+
 @pytest.mark.slow
 @pytest.mark.server
 def test_soak_against_a_spawned_server(tiny_models: dict[str, Path], tmp_path: Path) -> None:
