@@ -127,16 +127,23 @@ def test_n_stays_within_what_the_server_runs_together() -> None:
 @pytest.mark.slow
 @pytest.mark.server
 def test_soak_against_a_spawned_server(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in ["def f(x):", "import os\n", "class A:\n    pass\n"]))
-    models = f"--target {tiny_models['llama']} --draft {tiny_models['draft']}"
+    target = tmp_path / "target"  # the tiny target with a chat template: chat completions join the mix
+    shutil.copytree(tiny_models["llama"], target)
+    config = json.loads((target / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
+    models = f"--target {target} --draft {tiny_models['draft']}"
     out = tmp_path / "soak.json"
     args = ["--spawn", "--models", models, "--serve-args", "--max-batch 6", "--requests", "60", "--clients", "6"]
     args += ["--max-tokens", "10", "--prompts", str(prompts), "--seed", "3", "--json", str(out)]
     done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
-    assert report["server"]["max_batch"] == 6 and report["problems"] == []
+    assert report["server"]["max_batch"] == 6 and report["problems"] == [] and report["chat"]
     assert report["outcomes"].get("streamed", 0) > 0 and report["outcomes"].get("whole", 0) > 0
     assert report["outcomes"].get("hung up mid-stream", 0) > 0
     assert report["after"]["active"] == 0 and report["after"]["failed"] == 0 and report["metric_families"] > 10
