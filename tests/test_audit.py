@@ -138,6 +138,37 @@ def test_batched_sampling_audit_passes_on_the_real_engine(engine: Engine) -> Non
     assert result.tests and result.ok, result.text()
 
 
+# Token 5 pushed up at position 1 (a group of runs shares it), then penalised at position 2 for having been generated.
+SAMPLING_RULES = dict(logit_bias={5: 6.0}, presence_penalty=2.0)
+
+
+@pytest.mark.distribution
+def test_sampling_audit_with_logits_rules(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs with a bias and a presence penalty (seeds 0..149, batched 8 at a time) follow the target's distribution
+    under the same rules at positions 1 and 2 (false-failure rate ≤ 1e-3; fixed seeds, deterministic). Power, same
+    runs: a reference without the rules fails at position 1, one that forgets the generated token (no presence penalty)
+    at position 2."""
+    import specdec.audit as audit_mod
+    from specdec.logits_rules import RulesState
+
+    kw: dict[str, Any] = dict(temperature=1.0, runs=150, positions=2, seed=0, batch=8, rules=SAMPLING_RULES)
+    result = audit_sampling(engine, PROMPTS[:1], **kw)
+    assert [t.position for t in result.tests] == [1, 2] and result.ok, result.text()
+
+    class Blind(RulesState):
+        def apply(self, logits: torch.Tensor, tokens: Sequence[int] = (), offset: int = 0) -> torch.Tensor:
+            return logits
+
+    class Forgetful(RulesState):
+        def commit(self, tokens: Sequence[int]) -> None:
+            pass
+
+    for wrong, position in ((Blind, 1), (Forgetful, 2)):
+        monkeypatch.setattr(audit_mod, "RulesState", wrong)
+        failed = [t.position for t in audit_sampling(engine, PROMPTS[:1], **kw).tests if not t.ok]
+        assert failed == [position], (wrong.__name__, failed)
+
+
 @pytest.mark.distribution
 def test_sampling_audit_passes_on_the_real_engine(engine: Engine) -> None:
     """150 runs with seeds 0..149; the audit's tests together fail a correct engine with probability ≤ 1e-3
@@ -175,6 +206,8 @@ def test_cli_audits_a_trace_and_catches_a_tampered_output(
     assert main(["audit", *models, "--trace", str(trace)]) == 0, capsys.readouterr().out
     out = capsys.readouterr().out
     assert out.startswith("PASS  greedy audit: 4 prompt(s)"), out
+    assert main(["audit", *models, "--trace", str(trace), "--presence-penalty", "1"]) == 2
+    assert "--presence-penalty: a greedy --trace audit replays each request with the rules" in capsys.readouterr().err
 
     lines = [json.loads(x) for x in trace.read_text().splitlines()]
     step = next(
@@ -263,6 +296,9 @@ def test_cli_batched_audit(tiny_models: dict[str, Path], tmp_path: Path, capsys:
     args = ["--max-new-tokens", "12", "--batch", "4", "--prefill-in-step", "4"]
     assert main(["audit", *models, "--prompts", str(prompts), *args]) == 0
     assert "prompts taken in by the steps, up to 4 tokens a step" in capsys.readouterr().out
+    rules = ["--presence-penalty", "1", "--logit-bias", "5=3", "--min-tokens", "4"]
+    assert main(["audit", *models, "--prompts", str(prompts), "--max-new-tokens", "12", "--batch", "3", *rules]) == 0
+    assert capsys.readouterr().out.startswith("PASS")
 
 
 @pytest.mark.distribution

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from specdec.engine import Engine, Generation, GenerationResult
+from specdec.logits_rules import LogitsRules, RulesState
 from specdec.sampling import SamplingParams, logits_to_probs
 
 Prompt = str | Sequence[int]
@@ -297,6 +298,7 @@ def audit_sampling(
     alpha: float = 1e-3,
     max_new_tokens: int | None = None,
     batch: int = 1,
+    rules: Mapping[str, Any] | None = None,
     **spec_kwargs: Any,
 ) -> AuditResult:
     """Chi-square goodness of fit of the first ``positions`` generated tokens against the target.
@@ -304,8 +306,11 @@ def audit_sampling(
     Position 1 is tested against p(· | prompt); position 2 within each group of runs that share the
     first token y1 against p(· | prompt, y1). ``max_new_tokens`` defaults to positions + 8 so that the
     first step drafts a full block. ``batch`` > 1: the runs of all prompts share steps, up to ``batch`` at
-    a time (``serve_in_batches``, shuffled by ``seed``); each run keeps its own seed.
+    a time (``serve_in_batches``, shuffled by ``seed``); each run keeps its own seed. ``rules``: logits rules of every
+    run (``Engine.start`` arguments: penalties, ``logit_bias``, ``min_tokens``, ``ignore_eos``), applied to the target's
+    distributions the runs are tested against as target-only decoding applies them.
     """
+    rules = dict(rules or {})
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
     params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
@@ -321,6 +326,7 @@ def audit_sampling(
             top_k=top_k,
             top_p=top_p,
             seed=seed + r,
+            **rules,
             **spec_kwargs,
         )
         for prompt in prompts
@@ -351,15 +357,34 @@ def audit_sampling(
                     groups.setdefault(s[0], []).append(s[1])
             planned += [(i, 2, ids + [y1], toks) for y1, toks in groups.items() if len(toks) >= MIN_GROUP]
     threshold = alpha / max(1, len(planned))
+    checked = LogitsRules.checked(
+        **rules, vocab_size=engine.side.vocab_size, max_new_tokens=max_new_tokens or positions + 8
+    )
     for i, pos, context, toks in planned:
-        probs = _target_probs(engine, context, params, eos)
+        prompt_ids = engine.encode(prompts[i])
+        probs = _target_probs(engine, context, params, eos, checked, len(prompt_ids))
         result.tests.append(fit_test(i, pos, toks, probs, threshold, lambda t: _decode(engine, t)))
     return result
 
 
-def _target_probs(engine: Engine, context: list[int], params: SamplingParams, eos: int | None) -> torch.Tensor:
-    probs = logits_to_probs(_next_logits(engine, context)[None], params)[0]  # [V]
-    if eos is not None:  # every EOS id ends generation the same way: one category
+def _target_probs(
+    engine: Engine,
+    context: list[int],
+    params: SamplingParams,
+    eos: int | None,
+    rules: LogitsRules | None = None,
+    prompt_len: int | None = None,
+) -> torch.Tensor:
+    """The target's next-token distribution after ``context`` as target-only decoding samples it: its logits under
+    ``rules`` (the tokens after ``prompt_len`` counted as generated), then temperature, top-k and top-p."""
+    logits = _next_logits(engine, context)[None]
+    if rules is not None and rules.active:
+        start = len(context) if prompt_len is None else prompt_len
+        state = RulesState(rules, context[:start], logits.shape[-1], engine.eos_ids, logits.device)
+        state.commit(context[start:])
+        logits = state.apply(logits)
+    probs = logits_to_probs(logits, params)[0]  # [V]
+    if eos is not None and not (rules is not None and rules.ignore_eos):  # every EOS id ends it alike: one category
         for other in engine.eos_ids:
             if other != eos and other < probs.shape[0]:
                 probs[eos] += probs[other]

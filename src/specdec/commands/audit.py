@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdec.bench.prompts import FILE_HELP as PROMPT_FILE_HELP
-from specdec.commands.common import ModelSettings, add_model_args
+from specdec.commands.common import ModelSettings, add_logits_rule_args, add_model_args, logits_rule_kwargs
 from specdec.errors import InvalidRequestError, SpecdecError
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "'specdec serve --max-batch N' does, and still compares each with its solo target-only run.",
     )
     add_model_args(p)
+    add_logits_rule_args(p.add_argument_group("logits rules of every replayed request (a trace's carry their own)"))
     src = p.add_mutually_exclusive_group()
     src.add_argument(
         "--prompts",
@@ -95,6 +96,13 @@ def run(args: argparse.Namespace) -> int:
         engine.prefill_in_step = DEFAULT_PREFILL_IN_STEP if args.prefill_in_step is None else args.prefill_in_step
 
     prompts, recorded, rules = _prompts(args, engine)
+    asked = {k: v for k, v in logits_rule_kwargs(args).items() if v != _RULE_DEFAULTS[k]}
+    if asked and rules is not None:
+        raise InvalidRequestError(
+            f"--{next(iter(asked)).replace('_', '-')}: a greedy --trace audit replays each request with the rules it "
+            "was served with",
+            next(iter(asked)),
+        )
     if args.temperature == 0:
         # A recorded output is compared over its own length (a stop string may have cut it).
         limit = [len(out) for out in recorded] if recorded is not None else args.max_new_tokens
@@ -105,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
             recorded=recorded,
             batch=args.batch,
             seed=args.seed,
-            request_kwargs=rules,
+            request_kwargs=rules if rules is not None else [asked] * len(prompts),
         )
     else:
         n = 3 if args.samples == 8 else args.samples  # the statistical test is costly: fewer prompts by default
@@ -120,12 +128,18 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             alpha=args.alpha,
             batch=args.batch,
+            rules=asked,
         )
     if args.json:
         print(json.dumps(result.to_json(), ensure_ascii=False))
     else:
         print(result.text(), end="")
     return 0 if result.ok else 1
+
+
+_RULE_DEFAULTS: dict[str, Any] = dict(
+    presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias={}, min_tokens=0, ignore_eos=False
+)
 
 
 def _check_args(args: argparse.Namespace) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from specdec.engine import Engine
 
@@ -158,3 +159,42 @@ def add_draft_tokenizer_arg(g: argparse._ActionsContainer) -> None:
         help="a draft with a tokenizer of its own: auto drafts through text when it differs from the target's "
         "(said on stderr; see docs/models.md), shared refuses such a draft, bridge drafts through text always",
     )
+
+
+def add_logits_rule_args(g: argparse._ActionsContainer) -> None:
+    """The request's logits rules (``specdec.logits_rules``): penalties, bias, min_tokens, ignore_eos."""
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty, in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty, in [-2, 2]")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style repetition penalty, > 0 (1 = off)")
+    g.add_argument(
+        "--logit-bias",
+        action="append",
+        default=None,
+        type=_logit_bias,
+        metavar="ID=BIAS",
+        help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)",
+    )
+    g.add_argument("--min-tokens", type=int, default=0, help="EOS is not generated before this many tokens")
+    g.add_argument("--ignore-eos", action="store_true", help="EOS does not end generation (fixed-length output)")
+
+
+def logits_rule_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``Engine.start`` keyword arguments of the flags ``add_logits_rule_args`` adds."""
+    return dict(
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        logit_bias=dict(args.logit_bias or []),
+        min_tokens=args.min_tokens,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _logit_bias(value: str) -> tuple[int, float]:
+    token, sep, bias = value.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 50256=-100), got {value!r}") from None

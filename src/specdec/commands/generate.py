@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any, Literal
 
-from specdec.commands.common import ModelSettings, add_model_args
+from specdec.commands.common import ModelSettings, add_logits_rule_args, add_model_args, logits_rule_kwargs
 from specdec.engine import Engine, Generation, Observer
 from specdec.errors import InvalidRequestError
 from specdec.viz import StepRenderer, Style, default_style
@@ -37,19 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="N independent samples of the prompt, prefilled once and stepped together (with --seed S, sample 0 "
         "is what N=1 gives)",
     )
-    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty, in [-2, 2]")
-    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty, in [-2, 2]")
-    g.add_argument("--repetition-penalty", type=float, default=1.0, help="HF-style repetition penalty, > 0 (1 = off)")
-    g.add_argument(
-        "--logit-bias",
-        action="append",
-        default=None,
-        type=_logit_bias,
-        metavar="ID=BIAS",
-        help="add BIAS (in [-100, 100]) to token ID's logit (repeatable)",
-    )
-    g.add_argument("--min-tokens", type=int, default=0, help="EOS is not generated before this many tokens")
-    g.add_argument("--ignore-eos", action="store_true", help="EOS does not end generation (fixed-length output)")
+    add_logits_rule_args(g)
     g.add_argument(
         "--logprobs",
         type=int,
@@ -101,12 +89,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         stop=args.stop,
         max_verify_passes=args.max_verify_passes,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-        logit_bias=dict(args.logit_bias or []),
-        min_tokens=args.min_tokens,
-        ignore_eos=args.ignore_eos,
+        **logits_rule_kwargs(args),
         logprobs=args.logprobs,
     )
     if args.n != 1:
@@ -165,16 +148,6 @@ def _samples(
             file=sys.stderr,
         )
     return 0
-
-
-def _logit_bias(value: str) -> tuple[int, float]:
-    token, sep, bias = value.partition("=")
-    try:
-        if not sep:
-            raise ValueError
-        return int(token), float(bias)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 50256=-100), got {value!r}") from None
 
 
 def _step_style(value: str) -> str:
