@@ -175,9 +175,9 @@ class AuditResult:
 def serve_in_batches(engine: Engine, requests: Sequence[dict[str, Any]], batch: int, seed: int = 0) -> list[Generation]:
     """Run ``requests`` (``Engine.start`` keyword arguments) up to ``batch`` at a time through ``Engine.step``, as a
     continuously batching server would (prompts taken in as ``engine.prefill_in_step`` says): in an order shuffled by
-    ``seed``, each step admits between one request and as many as there are free slots (uniformly), so requests join
-    mid-flight, meet different company, and leave the moment they finish. Returns the finished generations in the
-    order of ``requests``."""
+    ``seed``, each step fills every free slot half the time and otherwise admits between one request and as many as
+    there are free slots (uniformly), so batches run full and requests still join mid-flight, meet different company,
+    and leave the moment they finish. Returns the finished generations in the order of ``requests``."""
     rng = random.Random(seed)
     order = list(range(len(requests)))
     rng.shuffle(order)
@@ -185,7 +185,7 @@ def serve_in_batches(engine: Engine, requests: Sequence[dict[str, Any]], batch: 
     active: list[Generation] = []
     while order or active:
         free = min(batch - len(active), len(order))
-        for _ in range(rng.randint(1, free) if free else 0):
+        for _ in range(free if free and rng.random() < 0.5 else rng.randint(1, free) if free else 0):
             i = order.pop()
             g = gens[i] = engine.start(**requests[i])
             active.append(g)
