@@ -322,7 +322,8 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
     from prometheus_client.parser import text_string_to_metric_families
 
     tally = Tally()
-    async with httpx.AsyncClient(timeout=600) as client:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(timeout=600, headers=headers) as client:
         health = (await client.get(url + "/health")).json()
         chat = await has_chat_template(client, url)
         vocab = 256  # token-id prompts stay in every vocabulary
@@ -483,6 +484,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "go to the audit too",
     )
     p.add_argument("--trace", default=None, help="without --spawn: the trace the running server writes, to audit")
+    p.add_argument("--api-key", default=None, help="the running server's --api-key (sent as a bearer token)")
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--clients", type=int, default=24)
     p.add_argument("--max-tokens", type=int, default=80, help="each request asks 1..this many tokens")
