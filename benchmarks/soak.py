@@ -318,7 +318,8 @@ async def drained(client: httpx.AsyncClient, url: str, within: float = 30.0) -> 
         await asyncio.sleep(0.2)
 
 
-async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
+async def run(args: argparse.Namespace, url: str, replay_greedy: bool) -> dict[str, Any]:
+    """The soak against ``url``; ``replay_greedy``: no trace to audit after, so the greedy requests are sent again."""
     from prometheus_client.parser import text_string_to_metric_families
 
     tally = Tally()
@@ -349,7 +350,7 @@ async def run(args: argparse.Namespace, url: str) -> dict[str, Any]:
         except ValueError as e:
             families = set()
             tally.problems.append(f"/metrics does not parse as Prometheus text: {e}")
-        replayed = None if args.has_trace else await replay(client, url, tally)
+        replayed = await replay(client, url, tally) if replay_greedy else None
     return {
         "url": url,
         "requests": args.requests,
@@ -405,21 +406,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="specdec-soak-") as folder:
             trace = args.trace
-            ray = "--ray" in shlex.split(args.serve_args)  # replicas write no trace: the replay check instead
-            args.has_trace = bool(trace) or (args.spawn and not ray)
             if args.spawn:
                 from load_test import running_servers  # type: ignore[import-not-found]
 
+                ray = "--ray" in shlex.split(args.serve_args)  # replicas write no trace: the replay check instead
                 trace = None if ray else os.path.join(folder, "trace.jsonl")
                 head = [sys.executable, "-m", "specdec.cli", "serve", "--log-level", "warning"]
                 head += ["--trace", trace] if trace else []
                 extra = [*shlex.split(args.models), *shlex.split(args.serve_args)]
                 serve = [("soak", lambda port: [*head, "--port", str(port), *extra])]
                 with running_servers(serve, log_dir=folder) as urls:
-                    report = asyncio.run(run(args, urls["soak"]))
+                    report = asyncio.run(run(args, urls["soak"], replay_greedy=trace is None))
                 # stopped: its trace is whole
             else:
-                report = asyncio.run(run(args, args.url.rstrip("/")))
+                report = asyncio.run(run(args, args.url.rstrip("/"), replay_greedy=trace is None))
             if trace:
                 report["audit"] = audit(args, trace)
     except (httpx.HTTPError, OSError, RuntimeError) as e:

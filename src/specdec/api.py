@@ -225,11 +225,10 @@ def load(
         chosen = make_policy(request_policy(policy, tau) or "fixed")
     observers = list(observers or [])
     if trace is not None:
-        from specdec.runtime.base import numerics
+        from specdec.runtime.base import target_meta
         from specdec.trace import JsonlTrace
 
-        meta = {"target": target_runner.name, "target_numerics": numerics(target_runner)}
-        observers.append(JsonlTrace(trace, meta=meta))
+        observers.append(JsonlTrace(trace, meta=target_meta(target_runner)))
     engine = Engine(target_runner, target_tok, drafter, chosen, observers, max_context=max_context)
     # Loaded: this thread's OpenMP helpers go, so a thread that serves the engine (a server's worker) runs its passes
     # beside no other team (``release_thread_team``: with two, every barrier of a pass sleeps).

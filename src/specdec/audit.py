@@ -318,10 +318,11 @@ def audit_sampling(
         raise ValueError("audit_sampling needs temperature > 0; use audit_greedy for greedy decoding")
     result = AuditResult(mode="sampling", prompts=len(prompts), alpha=alpha, batch=batch)
     eos = min(engine.eos_ids) if engine.eos_ids else None
+    limit = max_new_tokens or positions + 8
     requests = [
         dict(
             prompt=prompt,
-            max_new_tokens=max_new_tokens or positions + 8,
+            max_new_tokens=limit,
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
@@ -357,12 +358,10 @@ def audit_sampling(
                     groups.setdefault(s[0], []).append(s[1])
             planned += [(i, 2, ids + [y1], toks) for y1, toks in groups.items() if len(toks) >= MIN_GROUP]
     threshold = alpha / max(1, len(planned))
-    checked = LogitsRules.checked(
-        **rules, vocab_size=engine.side.vocab_size, max_new_tokens=max_new_tokens or positions + 8
-    )
+    checked = LogitsRules.checked(**rules, vocab_size=engine.side.vocab_size, max_new_tokens=limit)
+    prompt_lens = {i: len(ids) for i, ids, _ in raw}
     for i, pos, context, toks in planned:
-        prompt_ids = engine.encode(prompts[i])
-        probs = _target_probs(engine, context, params, eos, checked, len(prompt_ids))
+        probs = _target_probs(engine, context, params, eos, checked, prompt_lens[i])
         result.tests.append(fit_test(i, pos, toks, probs, threshold, lambda t: _decode(engine, t)))
     return result
 

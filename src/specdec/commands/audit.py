@@ -96,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
         engine.prefill_in_step = DEFAULT_PREFILL_IN_STEP if args.prefill_in_step is None else args.prefill_in_step
 
     prompts, recorded, rules = _prompts(args, engine)
-    asked = {k: v for k, v in logits_rule_kwargs(args).items() if v != _RULE_DEFAULTS[k]}
+    from specdec.logits_rules import LogitsRules
+
+    asked = LogitsRules(**logits_rule_kwargs(args)).settings()  # the rules' flags given, as a request summary says
     if asked and rules is not None:
         raise InvalidRequestError(
             f"--{next(iter(asked)).replace('_', '-')}: a greedy --trace audit replays each request with the rules it "
@@ -135,11 +137,6 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(result.text(), end="")
     return 0 if result.ok else 1
-
-
-_RULE_DEFAULTS: dict[str, Any] = dict(
-    presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias={}, min_tokens=0, ignore_eos=False
-)
 
 
 def _check_args(args: argparse.Namespace) -> None:

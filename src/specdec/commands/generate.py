@@ -75,11 +75,10 @@ def run(args: argparse.Namespace) -> int:
     engine = ModelSettings.from_args(args).load()
     observers: list[Observer] = []
     if args.trace:
-        from specdec.runtime.base import numerics
+        from specdec.runtime.base import target_meta
         from specdec.trace import JsonlTrace
 
-        meta = {"command": "generate", "target": engine.target.name, "target_numerics": numerics(engine.target)}
-        observers.append(JsonlTrace(args.trace, meta=meta))
+        observers.append(JsonlTrace(args.trace, meta={"command": "generate", **target_meta(engine.target)}))
         engine.observers.extend(observers)
     kwargs = dict(
         max_new_tokens=args.max_new_tokens,

@@ -195,15 +195,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"specdec: {prime_for_serving(engine, settings)}", file=sys.stderr)
     observers: list[Observer] = []
     if args.trace:
-        from specdec.runtime.base import numerics
+        from specdec.runtime.base import target_meta
         from specdec.trace import JsonlTrace
 
         draft_runner = getattr(engine.drafter, "runner", None)
         meta = {
             "command": "serve",
             "model_name": settings.model_name,
-            "target": engine.target.name,
-            "target_numerics": numerics(engine.target),  # what `specdec audit --trace` must match to replay it
+            **target_meta(engine.target),  # its numerics: what `specdec audit --trace` must match to replay it
             "drafter": engine.drafter.name if engine.drafter is not None else None,
             "draft": draft_runner.name if draft_runner is not None else None,
             "policy": engine.policy.name,

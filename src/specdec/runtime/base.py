@@ -144,6 +144,11 @@ def eos_ids_of(*sources: Any) -> frozenset[int]:
     return frozenset(ids)
 
 
+def target_meta(runner: ModelRunner) -> dict[str, Any]:
+    """What a trace's header says of the target that served it: its checkpoint and its ``numerics``."""
+    return {"target": runner.name, "target_numerics": numerics(runner)}
+
+
 def numerics(runner: ModelRunner) -> dict[str, str | None]:
     """What a runner's logits depend on besides its checkpoint, for traces and audits: two runs of one checkpoint
     that agree on these give the same logits bit for bit (the CPU kernel's promise) and so the same greedy outputs;
