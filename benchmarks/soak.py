@@ -5,6 +5,7 @@ output, token by token.
     python benchmarks/soak.py --spawn --requests 800 --clients 32            # the shipped pair, a server started here
     python benchmarks/soak.py --spawn --models "--target T --draft D" --serve-args "--max-batch 8"
     python benchmarks/soak.py --url http://127.0.0.1:8000 --trace run.jsonl --models "--target T --draft D"
+    python benchmarks/soak.py --spawn --serve-args "--ray --replicas 2"      # a Ray fleet: each replica's trace
 
 The requests (seeded by ``--seed``): completions (text or token ids) and, where the model has a chat template, chat
 completions; streamed or whole; ``n`` 1-3; greedy or sampled (seeded or not); stop strings; logprobs; penalties,
@@ -20,11 +21,11 @@ What must hold (exit status 1 if anything does not; 2 for bad arguments or a ser
   one finish reason per choice, usage last where asked;
 - after the run the server is drained (``/health``: nothing running or waiting) and ``/metrics`` parses as Prometheus
   text;
-- ``specdec audit --trace`` (the server's trace: ``--spawn`` writes one, ``--trace`` names a running server's) replays
-  every finished greedy request, with the logits rules it was served with, against target-only decoding: all match.
-  Without a trace (a running server without ``--trace``, or ``--serve-args --ray``: replicas write none), each greedy
-  request served to its end is sent again, alone and target-only (``tau`` 0), to the same server, and every choice's
-  text must be that one's.
+- ``specdec audit --trace`` (the server's trace: ``--spawn`` writes one, one per replica under ``--ray``; ``--trace``
+  names a running server's, or a fleet's files) replays every finished greedy request, with the logits rules it was
+  served with, against target-only decoding: all match. Without a trace (a running server without ``--trace``, or
+  ``--replay``), each greedy request served to its end is sent again, alone and target-only (``tau`` 0), to the same
+  server, and every choice's text must be that one's.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -387,17 +389,21 @@ def model_options(argv: list[str]) -> list[str]:
     return out
 
 
-def audit(args: argparse.Namespace, trace: str) -> dict[str, Any]:
-    """``specdec audit --trace``: every finished greedy request the trace holds against target-only decoding, on a
-    target loaded with the server's model options (``--models`` and those among ``--serve-args``)."""
+def audit(args: argparse.Namespace, trace: list[str]) -> dict[str, Any]:
+    """``specdec audit --trace``: every finished greedy request the trace holds (one file, or a fleet's, one per
+    replica) against target-only decoding, on a target loaded with the server's model options (``--models`` and those
+    among ``--serve-args``)."""
+    if not trace:
+        return {"ok": False, "first_failure": "no trace file to audit"}
     models = [*shlex.split(args.models), *model_options(shlex.split(args.serve_args))]
-    command = [sys.executable, "-m", "specdec.cli", "audit", *models, "--trace", trace]
+    command = [sys.executable, "-m", "specdec.cli", "audit", *models, "--trace", *trace]
     done = subprocess.run([*command, "--samples", "1000000000", "--json"], capture_output=True, text=True)
     try:
         result: dict[str, Any] = json.loads(done.stdout)
     except ValueError:
         lines = done.stderr.strip().splitlines()
         return {"ok": False, "first_failure": f"audit exited {done.returncode}: {lines[-1] if lines else ''}"}
+    result["traces"] = trace
     return result
 
 
@@ -405,22 +411,23 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         with tempfile.TemporaryDirectory(prefix="specdec-soak-") as folder:
-            trace = args.trace
+            trace: list[str] = list(args.trace or [])
             if args.spawn:
                 from load_test import running_servers  # type: ignore[import-not-found]
 
-                ray = "--ray" in shlex.split(args.serve_args)  # replicas write no trace: the replay check instead
-                trace = None if ray else os.path.join(folder, "trace.jsonl")
                 head = [sys.executable, "-m", "specdec.cli", "serve", "--log-level", "warning"]
-                head += ["--trace", trace] if trace else []
+                if not args.replay:
+                    head += ["--trace", os.path.join(folder, "trace.jsonl")]
                 extra = [*shlex.split(args.models), *shlex.split(args.serve_args)]
                 serve = [("soak", lambda port: [*head, "--port", str(port), *extra])]
                 with running_servers(serve, log_dir=folder) as urls:
-                    report = asyncio.run(run(args, urls["soak"], replay_greedy=trace is None))
-                # stopped: its trace is whole
+                    report = asyncio.run(run(args, urls["soak"], replay_greedy=args.replay))
+                # stopped: its trace is whole (under --ray, one file per replica: trace.<replica>.jsonl)
+                if not args.replay:
+                    trace = sorted(str(f) for f in Path(folder).glob("trace*.jsonl"))
             else:
-                report = asyncio.run(run(args, args.url.rstrip("/"), replay_greedy=trace is None))
-            if trace:
+                report = asyncio.run(run(args, args.url.rstrip("/"), replay_greedy=not trace))
+            if report["audit"] is None:
                 report["audit"] = audit(args, trace)
     except (httpx.HTTPError, OSError, RuntimeError) as e:
         print(f"soak: error: {e}", file=sys.stderr)
@@ -455,9 +462,10 @@ def render(report: dict[str, Any]) -> str:
             "target-only: " + ("all identical" if a["ok"] else f"{a['differing']} differ; first: {a['first_failure']}")
         )
     elif a.get("ok"):
+        files = len(a.get("traces", []))
         lines.append(
-            f"  audit: {a.get('prompts')} greedy requests, {a.get('tokens_compared')} tokens, all identical to "
-            "target-only decoding"
+            f"  audit{f' of {files} trace files (one per replica)' if files > 1 else ''}: {a.get('prompts')} greedy "
+            f"requests, {a.get('tokens_compared')} tokens, all identical to target-only decoding"
         )
     else:
         lines.append(f"  audit: FAILED: {a.get('first_failure')}")
@@ -483,7 +491,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="more 'specdec serve' options for --spawn (--max-batch, ...); model options among them (--kv-dtype, ...) "
         "go to the audit too",
     )
-    p.add_argument("--trace", default=None, help="without --spawn: the trace the running server writes, to audit")
+    p.add_argument(
+        "--trace",
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="without --spawn: the trace the running server writes, to audit (a Ray fleet's: every replica's file)",
+    )
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help="with --spawn: no trace; each greedy request is sent again alone and target-only instead",
+    )
     p.add_argument("--api-key", default=None, help="the running server's --api-key (sent as a bearer token)")
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--clients", type=int, default=24)
@@ -497,6 +516,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be a positive integer")
     if args.spawn and args.trace:
         p.error("--trace names a running server's trace; --spawn writes its own")
+    if args.replay and not args.spawn:
+        p.error("--replay is for --spawn (a running server without --trace is checked that way anyway)")
     from specdec.bench.prompts import DEFAULT_PROMPTS, load_prompts
     from specdec.errors import InvalidRequestError
 

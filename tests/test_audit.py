@@ -223,6 +223,17 @@ def test_cli_audits_a_trace_and_catches_a_tampered_output(
     assert main(["audit", *models, "--trace", str(trace), "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] is False and out["divergences"][0]["position"] == pos
+    assert out["divergences"][0]["request"] == f"{step['request_id']} in {trace}"
+
+    # A fleet's traces (one file per replica) are audited as one, each divergence named with its request and file.
+    other = tmp_path / "u.jsonl"
+    eng = specdec.load(tiny_models["llama"], tiny_models["draft"], tau=2, trace=other)
+    eng.generate("The fleet", max_new_tokens=12)
+    eng.observers[-1].close()  # type: ignore[attr-defined]
+    assert main(["audit", *models, "--trace", str(other), str(trace)]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL  greedy audit: 5 prompt(s)"), out
+    assert f"request {step['request_id']} in {trace}): first divergence at generated position {pos}" in out, out
 
 
 @pytest.mark.identity

@@ -78,6 +78,13 @@ def test_cli_text_json_and_self_contained_html(tmp_path: Path, capsys: pytest.Ca
     assert main(["diagnose", str(path), "--json", "--strict"]) == 1
     data = json.loads(capsys.readouterr().out)
     assert data["healthy"] is False and data["findings"][0]["code"] == "draft_too_slow"
+    # Several traces (a fleet's replicas) read as one.
+    other = write_synthetic_trace(tmp_path / "u.jsonl", "slow_draft", seed=1)
+    assert main(["diagnose", str(path), str(other), "--json"]) == 0
+    both = json.loads(capsys.readouterr().out)
+    assert both["trace"] == f"{path}, {other}" and both["findings"][0]["code"] == "draft_too_slow"
+    n = diagnose(path).stats.n_requests + diagnose(other).stats.n_requests
+    assert both["requests"] == n, both
 
 
 def test_cli_bad_trace_is_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -181,8 +181,17 @@ def models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(scope="module")
-def service(ray_cluster: str, models: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``specdec serve --ray-address ... --replicas 2`` as users run it; its URL once both replicas serve."""
+def traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of the service's traces: ``--trace run.jsonl``, each replica writing ``run.<replica id>.jsonl``."""
+    return tmp_path_factory.mktemp("ray-traces")
+
+
+@pytest.fixture(scope="module")
+def service(
+    ray_cluster: str, models: tuple[Path, Path], traces: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """``specdec serve --ray-address ... --replicas 2 --trace ...`` as users run it; its URL once both replicas
+    serve."""
     target, draft = models
     port = free_port()
     log = tmp_path_factory.mktemp("ray-serve") / "serve.log"
@@ -207,6 +216,8 @@ def service(ray_cluster: str, models: tuple[Path, Path], tmp_path_factory: pytes
         str(port),
         "--log-level",
         "warning",
+        "--trace",
+        str(traces / "run.jsonl"),
     ]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ})
     try:
@@ -409,6 +420,38 @@ def test_requests_spread_over_both_replicas(service: str, local: Any) -> None:
             if len(seen) == 2:
                 break
     assert len(seen) == 2, f"every request went to one replica: {seen}"
+
+
+@needs_ray
+@pytest.mark.timeout(180)
+def test_each_replica_traces_to_its_own_file_and_audit_reads_them_as_one(
+    service: str, models: tuple[Path, Path], traces: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--trace run.jsonl`` with ``--ray``: each replica appends ``run.<replica id>.jsonl`` (its id in the header),
+    and ``specdec audit --trace`` over the files replays every greedy request the fleet served so far."""
+    from specdec.cli import main
+    from specdec.trace import read_trace
+
+    answered = set()
+    for prompt in PROMPTS:
+        r = _post(service, {"prompt": prompt, "max_tokens": 10, "temperature": 0})
+        assert r.status_code == 200, r.text
+        answered.add(r.headers["x-specdec-replica"])
+    files = {f.name.split(".")[1]: f for f in sorted(traces.glob("run.*.jsonl"))}
+    assert len(files) == 2 and answered <= set(files), (files, answered)  # both replicas, each its own file
+    for replica, f in files.items():
+        header = json.loads(f.read_text().splitlines()[0])
+        assert header["type"] == "header" and header["meta"]["replica"] == replica, header
+        assert header["meta"]["command"] == "serve" and "target_numerics" in header["meta"]
+    trace = read_trace(list(files.values()))
+    greedy = [r for r in trace.requests if r.summary is not None and r.temperature == 0]
+    assert {r.file for r in greedy} >= {str(files[a]) for a in answered}
+    target, draft = models
+    argv = ["audit", "--target", str(target), "--draft", str(draft), "--samples", "1000", "--trace"]
+    assert main([*argv, *map(str, files.values())]) == 0, capsys.readouterr()
+    out = capsys.readouterr().out
+    audited = int(out.split("greedy audit: ")[1].split(" ")[0])
+    assert out.startswith("PASS") and audited >= len(PROMPTS), out
 
 
 @needs_ray

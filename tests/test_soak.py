@@ -155,6 +155,7 @@ def test_bad_arguments_are_one_line(tmp_path: Path) -> None:
     for args, message in (
         (["--requests", "0"], "--requests must be a positive integer"),
         (["--spawn", "--trace", "t.jsonl"], "--trace names a running server's trace"),
+        (["--replay"], "--replay is for --spawn"),
         (["--prompts", str(tmp_path / "none.jsonl")], "prompt file not found"),
     ):
         done = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=60)

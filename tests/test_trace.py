@@ -140,6 +140,38 @@ def test_reader_gives_records_and_reports_lines_it_cannot_build(tmp_path: Path) 
     assert trace.bad_lines == ["line 5: step line without reason", "line 6: request line without prompt_len"]
 
 
+def test_several_files_read_as_one_trace(tmp_path: Path) -> None:
+    """A fleet's replicas each write a file (``serve --ray --trace``): read together, a request id two replicas both
+    used stays two requests, a replica that served nothing adds only its header, and an unreadable line is named with
+    its file."""
+    a, b, idle = tmp_path / "run.a.jsonl", tmp_path / "run.b.jsonl", tmp_path / "run.c.jsonl"
+    for path, steps in ((a, 2), (b, 1)):
+        with JsonlTrace(path, meta={"replica": path.stem}) as t:
+            for s in range(steps):
+                t.on_step(_record("x", s))
+            t.on_request(_summary("x", steps))
+    JsonlTrace(idle).close()
+    with open(b, "a") as f:
+        f.write('{"type": "step", "v": 1, "request_id": "y", "st')
+    trace = read_trace([a, b, idle])
+    assert [h["meta"].get("replica") for h in trace.headers] == ["run.a", "run.b", None]
+    assert [(r.request_id, len(r.steps), r.file) for r in trace.requests] == [("x", 2, str(a)), ("x", 1, str(b))]
+    assert len({r.key for r in trace.requests}) == 2 and [r.session for r in trace.requests] == [1, 2]
+    assert trace.bad_lines == [f"{b}: line 4: not JSON (torn line?)"]
+    assert trace.path == f"{a}, {b}, {idle}" and read_trace([a]).path == str(a)
+    with pytest.raises(TraceError, match="given twice"):
+        read_trace([a, tmp_path / "." / "run.a.jsonl"])
+    also_idle = tmp_path / "run.d.jsonl"
+    JsonlTrace(also_idle).close()
+    with pytest.raises(TraceError, match="hold no step or request lines"):
+        read_trace([idle, also_idle])
+    with pytest.raises(TraceError, match="no trace file given"):
+        read_trace([])
+    (tmp_path / "v2.jsonl").write_text(json.dumps({"type": "step", "v": 2}) + "\n")
+    with pytest.raises(TraceError, match=f"trace {tmp_path / 'v2.jsonl'}, line 1: trace schema version 2"):
+        read_trace([a, tmp_path / "v2.jsonl"])
+
+
 def test_reader_rejects_other_schema_versions_and_missing_files(tmp_path: Path) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"type": "step", "v": 99}) + "\n")

@@ -45,6 +45,7 @@ class Divergence:
     step: int | None = None
     sequences: int | None = None  # sequences that shared that step's passes
     rows: int | None = None  # rows of that step's target pass
+    request: str | None = None  # trace audits: the served request, "<request id> in <trace file>"
 
     def describe(self) -> str:
         near = ""
@@ -56,8 +57,9 @@ class Divergence:
         where = ""
         if self.step is not None:
             where = f" (step {self.step}, its pass shared by {self.sequences} sequence(s), {self.rows} rows)"
+        served = f", request {self.request}" if self.request is not None else ""
         return (
-            f"prompt {self.prompt_index} ({_short(self.prompt)}): first divergence at generated position "
+            f"prompt {self.prompt_index} ({_short(self.prompt)}{served}): first divergence at generated position "
             f"{self.position}{where}: target-only {_tok(self.expected, self.expected_text)}, speculative "
             f"{_tok(self.got, self.got_text)}{near}"
         )

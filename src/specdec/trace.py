@@ -14,6 +14,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import IO, Any
@@ -123,6 +124,7 @@ class TraceRequest:
     session: int = 0
     written: list[float] = field(default_factory=list)  # each step line's ``ts`` (0.0 where absent)
     first_line: int = 0  # line number of its first line in the file (requests are listed as they finish)
+    file: str = ""  # the trace file it was read from (one of several: a fleet's replicas each write their own)
 
     @property
     def prompt_len(self) -> int:
@@ -139,7 +141,7 @@ class TraceRequest:
 
 @dataclass
 class Trace:
-    path: str
+    path: str  # the file read, or the files, comma-separated
     headers: list[dict[str, Any]]
     requests: list[TraceRequest]
     bad_lines: list[str]  # "line N: why" for lines that could not be read (a torn last line after a kill)
@@ -153,9 +155,44 @@ class Trace:
 STEP_FIELDS = tuple(f.name for f in fields(StepRecord) if f.default is MISSING and f.default_factory is MISSING)
 
 
-def read_trace(path: str | Path) -> Trace:
-    """Parse a trace file (several sessions may be appended to one file)."""
-    p = Path(path)
+def read_trace(path: str | Path | Sequence[str | Path]) -> Trace:
+    """Parse a trace file (several sessions may be appended to one file), or several files as one trace.
+
+    Several files are what a fleet writes (``specdec serve --ray --trace run.jsonl``: one ``run.<replica>.jsonl``
+    per replica): their sessions are numbered on from file to file, so request keys stay unique, and each
+    unreadable line is named with its file.
+    """
+    if isinstance(path, (str, Path)):
+        return _read_one(Path(path))
+    paths = [Path(p) for p in path]
+    if not paths:
+        raise TraceError("no trace file given")
+    if len(paths) == 1:
+        return _read_one(paths[0])
+    seen: set[Path] = set()
+    for p in paths:
+        if p.resolve() in seen:
+            raise TraceError(f"trace file {p} is given twice")
+        seen.add(p.resolve())
+    parts = [_read_one(p, allow_empty=True) for p in paths]
+    headers: list[dict[str, Any]] = []
+    requests: list[TraceRequest] = []
+    bad: list[str] = []
+    for part in parts:
+        offset = len(headers)
+        for req in part.requests:
+            req.session += offset
+            req.key = f"{req.request_id}@{req.session}.{req.key.rsplit('.', 1)[1]}"
+            req.file = part.path
+        requests.extend(part.requests)
+        headers.extend(part.headers)
+        bad.extend(f"{part.path}: {why}" for why in part.bad_lines)
+    if not requests:
+        raise TraceError(f"traces {', '.join(map(str, paths))} hold no step or request lines")
+    return Trace(path=", ".join(map(str, paths)), headers=headers, requests=requests, bad_lines=bad)
+
+
+def _read_one(p: Path, allow_empty: bool = False) -> Trace:
     if not p.is_file():
         raise TraceError(f"trace file {p} does not exist")
     headers: list[dict[str, Any]] = []
@@ -167,7 +204,10 @@ def read_trace(path: str | Path) -> Trace:
         for no, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
-            obj = _parse_line(raw, no, bad)
+            try:
+                obj = _parse_line(raw, no, bad)
+            except TraceError as e:
+                raise TraceError(f"trace {p}, {e}") from None
             if obj is None:
                 continue
             kind = obj.get("type")
@@ -196,8 +236,10 @@ def read_trace(path: str | Path) -> Trace:
             else:
                 bad.append(f"line {no}: unknown line type {kind!r}")
     by_key = done + list(open_.values())
-    if not by_key:
+    if not by_key and not allow_empty:
         raise TraceError(f"trace {p} holds no step or request lines" + (f" ({bad[0]})" if bad else ""))
+    for req in by_key:
+        req.file = str(p)
     return Trace(path=str(p), headers=headers, requests=by_key, bad_lines=bad)
 
 

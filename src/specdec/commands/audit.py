@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,9 +49,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument(
         "--trace",
         type=Path,
+        nargs="+",
         default=None,
         metavar="TRACE",
-        help="replay the requests of a trace; greedy requests are checked against the outputs the trace recorded",
+        help="replay the requests of a trace (several files as one: a Ray fleet's run.<replica>.jsonl); greedy "
+        "requests are checked against the outputs the trace recorded",
     )
     g = p.add_argument_group("audit")
     g.add_argument("--samples", type=int, default=8, help="prompts to replay (default 8)")
@@ -95,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     if args.batch > 1:  # the prompts join the batch as a batching server takes them in
         engine.prefill_in_step = DEFAULT_PREFILL_IN_STEP if args.prefill_in_step is None else args.prefill_in_step
 
-    prompts, recorded, rules = _prompts(args, engine)
+    replay = _prompts(args, engine)
+    prompts, recorded, rules = replay.prompts, replay.recorded, replay.rules
     from specdec.logits_rules import LogitsRules
 
     asked = LogitsRules(**logits_rule_kwargs(args)).settings()  # the rules' flags given, as a request summary says
@@ -117,6 +121,8 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             request_kwargs=rules if rules is not None else [asked] * len(prompts),
         )
+        for d in result.divergences:
+            d.request = replay.served[d.prompt_index] if replay.served is not None else None
     else:
         n = 3 if args.samples == 8 else args.samples  # the statistical test is costly: fewer prompts by default
         result = audit_sampling(
@@ -161,7 +167,15 @@ def _check_args(args: argparse.Namespace) -> None:
         )
 
 
-Replay = tuple[list[Any], list[list[int]] | None, list[dict[str, Any]] | None]
+@dataclass
+class Replay:
+    """What an audit replays: prompts and, for a greedy trace, the outputs it recorded, each request's logits rules
+    and where it was served (its request id and trace file, named in a divergence)."""
+
+    prompts: list[Any]
+    recorded: list[list[int]] | None = None
+    rules: list[dict[str, Any]] | None = None
+    served: list[str] | None = None
 
 
 def _prompts(args: argparse.Namespace, engine: Engine) -> Replay:
@@ -172,11 +186,11 @@ def _prompts(args: argparse.Namespace, engine: Engine) -> Replay:
 
     path = args.prompts or (DEFAULT_PROMPTS if DEFAULT_PROMPTS.exists() else None)
     if path is None:
-        return FALLBACK_PROMPTS[: args.samples], None, None
+        return Replay(FALLBACK_PROMPTS[: args.samples])
     prompts = [p.text for p in load_prompts(path)]
     if len(prompts) > args.samples:
         prompts = random.Random(args.seed).sample(prompts, args.samples)
-    return prompts, None, None
+    return Replay(prompts)
 
 
 def _trace_prompts(args: argparse.Namespace, engine: Engine) -> Replay:
@@ -185,34 +199,39 @@ def _trace_prompts(args: argparse.Namespace, engine: Engine) -> Replay:
 
     trace = read_trace(args.trace)
     if args.temperature == 0:
-        _check_numerics(args.trace, trace.headers, engine)
+        _check_numerics(trace.path, trace.headers, engine)
     done = [(r.summary, r) for r in trace.requests if r.summary is not None and r.summary.prompt_ids]
     if not done:
         raise SpecdecError(
-            f"trace {args.trace} records no prompts (written with record_prompts=False or by an "
+            f"trace {trace.path} records no prompts (written with record_prompts=False or by an "
             "older specdec): use --prompts"
         )
     if args.temperature != 0:
-        return [summary.prompt_ids for summary, _ in done[: args.samples]], None, None
+        return Replay([summary.prompt_ids for summary, _ in done[: args.samples]])
     # Replay exactly what was served: greedy requests that ran to a length limit or a stop.
     greedy = [
         (summary, r) for summary, r in done if r.temperature == 0 and summary.stats.finish_reason in ("length", "stop")
     ]
     if not greedy:
         raise SpecdecError(
-            f"trace {args.trace} holds no finished greedy requests to compare; pass "
+            f"trace {trace.path} holds no finished greedy requests to compare; pass "
             "--temperature T to test its prompts statistically"
         )
     # Each request is replayed with the logits rules it was served with (penalties, logit_bias, min_tokens, ...).
     replays = [
-        (summary.prompt_ids, [t for s in r.steps for t in s.emitted], rules_from_settings(summary.settings or {}))
+        (summary.prompt_ids, [t for s in r.steps for t in s.emitted], rules_from_settings(summary.settings or {}), r)
         for summary, r in greedy
     ]
-    replays = [(ids, out, rules) for ids, out, rules in replays if out][: args.samples]
-    return [ids for ids, _, _ in replays], [out for _, out, _ in replays], [rules for _, _, rules in replays]
+    replays = [replay for replay in replays if replay[1]][: args.samples]
+    return Replay(
+        prompts=[ids for ids, _, _, _ in replays],
+        recorded=[out for _, out, _, _ in replays],
+        rules=[rules for _, _, rules, _ in replays],
+        served=[f"{r.request_id} in {r.file}" for _, _, _, r in replays],
+    )
 
 
-def _check_numerics(path: Path, headers: list[dict[str, Any]], engine: Engine) -> None:
+def _check_numerics(path: str, headers: list[dict[str, Any]], engine: Engine) -> None:
     """A greedy replay is token for token only against a target that computes as the one that served: the same
     dtype, KV cache type, runtime, kernel instruction set and device (``target_numerics`` in the trace's headers;
     older traces do not say). Refuse the audit, naming the difference, rather than report divergences that are

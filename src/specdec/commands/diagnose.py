@@ -13,11 +13,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "diagnose",
         help="explain a trace: why the speedup is low, whether the output can be trusted",
-        description="Read a JSONL trace (--trace of generate/serve/bench) and print ranked findings, "
+        description="Read a JSONL trace (--trace of generate/serve/bench), or several as one, and print ranked findings, "
         "each with its evidence and a recommended action. Exit status: 0 (with "
         "--strict: 1 when a warning or critical finding is made), 2 bad input.",
     )
-    p.add_argument("trace", type=Path, help="trace file (JSONL, see docs/trace.md)")
+    p.add_argument(
+        "trace",
+        type=Path,
+        nargs="+",
+        help="trace file (JSONL, see docs/trace.md); several are read as one trace (a Ray fleet's run.<replica>.jsonl)",
+    )
     p.add_argument("--html", type=Path, default=None, metavar="FILE", help="also write an HTML report with plots")
     p.add_argument("--json", action="store_true", help="print the findings as one JSON object")
     p.add_argument("--strict", action="store_true", help="exit with status 1 when problems are found (for CI)")

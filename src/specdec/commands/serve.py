@@ -6,15 +6,16 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from specdec.commands.common import ModelSettings, add_model_args
-from specdec.engine import Observer
+from specdec.engine import Engine, Observer
 from specdec.errors import InvalidRequestError, ModelLoadError, UnsupportedError
 from specdec.runtime.heap import frozen_heap
 
 if TYPE_CHECKING:
     from specdec.server.settings import ServerSettings
+    from specdec.trace import JsonlTrace
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -195,20 +196,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"specdec: {prime_for_serving(engine, settings)}", file=sys.stderr)
     observers: list[Observer] = []
     if args.trace:
-        from specdec.runtime.base import target_meta
-        from specdec.trace import JsonlTrace
-
-        draft_runner = getattr(engine.drafter, "runner", None)
-        meta = {
-            "command": "serve",
-            "model_name": settings.model_name,
-            **target_meta(engine.target),  # its numerics: what `specdec audit --trace` must match to replay it
-            "drafter": engine.drafter.name if engine.drafter is not None else None,
-            "draft": draft_runner.name if draft_runner is not None else None,
-            "policy": engine.policy.name,
-        }
-        observers.append(JsonlTrace(args.trace, meta=meta))
-        engine.observers.extend(observers)
+        observers.append(serve_trace(args.trace, engine, settings))
     app = create_app(engine, settings)
     if args.host not in LOOPBACK and not settings.api_key:
         print(
@@ -234,6 +222,33 @@ def run(args: argparse.Namespace) -> int:
             if close:
                 close()
     return 0
+
+
+def serve_trace(path: str | Path, engine: Engine, settings: ServerSettings, **meta: Any) -> JsonlTrace:
+    """The trace a server writes (``--trace``), attached to ``engine``: its header names the model, the drafter, the
+    policy and the target's numerics (what ``specdec audit --trace`` must match to replay it), and ``meta``."""
+    from specdec.runtime.base import target_meta
+    from specdec.trace import JsonlTrace
+
+    draft_runner = getattr(engine.drafter, "runner", None)
+    header = {
+        "command": "serve",
+        "model_name": settings.model_name,
+        **target_meta(engine.target),
+        "drafter": engine.drafter.name if engine.drafter is not None else None,
+        "draft": draft_runner.name if draft_runner is not None else None,
+        "policy": engine.policy.name,
+        **meta,
+    }
+    trace = JsonlTrace(path, meta=header)
+    engine.observers.append(trace)
+    return trace
+
+
+def replica_trace_path(path: str | Path, replica: str) -> Path:
+    """Where one replica of ``specdec serve --ray --trace run.jsonl`` writes: ``run.<replica>.jsonl`` beside it."""
+    p = Path(path)
+    return p.with_name(f"{p.stem}.{replica}{p.suffix or '.jsonl'}")
 
 
 def usable_cpus() -> int:
@@ -292,8 +307,6 @@ def apply_threads(value: str | None, draft: str | None = None) -> int:
 
 def run_ray(args: argparse.Namespace, settings: ServerSettings) -> int:
     """``specdec serve --ray``: the same API from Ray Serve replicas, each loading its own engine."""
-    if args.trace:
-        raise InvalidRequestError("--trace is not supported with --ray (each replica would need its own file)", "trace")
     model = ModelSettings.from_args(args)
     # Replicas are other processes (other machines, with --ray-address): give them absolute paths.
     model.target = model.target.resolve() if model.target is not None else None
@@ -335,6 +348,9 @@ def run_ray(args: argparse.Namespace, settings: ServerSettings) -> int:
         else f"{autoscaling['min_replicas']}..{autoscaling['max_replicas']} replicas (autoscaling)"
     )
 
+    # Each replica appends its own trace beside --trace's path (the replicas' node: a shared folder with --ray-address).
+    trace = str(Path(args.trace).expanduser().resolve()) if args.trace else None
+
     def ready(url: str) -> None:
         print(
             f"specdec: serving {settings.model_name!r} on Ray Serve ({scaling}, each {ray_settings.num_cpus:g} CPU "
@@ -342,8 +358,17 @@ def run_ray(args: argparse.Namespace, settings: ServerSettings) -> int:
             file=sys.stderr,
             flush=True,
         )
+        if trace:
+            print(
+                f"specdec: each replica traces to {replica_trace_path(trace, '<replica>')} (one trace: "
+                f"specdec audit --trace {replica_trace_path(trace, '*')})",
+                file=sys.stderr,
+                flush=True,
+            )
 
-    run_forever(model, settings, ray_settings, args.ray_address, args.host, args.port, args.log_level, ready)
+    run_forever(
+        model, settings, ray_settings, args.ray_address, args.host, args.port, args.log_level, ready, trace=trace
+    )
     return 0
 
 

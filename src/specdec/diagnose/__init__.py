@@ -6,6 +6,7 @@ with plots is ``specdec.diagnose.html.render_html``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ class Diagnosis:
         return render_text(self)
 
 
-def diagnose(source: str | Path | Trace) -> Diagnosis:
+def diagnose(source: str | Path | Sequence[str | Path] | Trace) -> Diagnosis:
     trace = source if isinstance(source, Trace) else read_trace(source)
     ctx = Context(trace=trace, stats=analyse(trace))
     for check in CHECKS.values():

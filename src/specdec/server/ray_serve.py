@@ -151,12 +151,15 @@ def build_app(
     model: ModelSpec = None,
     settings: ServerSettings | None = None,
     ray_settings: RaySettings | None = None,
+    trace: str | None = None,
 ) -> serve.Application:
     """The Serve application: run it with ``serve.run(build_app(...))``.
 
     ``model`` is what each replica loads: ``ModelSettings`` (the CLI's model options; paths must exist on
     every node), a function returning an ``Engine`` (called once in each replica), or None for the
-    shipped default pair.
+    shipped default pair. ``trace``: a JSONL trace path; each replica appends to its own file beside it,
+    ``run.jsonl`` → ``run.<replica id>.jsonl`` (on the replica's node), which ``specdec audit --trace`` and
+    ``specdec diagnose`` read together.
     """
     settings = settings or ServerSettings()
     rs = ray_settings or RaySettings()
@@ -176,7 +179,7 @@ def build_app(
         ray_actor_options={"num_cpus": rs.num_cpus, "num_gpus": rs.num_gpus},
         max_ongoing_requests=per_replica,
         **scaling,
-    ).bind(model, settings, hub, rs.metrics_interval)
+    ).bind(model, settings, hub, rs.metrics_interval, trace)
     ceiling = rs.max_replicas if rs.max_replicas is not None else rs.replicas
     return SpecdecIngress.options(
         num_replicas=rs.ingress_replicas,
@@ -263,8 +266,14 @@ class _EngineReplica:
     """One engine and the single-process API around it, driven over ASGI by the ingress."""
 
     async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
-        self, model: ModelSpec, settings: ServerSettings, hub: DeploymentHandle, metrics_interval: float
+        self,
+        model: ModelSpec,
+        settings: ServerSettings,
+        hub: DeploymentHandle,
+        metrics_interval: float,
+        trace: str | None = None,
     ) -> None:
+        from specdec.commands.serve import replica_trace_path, serve_trace
         from specdec.server.app import create_app
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
@@ -279,6 +288,11 @@ class _EngineReplica:
             from specdec.tune import prime_for_serving
 
             log.info("replica %s: %s", self.replica_id, prime_for_serving(engine, settings))
+        self.trace = None
+        if trace is not None:
+            path = replica_trace_path(trace, self.replica_id)
+            self.trace = serve_trace(path, engine, settings, replica=self.replica_id)
+            log.info("replica %s traces to %s", self.replica_id, path)
         self.app = create_app(engine, settings)
         freeze_heap()  # loaded: the heap out of the collector's scans (``specdec.runtime.heap``)
         self.hub = hub
@@ -349,6 +363,8 @@ class _EngineReplica:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.hub.drop.remote(self.replica_id), 2)
         self.app.state.scheduler.stop()
+        if self.trace is not None:
+            self.trace.close()
 
 
 def replica_threads() -> int:
@@ -601,8 +617,9 @@ def run_forever(
     port: int,
     log_level: str = "info",
     on_ready: Callable[[str], None] | None = None,
+    trace: str | None = None,
 ) -> None:
-    """Connect to (``address``) or start a local Ray, deploy, and serve until interrupted."""
+    """Connect to (``address``) or start a local Ray, deploy, and serve until interrupted; ``trace`` as ``build_app``."""
     import signal
 
     local = address is None
@@ -619,7 +636,7 @@ def run_forever(
         logging_config = {"log_level": log_level.upper(), "enable_access_log": log_level in ("info", "debug")}
         serve.start(http_options={"host": host, "port": port}, logging_config=logging_config)
         serve.run(
-            build_app(model, settings, ray_settings),
+            build_app(model, settings, ray_settings, trace),
             name=ray_settings.app_name,
             route_prefix=ray_settings.route_prefix,
             logging_config=logging_config,
