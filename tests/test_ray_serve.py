@@ -118,6 +118,34 @@ def test_merged_exposition_labels_every_sample_with_its_replica() -> None:
 
 
 @needs_ray
+def test_fleet_health_adds_up_the_live_replicas() -> None:
+    """The fleet's /health: each replica's last pushed /health, the dead ones (not pushed for a few seconds) left out;
+    the counts summed, each replica's beside them, the setup of the latest; nothing to report: None (a 503)."""
+    from specdec.server.ray_serve import FLEET_COUNTS, _MetricsHub, fleet_health
+
+    def health(active: int, completed: int, model: str = "m") -> dict[str, Any]:
+        counts = dict.fromkeys(FLEET_COUNTS, 0) | {"active": active, "completed": completed}
+        return {"status": "ok", "model": model, "max_batch": 16, **counts}
+
+    hub = _MetricsHub(stale_after=10, health_stale_after=0.3)
+    assert fleet_health(hub.health()) is None
+    hub.push_health("a", health(2, 5))
+    hub.push_health("b", health(1, 7, model="m2"))
+    fleet = fleet_health(hub.health())
+    assert fleet is not None and fleet["status"] == "ok" and fleet["replicas"] == 2
+    assert (fleet["active"], fleet["completed"], fleet["queued"]) == (3, 12, 0)
+    assert fleet["model"] == "m2" and fleet["max_batch"] == 16  # the latest push's setup; per replica, not summed
+    assert fleet["per_replica"]["a"]["active"] == 2 and fleet["per_replica"]["b"]["completed"] == 7
+    assert all(0 <= r["age_s"] < 0.3 for r in fleet["per_replica"].values())
+    time.sleep(0.35)
+    hub.push_health("b", health(0, 8))
+    fleet = fleet_health(hub.health())  # "a" stopped pushing: gone from the fleet
+    assert fleet is not None and fleet["replicas"] == 1 and set(fleet["per_replica"]) == {"b"}
+    hub.drop("b")
+    assert fleet_health(hub.health()) is None
+
+
+@needs_ray
 def test_relay_ends_a_broken_stream_with_an_error_event() -> None:
     """What the client receives when a replica dies after the first chunk: an error event and [DONE]."""
     from specdec.server.errors import APIError
@@ -331,17 +359,10 @@ def _two_live_replicas(service: str, timeout: float) -> set[str]:
 
 
 def _busy_replica(service: str) -> str | None:
-    """A replica that is generating: /health answers from one replica with its own load, but the router sends it
-    to the less loaded one, which may be idle while the other runs both requests; the fleet metrics (pushed
-    every 2 s) name every replica's running requests."""
-    r = httpx.get(f"{service}/health", timeout=10)
-    if r.json()["active"] > 0:
-        return str(r.headers["x-specdec-replica"])
-    running = [
-        dict(labels)["replica"]
-        for (name, labels), value in _metrics(service).items()
-        if name == "specdec_server_requests_running" and value > 0 and dict(labels).get("replica") not in KILLED
-    ]
+    """A replica that is generating: the fleet's /health names each replica's running requests (pushed every
+    0.5 s)."""
+    per_replica = httpx.get(f"{service}/health", timeout=10).json()["per_replica"]
+    running = [rid for rid, load in per_replica.items() if load["active"] > 0 and rid not in KILLED]
     return running[0] if running else None
 
 
@@ -420,6 +441,18 @@ def test_requests_spread_over_both_replicas(service: str, local: Any) -> None:
             if len(seen) == 2:
                 break
     assert len(seen) == 2, f"every request went to one replica: {seen}"
+    # /health is the fleet's: both replicas, each with what it completed (pushed every 0.5 s), the sum beside them.
+    fleet = httpx.get(f"{service}/health", timeout=10)
+    assert fleet.status_code == 200 and "x-specdec-replica" not in fleet.headers
+
+    def counted() -> Any:
+        h = httpx.get(f"{service}/health", timeout=10).json()
+        return h if all(h["per_replica"].get(r, {}).get("completed", 0) >= n for r, n in seen.items()) else None
+
+    health = _wait(counted, 10, f"the fleet's /health to count what each replica answered ({seen})")
+    assert health["status"] == "ok" and health["model"] == MODEL and health["replicas"] == 2
+    assert set(health["per_replica"]) == set(seen) and health["max_batch"] > 1
+    assert health["completed"] == sum(r["completed"] for r in health["per_replica"].values())
 
 
 @needs_ray
@@ -551,9 +584,8 @@ def test_replica_killed_before_answering_is_retried_transparently(service: str, 
     killed; every answer is the solo output, and a request that was on the killed replica is answered by the other,
     counted as a retry.
 
-    Which replica runs what is seen late: /health goes to the less loaded replica (the idle one when both requests run
-    on the other) and the fleet metrics are pushed every 2 s, so the replica named busy may have finished by the time it
-    is killed (a CI run timed out waiting once, 2026-11-26). A try whose kill found nothing to retry (no retry counted
+    Which replica runs what is seen late: the fleet's /health is pushed by each replica every 0.5 s, so the replica
+    named busy may have finished by the time it is killed (a CI run timed out waiting once, 2026-11-26). A try whose kill found nothing to retry (no retry counted
     once every replica has pushed since the answers) is no verdict on the retry and is run again, up to three times."""
     # As long as the context allows: two requests batched on one replica finish about as fast as one.
     body = {"prompt": "print(", "max_tokens": 4000, "temperature": 0, "speculative": {"tau": 1}}

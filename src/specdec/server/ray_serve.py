@@ -16,7 +16,8 @@ Three deployments make one Serve application (``build_app``)::
   ``[DONE]``, never a silent truncation; a response that cannot be completed otherwise is aborted so the
   client sees a broken connection rather than a short body.
 - ``SpecdecMetrics`` keeps the last Prometheus exposition each replica (and ingress) pushed and serves the
-  fleet on ``/metrics`` with a ``replica`` label on every sample.
+  fleet on ``/metrics`` with a ``replica`` label on every sample; and each replica's ``/health`` (pushed
+  every ``HEALTH_INTERVAL_S``), which the ingress serves as the fleet's ``/health`` (``fleet_health``).
 
 Start it with ``specdec serve --ray`` (see docs/scaling.md) or compose it yourself::
 
@@ -62,6 +63,9 @@ from specdec.server.settings import ServerSettings
 log = logging.getLogger("ray.serve")  # Serve routes it to the replica logs (and the driver)
 
 REPLICA_HEADER = "x-specdec-replica"  # which replica answered: its Serve replica id
+HEALTH_INTERVAL_S = 0.5  # seconds between a replica's /health pushes (its load, for the fleet's /health)
+# what each replica counts on its own: the fleet's /health adds them up (the rest of a replica's /health is its setup)
+FLEET_COUNTS = ("active", "queued", "completed", "failed", "cancelled", "rejected")
 APP_NAME = "specdec"
 _LOST = (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError)
 
@@ -217,17 +221,32 @@ def merge_expositions(snapshots: dict[str, str], label: str = "replica") -> byte
 
 
 class _MetricsHub:
-    """The last exposition each replica pushed; ``render`` merges those not older than ``stale_after`` s."""
+    """The last exposition each replica pushed; ``render`` merges those not older than ``stale_after`` s. And the last
+    ``/health`` each replica pushed; ``health`` gives those not older than ``health_stale_after`` s."""
 
-    def __init__(self, stale_after: float) -> None:
+    def __init__(self, stale_after: float, health_stale_after: float = 4 * HEALTH_INTERVAL_S + 1) -> None:
         self.stale_after = stale_after
+        self.health_stale_after = health_stale_after
         self.snapshots: dict[str, tuple[float, str]] = {}
+        self.healths: dict[str, tuple[float, dict[str, Any]]] = {}
 
     def push(self, source: str, text: str) -> None:
         self.snapshots[source] = (time.monotonic(), text)
 
+    def push_health(self, source: str, health: dict[str, Any]) -> None:
+        self.healths[source] = (time.monotonic(), health)
+
     def drop(self, source: str) -> None:
         self.snapshots.pop(source, None)
+        self.healths.pop(source, None)
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        """Each live replica's last ``/health``, with ``age_s``: how old it is."""
+        now = time.monotonic()
+        for source, (at, _) in list(self.healths.items()):
+            if now - at > self.health_stale_after:  # a replica that died or hangs
+                del self.healths[source]
+        return {s: {**h, "age_s": now - at} for s, (at, h) in self.healths.items()}
 
     def render(self) -> bytes:
         now = time.monotonic()
@@ -247,11 +266,33 @@ class _MetricsHub:
         return fleet + ("\n".join(lines) + "\n").encode()
 
 
-async def _push_forever(hub: DeploymentHandle, source: str, interval: float, render: Callable[[], Any]) -> None:
-    """Push ``await render()`` to the hub every ``interval`` seconds until cancelled."""
+def fleet_health(replicas: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The fleet's ``/health`` from each live replica's own (``_MetricsHub.health``; None when none reports): the
+    setup fields of the latest (model, drafter, runtime, ``max_batch`` ... are per replica and alike), the
+    ``FLEET_COUNTS`` summed over the replicas reporting now, their count, and each one's counts and age."""
+    if not replicas:
+        return None
+    latest = min(replicas.values(), key=lambda h: float(h.get("age_s", 0.0)))
+    setup = {k: v for k, v in latest.items() if k not in (*FLEET_COUNTS, "status", "age_s")}
+    return {
+        "status": "ok",
+        **setup,
+        **{k: sum(int(h.get(k, 0)) for h in replicas.values()) for k in FLEET_COUNTS},
+        "replicas": len(replicas),
+        "per_replica": {
+            rid: {**{k: h.get(k, 0) for k in FLEET_COUNTS}, "age_s": round(float(h.get("age_s", 0.0)), 3)}
+            for rid, h in sorted(replicas.items())
+        },
+    }
+
+
+async def _push_forever(
+    hub: DeploymentHandle, source: str, interval: float, render: Callable[[], Any], method: str = "push"
+) -> None:
+    """Push ``await render()`` to the hub (its ``method``) every ``interval`` seconds until cancelled."""
     while True:
         try:
-            await hub.push.remote(source, await render())
+            await getattr(hub, method).remote(source, await render())
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the hub restarting: the next push lands on its replacement
@@ -296,14 +337,25 @@ class _EngineReplica:
         self.app = create_app(engine, settings)
         freeze_heap()  # loaded: the heap out of the collector's scans (``specdec.runtime.heap``)
         self.hub = hub
-        self._pusher = asyncio.get_running_loop().create_task(
-            _push_forever(hub, self.replica_id, metrics_interval, self._metrics)
-        )
+        loop = asyncio.get_running_loop()
+        self._pushers = [
+            loop.create_task(_push_forever(hub, self.replica_id, metrics_interval, self._metrics)),
+            loop.create_task(
+                _push_forever(hub, self.replica_id, HEALTH_INTERVAL_S, self._health, method="push_health")
+            ),
+        ]
         log.info("replica %s serving %r with %d torch threads", self.replica_id, settings.model_name, threads)
 
+    async def _get(self, path: str) -> bytes:
+        messages = [m async for batch in self.asgi(_internal_get(path), b"") for m in batch]
+        return b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body")
+
     async def _metrics(self) -> str:
-        messages = [m async for batch in self.asgi(_internal_get("/metrics"), b"") for m in batch]
-        return b"".join(m.get("body", b"") for m in messages if m["type"] == "http.response.body").decode()
+        return (await self._get("/metrics")).decode()
+
+    async def _health(self) -> dict[str, Any]:
+        health: dict[str, Any] = json.loads(await self._get("/health"))
+        return health
 
     async def asgi(self, request: dict[str, Any], body: bytes) -> AsyncIterator[list[Message]]:
         """Run one HTTP request through the app; yield its ASGI send messages as they come, in batches of
@@ -359,7 +411,8 @@ class _EngineReplica:
             raise RuntimeError("the scheduler's worker thread has died")
 
     async def __del__(self) -> None:
-        self._pusher.cancel()
+        for pusher in self._pushers:
+            pusher.cancel()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.hub.drop.remote(self.replica_id), 2)
         self.app.state.scheduler.stop()
@@ -486,6 +539,9 @@ class _Forwarder:
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
             return
+        if scope["path"] == "/health" and scope["method"] in ("GET", "HEAD"):
+            await self._health(send, head=scope["method"] == "HEAD")
+            return
         chunks = []
         while True:
             message = await receive()
@@ -495,6 +551,22 @@ class _Forwarder:
             if not message.get("more_body", False):
                 break
         await self.ingress.forward(_portable(scope), b"".join(chunks), send)
+
+    async def _health(self, send: Send, head: bool) -> None:
+        """The fleet's ``/health``: every live replica's load added up, each one's beside it (``fleet_health``)."""
+        try:
+            fleet = fleet_health(await self.ingress.hub.health.remote())
+        except Exception as e:  # the hub is being replaced
+            fleet, why = None, f"fleet health unavailable ({_kind(e)}): retry"
+        else:
+            why = "no replica has reported in the last few seconds: the replicas are starting or being replaced; retry"
+        if fleet is None:
+            await _Relay(send).fail(APIError(503, why, None, "no_replicas", headers={"Retry-After": "1"}))
+            return
+        body = json.dumps(fleet).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"" if head else body})
 
 
 class _Ingress:
@@ -657,4 +729,12 @@ def run_forever(
             ray.shutdown()
 
 
-__all__ = ["APP_NAME", "REPLICA_HEADER", "RaySettings", "build_app", "merge_expositions", "run_forever"]
+__all__ = [
+    "APP_NAME",
+    "REPLICA_HEADER",
+    "RaySettings",
+    "build_app",
+    "fleet_health",
+    "merge_expositions",
+    "run_forever",
+]
