@@ -148,6 +148,44 @@ BAD_CHATS: list[tuple[dict[str, Any], str | None, str]] = [
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs", "invalid_value"),
     # The tiny tokenizer has no chat template: a clear 400, not a crash.
     ({"messages": [{"role": "user", "content": "hi"}]}, "messages", "no_chat_template"),
+    # Fields that would change what is generated are refused, named, rather than ignored ...
+    *[
+        ({"messages": [{"role": "user", "content": "hi"}], name: value}, name, "unsupported")
+        for name, value in (
+            ("response_format", {"type": "json_object"}),
+            ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+            ("tools", [{"type": "function", "function": {"name": "f"}}]),
+            ("tool_choice", "required"),
+            ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+            ("functions", [{"name": "f"}]),
+            ("function_call", {"name": "f"}),
+            ("modalities", ["text", "audio"]),
+            ("audio", {"voice": "alloy", "format": "wav"}),
+            ("prediction", {"type": "content", "content": "x"}),
+            ("web_search_options", {}),
+        )
+    ],
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [], "tool_choice": "auto", "functions": [{}]},
+        "functions",
+        "unsupported",
+    ),
+    # ... and accepted at their neutral values (on to the missing chat template).
+    (
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "response_format": {"type": "text"},
+            "tools": [],
+            "tool_choice": "auto",
+            "function_call": "none",
+            "parallel_tool_calls": True,
+            "modalities": ["text"],
+            "audio": None,
+            "prediction": None,
+        },
+        "messages",
+        "no_chat_template",
+    ),
 ]
 
 

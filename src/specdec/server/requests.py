@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -44,8 +45,41 @@ def check_supported(body: _Common) -> None:
             "speculative.policy",
             "invalid_value",
         )
-    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+    if isinstance(body, ChatCompletionRequest):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
+        _check_neutral(body)
+
+
+def _check_neutral(body: ChatCompletionRequest) -> None:
+    """OpenAI chat fields that change what is generated (structured output, tools, audio, predicted outputs, web
+    search): specdec generates free text from the messages, so each is accepted only at a value that asks nothing
+    else, and refused otherwise, naming the field."""
+    no_tools = not body.tools and not body.functions
+    neutral = {
+        "response_format": (body.response_format in (None, {"type": "text"}), "structured output"),
+        "tools": (body.tools in (None, []), "tool calling"),
+        "functions": (body.functions in (None, []), "function calling"),
+        "tool_choice": (body.tool_choice in (None, "none") or (body.tool_choice == "auto" and no_tools), "tools"),
+        "function_call": (
+            body.function_call in (None, "none") or (body.function_call == "auto" and no_tools),
+            "function calling",
+        ),
+        "modalities": (body.modalities in (None, ["text"]), "output other than text"),
+        "audio": (body.audio is None, "audio output"),
+        "prediction": (body.prediction is None, "predicted outputs"),
+        "web_search_options": (body.web_search_options is None, "web search"),
+    }
+    for name, (ok, what) in neutral.items():
+        if not ok:
+            shown = json.dumps(getattr(body, name))
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
+            raise APIError(
+                400,
+                f"{name}={shown} is not supported: specdec does not implement {what} (it generates free text)",
+                name,
+                "unsupported",
+            )
 
 
 def logprobs_wanted(body: _Common) -> int | None:

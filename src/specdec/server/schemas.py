@@ -147,6 +147,18 @@ class ChatCompletionRequest(_Common):
     top_logprobs: StrictInt | None = Field(
         None, ge=0, le=20, description="with logprobs: the N most likely alternatives at each position"
     )
+    # OpenAI fields that would change what is generated, which specdec does not implement: accepted only at their
+    # neutral values (``requests.check_supported``), never silently ignored.
+    response_format: Any = Field(None, description='not supported: only null or {"type": "text"}')
+    tools: Any = Field(None, description="not supported: only null or []")
+    tool_choice: Any = Field(None, description='not supported: only null or "none" (or "auto" without tools)')
+    functions: Any = Field(None, description="not supported: only null or []")
+    function_call: Any = Field(None, description='not supported: only null or "none" (or "auto" without functions)')
+    parallel_tool_calls: StrictBool | None = Field(None, description="accepted; there are no tools to call")
+    modalities: Any = Field(None, description='not supported: only null or ["text"]')
+    audio: Any = Field(None, description="not supported: only null")
+    prediction: Any = Field(None, description="not supported: only null")
+    web_search_options: Any = Field(None, description="not supported: only null")
 
 
 # -- responses --------------------------------------------------------------------------------
