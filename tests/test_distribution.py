@@ -15,6 +15,7 @@ through its one-call CPU kernel (``native-kernel``, the default on CPU) and thro
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -157,13 +158,31 @@ def test_engine_first_three_tokens_match_target_sampling(tiny_models, soft_draft
     assert all(len(k) == 3 for k in counts)
 
 
-def first_three_follow_the_law(engine, prompt, settings, joint, marginals, n: int = 600) -> dict[tuple, int]:
-    """``n`` generations of three tokens (seeds 0..n-1, τ = 3): the draft partly accepted, the joint law and each
-    position's marginal not rejected at ``P_THRESHOLD`` (four chi-square tests). Returns the counts."""
+@pytest.mark.slow
+@pytest.mark.distribution
+def test_drafts_read_from_a_prediction_keep_the_target_law(tiny_models, soft_draft, target_law):
+    """A request with a predicted output (``prediction``): steps draft from it where the output follows it (q one-hot
+    on the predicted token) and from the draft model elsewhere. The prediction is the likeliest three tokens, so it is
+    accepted in part. Four chi-square tests at 1e-3 per setting: false-failure rate ≤ 4e-3 over seeds."""
+    settings, prompt, joint, marginals = target_law
+    engine = specdec.load(tiny_models["llama"], soft_draft, dtype="float32")
+    engine.eos_ids = frozenset()
+    likeliest = list(max(joint, key=joint.__getitem__))
+    first_three_follow_the_law(engine, prompt, settings, joint, marginals, prediction=likeliest)
+    r = engine.generate(prompt, max_new_tokens=3, tau=3, seed=0, prediction=likeliest, **settings)
+    assert r.records[0].reason == "prediction" and r.records[0].draft_tokens == likeliest[:2]  # 3 tokens: τ ≤ 2
+
+
+def first_three_follow_the_law(
+    engine, prompt, settings, joint, marginals, n: int = 600, **request: Any
+) -> dict[tuple, int]:
+    """``n`` generations of three tokens (seeds 0..n-1, τ = 3; ``request``: more ``Engine.start`` arguments): the
+    draft partly accepted, the joint law and each position's marginal not rejected at ``P_THRESHOLD`` (four chi-square
+    tests). Returns the counts."""
     counts: dict[tuple, int] = {}
     drafted = accepted = 0
     for seed in range(n):
-        r = engine.generate(prompt, max_new_tokens=3, tau=3, seed=seed, **settings)
+        r = engine.generate(prompt, max_new_tokens=3, tau=3, seed=seed, **settings, **request)
         key = tuple(r.token_ids)
         counts[key] = counts.get(key, 0) + 1
         drafted += r.stats.drafted

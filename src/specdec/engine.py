@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, cast
 
 from specdec.drafters.base import Draft, DraftAsk, Drafter
+from specdec.drafters.prediction import REASON as PREDICTION
+from specdec.drafters.prediction import Prediction, predicted_draft
 from specdec.errors import ContextLengthError, InvalidRequestError
 from specdec.logits_rules import LogitsRules
 from specdec.policy import Decision, Policy, StepContext, make_policy, request_policy
@@ -170,6 +172,7 @@ class Engine:
         logprobs: int | None = None,
         fork_of: Generation | None = None,
         defer_prefill: bool | None = None,
+        prediction: str | Sequence[int] | None = None,
     ) -> Generation:
         """Validate a request and prefill it; advance it with ``Generation.step()`` or ``Engine.step``.
 
@@ -183,6 +186,9 @@ class Engine:
         position of a verify block is processed with its own context, so the output is target-only decoding
         with the same rules). ``logprobs=k``: each emitted token's log probability under the target's processed
         distribution and its ``k`` most likely alternatives (``GenerationResult.logprobs``, ``StepEvent.logprobs``).
+        ``prediction``: text (or token ids) the output is expected to repeat much of (OpenAI's predicted outputs);
+        steps draft from it where the output is found in it (``specdec.drafters.prediction``), with or without a
+        drafter (not with ``tau=0``); the output is the same either way.
         """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -215,6 +221,7 @@ class Engine:
                 f"window of {self.max_context} tokens",
                 "max_new_tokens" if len(prompt_ids) < self.max_context else "prompt",
             )
+        predicted = self._prediction(prediction) if tau != 0 else None  # tau=0: plain target decoding, no drafts
         if tau is not None and tau and self.drafter is None:
             raise InvalidRequestError(f"tau={tau} needs a drafter: load a draft model or enable prompt lookup", "tau")
         if isinstance(policy, Policy):
@@ -237,7 +244,23 @@ class Engine:
             logprobs,
             fork_of=fork_of,
             defer_prefill=fork_of is None and (self.prefill_in_step > 0 if defer_prefill is None else defer_prefill),
+            prediction=predicted,
         )
+
+    def _prediction(self, prediction: str | Sequence[int] | None) -> Prediction | None:
+        if prediction is None:
+            return None
+        if isinstance(prediction, str):
+            ids = list(self.tokenizer(prediction, add_special_tokens=False)["input_ids"]) if prediction else []
+        else:
+            ids = [int(t) for t in prediction]
+            bad = [t for t in ids if not 0 <= t < self.side.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prediction token id {bad[0]} is outside the vocabulary (size {self.side.vocab_size})",
+                    "prediction",
+                )
+        return Prediction(ids) if ids else None
 
     def start_many(
         self,
@@ -348,7 +371,12 @@ class Engine:
         taus = [max(0, min(d.tau, ctx.max_tau)) if self.drafter is not None else 0 for d, ctx in zip(decisions, ctxs)]
 
         t1 = self.clock()
+        predicted = self._predicted(live, ctxs, taus)
+        for i, tokens in predicted.items():  # read from the request's prediction: the drafter skips the sequence
+            taus[i], decisions[i] = 0, Decision(len(tokens), PREDICTION)
         drafts = self._draft(live, taus, decisions, fills)
+        for i, tokens in predicted.items():
+            drafts[i] = predicted_draft(tokens, live[i].params, self.side.vocab_size)
 
         t2 = self.clock()
         try:
@@ -366,8 +394,9 @@ class Engine:
             # each sequence's last token, the prompt rows (deferred prefills, pieces) and the drafts
             rows=len(live) + prompt_rows + sum(len(d.tokens) for d in drafts),
             prompt_rows=prompt_rows,
-            drafting=sum(1 for d in drafts if d.tokens),
-            draft_passes=max(len(d.tokens) for d in drafts),
+            # the drafter's: predicted drafts run no draft forward
+            drafting=sum(1 for i, d in enumerate(drafts) if d.tokens and i not in predicted),
+            draft_passes=max((len(d.tokens) for i, d in enumerate(drafts) if i not in predicted), default=0),
             draft_fed=sum(d.fed for d in drafts),
         )
         pending = [
@@ -387,7 +416,8 @@ class Engine:
         # before any of its requests ends. That learning is in the next step's rest: the policy's, from ``policy_mark``.
         policy_mark = self.policy_seconds
         for policy, idx in _by_policy(live):
-            policy.observe_step([pending[i].record for i in idx])
+            # A predicted draft's acceptance is the prediction's, not the drafter's: the policy learns from the rest.
+            policy.observe_step([pending[i].record for i in idx if i not in predicted])
         self.policy_seconds += self.clock() - t4
         by_gen = {id(g): g.close_step(step, text, t4, policy_mark) for g, step, text in zip(live, pending, texts)}
         return [by_gen.get(id(g)) for g in generations]
@@ -405,6 +435,18 @@ class Engine:
             for i, d in zip(idx, policy.plan([ctxs[i] for i in idx], other_rows, prompt_rows)):
                 decisions[i] = d
         return [d for d in decisions if d is not None]
+
+    @staticmethod
+    def _predicted(live: list[Generation], ctxs: list[StepContext], taus: list[int]) -> dict[int, list[int]]:
+        """The sequences whose step drafts from their request's prediction, and the tokens it reads (``Prediction``):
+        where it offers at least as many as the drafter would draft (``taus``), which costs a draft forward each."""
+        out: dict[int, list[int]] = {}
+        for i, (g, ctx) in enumerate(zip(live, ctxs)):
+            if g.prediction is not None:
+                tokens = g.prediction.propose(g.new_tokens, ctx.max_tau)
+                if tokens and len(tokens) >= taus[i]:
+                    out[i] = tokens
+        return out
 
     def _prompt_pieces(self, live: list[Generation]) -> tuple[list[tuple[Generation, int]], set[int]]:
         """The step's prompt budget (``prefill_in_step`` tokens), first come first served, over the sequences whose
@@ -513,6 +555,7 @@ class Generation:
         *,
         fork_of: Generation | None = None,
         defer_prefill: bool = False,
+        prediction: Prediction | None = None,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
@@ -530,6 +573,10 @@ class Generation:
         self.token_logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
         self.records: list[StepRecord] = []
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        # the request's predicted output (``start(prediction=...)``), each sample of it tracking its own place in it
+        self.prediction = prediction
+        if prediction is not None:
+            self.stats.prediction_tokens = len(prediction.tokens)
         self.done = False
         self._t_start = engine.clock()
         self._text = OutputText(engine.tokenizer, stops)
@@ -624,6 +671,8 @@ class Generation:
         if self.engine.drafter is not None:
             self.engine.drafter.rollback(self.draft_state, base + verdict.n_accepted)
         emitted, finish = self._commit(verdict.tokens)
+        if decision.reason == PREDICTION and self.prediction is not None:
+            self.prediction.observe(len(draft.tokens), verdict.n_accepted, len(verdict.tokens))
         if self.rules_state is not None:
             self.rules_state.commit(emitted)
         tau = len(draft.tokens)

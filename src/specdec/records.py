@@ -24,6 +24,8 @@ Correction = Literal["recovered", "bonus", "plain"]
 FinishReason = Literal["stop", "length", "verify_budget", "cancelled"]
 
 TRACE_SCHEMA_VERSION = 1
+# A step record's ``reason`` when its draft was read from the request's predicted output (``drafters.prediction``).
+PREDICTION_REASON = "prediction"
 
 
 def correction_kind(tau: int, n_accepted: int) -> Correction:
@@ -151,6 +153,11 @@ class GenerationStats:
     prefill_time: float = 0.0
     latency: float = 0.0  # wall time of the whole request, prefill included
     finish_reason: FinishReason = "length"
+    # Predicted outputs (``Engine.start(prediction=...)``): the prediction's length (0: none), and of the tokens the
+    # steps drafted from it, those accepted into the output and those rejected.
+    prediction_tokens: int = 0
+    prediction_accepted: int = 0
+    prediction_rejected: int = 0
 
     @property
     def acceptance_rate(self) -> float:
@@ -173,6 +180,9 @@ class GenerationStats:
         self.new_tokens += len(rec.emitted)
         self.drafted += rec.tau
         self.accepted += rec.n_emitted_accepted
+        if rec.reason == PREDICTION_REASON:
+            self.prediction_accepted += rec.n_emitted_accepted
+            self.prediction_rejected += rec.tau - rec.n_accepted
         self.draft_time += rec.draft_time
         self.verify_time += rec.verify_time
         self.other_time += rec.other_time

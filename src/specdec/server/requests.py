@@ -52,8 +52,7 @@ def check_supported(body: _Common) -> None:
 
 
 def _check_neutral(body: ChatCompletionRequest) -> None:
-    """OpenAI chat fields that change what is generated (structured output, tools, audio, predicted outputs, web
-    search): specdec generates free text from the messages, so each is accepted only at a value that asks nothing
+    """OpenAI chat fields that change what is generated (structured output, tools, audio, web search): specdec generates free text from the messages, so each is accepted only at a value that asks nothing
     else, and refused otherwise, naming the field."""
     no_tools = not body.tools and not body.functions
     neutral = {
@@ -67,7 +66,6 @@ def _check_neutral(body: ChatCompletionRequest) -> None:
         ),
         "modalities": (body.modalities in (None, ["text"]), "output other than text"),
         "audio": (body.audio is None, "audio output"),
-        "prediction": (body.prediction is None, "predicted outputs"),
         "web_search_options": (body.web_search_options is None, "web search"),
     }
     for name, (ok, what) in neutral.items():
@@ -111,6 +109,7 @@ def engine_kwargs(body: _Common, request_id: str) -> dict[str, Any]:
         "min_tokens": body.min_tokens,
         "ignore_eos": body.ignore_eos,
         "logprobs": logprobs_wanted(body),
+        "prediction": body.prediction.text() if body.prediction is not None else None,
     }
 
 

@@ -169,10 +169,21 @@ def token_text(tokenizer: Any, token: int) -> str:
     return str(tokenizer.decode([token]))
 
 
-def usage(prompt_tokens: int, results: Sequence[GenerationResult]) -> dict[str, int]:
-    """The prompt counted once (it is prefilled once), the completion tokens of every sample."""
+def usage(prompt_tokens: int, results: Sequence[GenerationResult]) -> dict[str, Any]:
+    """The prompt counted once (it is prefilled once), the completion tokens of every sample; with a prediction, the
+    tokens drafted from it that the outputs kept and those rejected (OpenAI's ``completion_tokens_details``)."""
     completion = sum(len(r.token_ids) for r in results)
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+    }
+    if any(r.stats.prediction_tokens for r in results):
+        out["completion_tokens_details"] = {
+            "accepted_prediction_tokens": sum(r.stats.prediction_accepted for r in results),
+            "rejected_prediction_tokens": sum(r.stats.prediction_rejected for r in results),
+        }
+    return out
 
 
 def summary(results: Sequence[GenerationResult], steps: list[dict[str, Any]] | None = None) -> dict[str, Any]:

@@ -46,6 +46,25 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class ContentPart(BaseModel):
+    type: Literal["text"]
+    text: Text
+
+
+class PredictionContent(BaseModel):
+    """OpenAI's predicted outputs: text the output is expected to repeat much of (e.g. the file being edited)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["content"]
+    content: Text | list[ContentPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content
+
+
 class _Common(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -87,6 +106,11 @@ class _Common(BaseModel):
         False, description="extension: EOS does not end the request (generate to max_tokens or a stop string)"
     )
     speculative: SpeculativeOptions | None = None
+    prediction: PredictionContent | None = Field(
+        None,
+        description="predicted output: steps draft from it where the output repeats it (verified like every draft: "
+        "the output is the same with or without it, only faster)",
+    )
 
     @field_validator("logit_bias")
     @classmethod
@@ -121,11 +145,6 @@ class CompletionRequest(_Common):
     suffix: StrictStr | None = Field(None, description="not supported (null only)")
 
 
-class ContentPart(BaseModel):
-    type: Literal["text"]
-    text: Text
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -157,17 +176,22 @@ class ChatCompletionRequest(_Common):
     parallel_tool_calls: StrictBool | None = Field(None, description="accepted; there are no tools to call")
     modalities: Any = Field(None, description='not supported: only null or ["text"]')
     audio: Any = Field(None, description="not supported: only null")
-    prediction: Any = Field(None, description="not supported: only null")
     web_search_options: Any = Field(None, description="not supported: only null")
 
 
 # -- responses --------------------------------------------------------------------------------
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int = Field(description="tokens drafted from the prediction that the output kept")
+    rejected_prediction_tokens: int = Field(description="tokens drafted from the prediction and rejected")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = Field(None, description="with a prediction only")
 
 
 class SpeculativeSummary(BaseModel):
