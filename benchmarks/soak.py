@@ -9,7 +9,7 @@ output, token by token.
 
 The requests (seeded by ``--seed``): completions (text or token ids) and, where the model has a chat template, chat
 completions; streamed or whole; ``n`` 1-3; greedy or sampled (seeded or not); stop strings; logprobs; penalties,
-``logit_bias``, ``min_tokens``, ``ignore_eos``; ``speculative`` with a fixed τ (0 included), a policy, a verification
+``logit_bias``, ``min_tokens``, ``ignore_eos``; a ``prediction``; ``speculative`` with a fixed τ (0 included), a policy, a verification
 budget, the step records. About one streamed request in ten hangs up after a few chunks, one whole request in
 twenty gives up after 50 ms.
 
@@ -119,6 +119,9 @@ def plan_request(
         body["logit_bias"] = {str(rng.randrange(vocab)): rng.choice([-100, 5])}
     if rng.random() < 0.05:
         body["min_tokens"] = rng.randint(1, body["max_tokens"])
+    if rng.random() < 0.15:  # a predicted output: some prompt's text (code repeats itself), whole or cut
+        predicted = rng.choice(prompts)
+        body["prediction"] = {"type": "content", "content": predicted[: rng.choice([40, 400, len(predicted)])]}
     spec: dict[str, Any] = {}
     r = rng.random()
     if r < 0.4:
@@ -156,6 +159,14 @@ def check_whole(plan: Plan, obj: dict[str, Any]) -> str | None:
         return f"completion_tokens {done!r} outside 0..{n * plan.body['max_tokens']}"
     if usage.get("total_tokens") != usage.get("prompt_tokens", 0) + done:
         return f"usage does not add up: {usage}"
+    details = usage.get("completion_tokens_details")
+    tau0 = plan.body.get("speculative", {}).get("tau") == 0
+    if plan.body.get("prediction") and not tau0:
+        kept = (details or {}).get("accepted_prediction_tokens")
+        if not isinstance(kept, int) or not 0 <= kept <= done:
+            return f"a prediction's accepted tokens {kept!r} outside 0..{done}: {usage}"
+    elif details is not None and not tau0:
+        return f"completion_tokens_details without a prediction: {usage}"
     if plan.body.get("logprobs") and plan.path == "/v1/completions":
         counted = sum(len((c.get("logprobs") or {}).get("token_logprobs") or []) for c in choices)
         if counted != done:

@@ -214,3 +214,23 @@ def test_server_takes_the_prediction_field_and_reports_its_tokens(default_pair: 
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == body["choices"][0]["text"]
     assert events[-1]["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] >= 25
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prediction.type"
+
+
+def test_generate_cli_takes_a_prediction_file(
+    default_pair: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specdec.cli import main
+
+    models = ["--target", str(default_pair[0]), "--draft", str(default_pair[1])]
+    args = ["generate", "def quicksort(arr):", *models, "--max-new-tokens", "48", "--json"]
+    assert main([*args, "--tau", "0"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    pred = tmp_path / "pred.txt"
+    pred.write_text(plain["text"], encoding="utf-8")
+    assert main([*args, "--prediction", str(pred)]) == 0
+    got = json.loads(capsys.readouterr().out)
+    assert got["token_ids"] == plain["token_ids"] and got["stats"]["prediction_accepted"] >= 40
+    assert got["stats"]["target_passes"] < 10
+    assert main([*args, "--prediction", str(tmp_path / "none.txt")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdec: error: --prediction") and err.count("\n") == 1

@@ -94,6 +94,7 @@ def test_requests_are_valid_and_cover_the_api() -> None:
         "logit_bias",
         "min_tokens",
         "ignore_eos",
+        "prediction",
         "tau",
         "policy",
         "max_verify_passes",

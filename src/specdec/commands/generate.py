@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any, Literal
 
 from specdec.commands.common import ModelSettings, add_logits_rule_args, add_model_args, logits_rule_kwargs
@@ -39,6 +40,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_logits_rule_args(g)
     g.add_argument(
+        "--prediction",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a predicted output: text the output is expected to repeat much of (e.g. the file being edited); steps "
+        "draft from it where the output follows it (the same output, fewer target passes)",
+    )
+    g.add_argument(
         "--logprobs",
         type=int,
         default=None,
@@ -72,6 +81,14 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(
             "--show-steps and --json cannot be combined: --json prints one JSON object", "show_steps"
         )
+    prediction = None
+    if args.prediction is not None:
+        try:
+            prediction = args.prediction.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidRequestError(
+                f"--prediction {args.prediction}: cannot read it as text: {e}", "prediction"
+            ) from e
     engine = ModelSettings.from_args(args).load()
     observers: list[Observer] = []
     if args.trace:
@@ -90,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
         max_verify_passes=args.max_verify_passes,
         **logits_rule_kwargs(args),
         logprobs=args.logprobs,
+        prediction=prediction,
     )
     if args.n != 1:
         return _samples(engine, prompt, args, kwargs, observers)
