@@ -769,7 +769,13 @@ class AdaptivePolicy(Policy):
         if stats.finish_reason == "cancelled":
             return
         self.latencies.append(stats.latency)
-        if req is not None and req.predicted_latency and stats.finish_reason == "length":
+        # (a request that drafted from a predicted output ran faster than any plan of this policy's foresaw)
+        if (
+            req is not None
+            and req.predicted_latency
+            and stats.finish_reason == "length"
+            and not stats.prediction_tokens
+        ):
             self._latency_ratios.append(stats.latency / req.predicted_latency)
 
     def slo_attainment(self) -> float | None:
