@@ -66,6 +66,22 @@ def test_spec_decode_counters_follow_vllm_definitions() -> None:
     assert abs(s[("specdec_policy_seconds_total", ())] - 0.005) < 1e-9  # of the other phase
 
 
+def test_drafts_read_from_a_prediction_are_counted_apart_from_the_drafters() -> None:
+    m = SpecMetrics()
+    m.on_step(_step(4, 3))
+    predicted = _step(16, 12)
+    predicted.reason = "prediction"
+    m.on_step(predicted)
+    s = _samples(m)
+    assert s[("specdec_spec_decode_num_drafts_total", ())] == 1
+    assert s[("specdec_spec_decode_num_draft_tokens_total", ())] == 4
+    assert s[("specdec_spec_decode_num_accepted_tokens_total", ())] == 3
+    assert ("specdec_spec_decode_num_accepted_tokens_per_pos_total", (("position", "4"),)) not in s  # only τ = 4's
+    assert s[("specdec_prediction_draft_tokens_total", ())] == 16
+    assert s[("specdec_prediction_accepted_tokens_total", ())] == 12
+    assert s[("specdec_verify_passes_total", ())] == 2 and s[("specdec_generation_tokens_total", ())] == 17
+
+
 def test_per_position_zeros_are_exported_up_to_the_largest_tau() -> None:
     m = SpecMetrics()
     m.on_step(_step(3, 0))

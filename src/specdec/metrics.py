@@ -9,6 +9,10 @@ dashboard ports by renaming:
 - ``specdec_spec_decode_num_accepted_tokens_per_pos_total{position="i"}``: drafts whose token at
   0-based position i was accepted (it and every token before it).
 
+Steps that drafted from a request's predicted output (``prediction``; record ``reason`` "prediction") are counted
+apart, in ``specdec_prediction_draft_tokens_total`` and ``specdec_prediction_accepted_tokens_total``, so the
+spec-decode counters stay the drafter's.
+
 Derived (PromQL): α = accepted / draft_tokens; mean acceptance length *including the correction
 token* = 1 + accepted / drafts; per-position acceptance = per_pos{position=i} / drafts.
 Accepted counts are the acceptance rule's outcome (n̂); a stop condition may cut the last step of
@@ -24,7 +28,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from specdec.records import RequestSummary, StepRecord
+from specdec.records import PREDICTION_REASON, RequestSummary, StepRecord
 
 ACCEPTED_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 32)
 FLUSH_EVERY = 256  # step records summed before they reach the metrics, at most (a scrape or a request's end sooner)
@@ -52,6 +56,16 @@ class SpecMetrics:
             "specdec_spec_decode_num_accepted_tokens_per_pos",
             "Drafts whose token at this 0-based position was accepted (with every token before it).",
             ["position"],
+            registry=r,
+        )
+        self.prediction_draft_tokens = Counter(
+            "specdec_prediction_draft_tokens",
+            "Tokens drafted from requests' predicted outputs (prediction), not in the spec_decode counters.",
+            registry=r,
+        )
+        self.prediction_accepted_tokens = Counter(
+            "specdec_prediction_accepted_tokens",
+            "Of the tokens drafted from predicted outputs, those the acceptance rule accepted.",
             registry=r,
         )
         self.verify_passes = Counter("specdec_verify_passes", "Target verify passes (prefill not counted).", registry=r)
@@ -108,7 +122,10 @@ class SpecMetrics:
             sums.verify += record.verify_time
             sums.other += record.other_time
             sums.policy += record.policy_time
-            if record.tau > 0:
+            if record.reason == PREDICTION_REASON:
+                sums.predicted += record.tau
+                sums.predicted_accepted += record.n_accepted
+            elif record.tau > 0:
                 sums.drafts += 1
                 sums.draft_tokens += record.tau
                 sums.accepted += record.n_accepted
@@ -133,6 +150,9 @@ class SpecMetrics:
         for child, seconds in zip(self._phase_seconds, (sums.draft, sums.verify, sums.other)):
             child.inc(seconds)
         self.policy_seconds.inc(sums.policy)
+        if sums.predicted:
+            self.prediction_draft_tokens.inc(sums.predicted)
+            self.prediction_accepted_tokens.inc(sums.predicted_accepted)
         if sums.drafts:
             self.num_drafts.inc(sums.drafts)
             self.num_draft_tokens.inc(sums.draft_tokens)
@@ -178,3 +198,5 @@ class _StepSums:
     draft_tokens: int = 0
     accepted: int = 0
     accepted_at: list[int] = field(default_factory=list)  # by 0-based position: drafts accepted through it
+    predicted: int = 0  # tokens drafted from predicted outputs (kept out of the drafter's counts)
+    predicted_accepted: int = 0
