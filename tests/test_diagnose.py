@@ -232,3 +232,26 @@ def test_host_overhead_says_how_much_of_it_was_the_policys_own_work(tmp_path: Pa
     share = sum(r.policy_time for r in records) / total
     after = next(f for f in diagnose(path).findings if f.code == "host_overhead")
     assert f"of it, the policy's own work (its plans and learning) {share:.0%} of step time" in after.evidence
+
+
+def test_steps_drafted_from_a_prediction_are_left_out_of_the_drafters_analysis(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """An exact predicted output is accepted whole: read as the drafter's, it would look like implausibly high
+    acceptance. Diagnose analyses the drafter's steps and says how many predicted ones it left out."""
+    import specdec
+
+    path = tmp_path / "pred.jsonl"
+    engine = specdec.load(tiny_models["llama"], tiny_models["draft"], tau=3, trace=path)
+    engine.eos_ids = frozenset()
+    for prompt in ("def f(x):", "class A:", "import os", "x = [", "while True:", "for i in range(10):"):
+        want = engine.generate(prompt, max_new_tokens=48, tau=0).token_ids
+        engine.generate(prompt, max_new_tokens=48, prediction=want)
+    engine.observers[-1].close()  # type: ignore[attr-defined]
+    d = diagnose(path)
+    predicted = sum(1 for s in read_trace(path).steps if s.reason == "prediction")
+    assert predicted > 0 and d.stats.predicted_steps == predicted
+    assert len(d.stats.steps) == len(read_trace(path).steps) - predicted
+    assert "implausible_acceptance" not in {f.code for f in d.findings}
+    assert f"note: {predicted} step(s) that drafted from requests' predicted outputs" in d.text()
+    assert d.to_json()["predicted_steps"] == predicted

@@ -36,6 +36,7 @@ class Diagnosis:
             "trace": self.trace.path,
             "requests": self.stats.n_requests,
             "steps": len(self.stats.steps),
+            "predicted_steps": self.stats.predicted_steps,  # drafted from predicted outputs: not analysed
             "healthy": not self.problems,
             "findings": [f.to_json() for f in self.findings],
             "unreadable_lines": self.trace.bad_lines,

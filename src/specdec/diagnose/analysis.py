@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from specdec.analysis import StepAggregate, VerifyFit, low_quantile
-from specdec.records import StepRecord, steady_rest
+from specdec.records import PREDICTION_REASON, StepRecord, steady_rest
 from specdec.trace import Trace
 
 PROMPT_BUCKET_EDGES = (0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -66,6 +66,7 @@ class TraceStats:
     timed_steps: list[StepRecord] = field(default_factory=list)
     timed: StepAggregate = field(default_factory=lambda: StepAggregate.of([]))
     batch: BatchDepths | None = None  # the batched steps by depth at the batch size most ran (``main_batch``)
+    predicted_steps: int = 0  # steps that drafted from predicted outputs: left out of ``steps`` and the analysis
 
     @property
     def drafted(self) -> int:
@@ -177,7 +178,9 @@ class TraceStats:
 
 
 def analyse(trace: Trace) -> TraceStats:
-    steps = trace.steps
+    # Steps that drafted from a request's predicted output (``prediction``) say how well the prediction matched, not
+    # the drafter: the analysis is the drafter's (an exact prediction alone would read as implausible acceptance).
+    steps = [s for s in trace.steps if s.reason != PREDICTION_REASON]
     agg = StepAggregate.of(steps)
     timed_steps = [s for s in steps if s.batch_size <= 1]
     timed = StepAggregate.of(timed_steps)
@@ -201,6 +204,7 @@ def analyse(trace: Trace) -> TraceStats:
         timed_steps=timed_steps,
         timed=timed,
         batch=main_batch(steps),
+        predicted_steps=len(trace.steps) - len(steps),
     )
 
 
@@ -304,7 +308,7 @@ def prompt_buckets(trace: Trace) -> list[Bucket]:
         b.requests.add(req.key)
         for s in req.steps:
             b.time += s.draft_time + s.verify_time + s.other_time
-            if s.tau > 0:
+            if s.tau > 0 and s.reason != PREDICTION_REASON:
                 b.drafting.append(s)
     return [b for b in buckets if b.requests]
 

@@ -14,6 +14,11 @@ MARK = {"critical": "[CRITICAL]", "warning": "[WARNING] ", "info": "[info]    "}
 def render_text(d: Diagnosis, width: int = 100) -> str:
     st = d.stats
     lines = [f"specdec diagnose: {d.trace.path}  ({st.n_requests} requests, {len(st.steps)} steps)"]
+    if st.predicted_steps:
+        lines.append(
+            f"  note: {st.predicted_steps} step(s) that drafted from requests' predicted outputs (prediction) left out "
+            "of the analysis: they say how well a prediction matched, not how the drafter does"
+        )
     if d.trace.bad_lines:
         lines.append(f"  note: {len(d.trace.bad_lines)} unreadable line(s) skipped, first: {d.trace.bad_lines[0]}")
     problems = d.problems
