@@ -595,10 +595,13 @@ class Generation:
             self.draft_state = drafter.new_state() if drafter else None
             # Prefill, in a pass of its own: the target's cache holds context[:-1]; each step feeds
             # [context[-1], ŷ_1..ŷ_τ]. The drafter takes the prompt in the same way. Deferred: both caches start
-            # empty, and the first step's passes take the prompt in with the other sequences' rows.
+            # empty, and the first step's passes take the prompt in with the other sequences' rows. With a predicted
+            # output a drafter that catches up is left to take the prompt in when it first drafts: while the steps
+            # draft from the prediction, it never may.
             with side.mode():
                 self.cache = side.prefill(prompt_ids, defer=defer_prefill)
-                if drafter is not None and not (defer_prefill and drafter.catches_up):
+                lazy = (defer_prefill or prediction is not None) and drafter is not None and drafter.catches_up
+                if drafter is not None and not lazy:
                     drafter.prefill(self.draft_state, prompt_ids)
         self.stats.prefill_time = engine.clock() - self._t_start
         engine.prefill_seconds += self.stats.prefill_time

@@ -42,10 +42,14 @@ class Prediction:
         self.tokens = list(tokens)
         self.span = FIRST_SPAN
         self.hint = 0  # where the next generated token is expected in the prediction
-        # positions j (1 <= j <= len) by the token before them, tokens[j - 1]: where a suffix of the output can end
+        # positions j (1 <= j <= len) by the token before them, tokens[j - 1], and by the two before them: where a
+        # suffix of the output can end
         self._after: dict[int, list[int]] = {}
+        self._after2: dict[tuple[int, int], list[int]] = {}
         for j, t in enumerate(self.tokens, 1):
             self._after.setdefault(t, []).append(j)
+            if j >= 2:
+                self._after2.setdefault((self.tokens[j - 2], t), []).append(j)
         self._start = 0
 
     def propose(self, generated: Sequence[int], limit: int) -> list[int]:
@@ -83,7 +87,12 @@ class Prediction:
             return self.hint, longest
         best: tuple[int, int, int] | None = None  # (-length, behind the hint, distance): the least is best
         found = None
-        for j in self._after.get(generated[-1], ()):
+        ends = (
+            self._after2.get((generated[-2], generated[-1]), ())
+            if len(generated) >= 2
+            else self._after.get(generated[-1], ())
+        )
+        for j in ends:  # (a match found afresh needs two tokens at least once there are two)
             n = self._matched(j, generated, longest)
             key = (-n, int(j < self.hint), abs(j - self.hint))
             if best is None or key < best:
