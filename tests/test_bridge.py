@@ -164,6 +164,16 @@ def test_batched_steps_equal_solo(pair: tuple[Path, Path]) -> None:
     for p, g in zip(PROMPTS, gens):
         assert g.result().token_ids == plain.generate(p, max_new_tokens=30).token_ids, p
     assert sum(r.n_accepted for g in gens for r in g.records) > 0
+    # Half of each output predicted, an edit in it: the bridge drafts the rest, its state kept by position across
+    # the steps the prediction drafted.
+    wants = [plain.generate(p, max_new_tokens=30).token_ids for p in PROMPTS]
+    preds = [w[:8] + [5, 6, 7] + w[11:15] for w in wants]
+    gens = [engine.start(p, max_new_tokens=30, tau=3, prediction=pred) for p, pred in zip(PROMPTS, preds)]
+    while not all(g.done for g in gens):
+        engine.step(gens)
+    for want, g in zip(wants, gens):
+        reasons = {r.reason for r in g.records}
+        assert g.result().token_ids == want and "prediction" in reasons and len(reasons) > 1, reasons
 
 
 def test_draft_state_is_kept_by_position(pair: tuple[Path, Path]) -> None:
