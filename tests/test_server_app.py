@@ -82,7 +82,7 @@ BAD_COMPLETIONS: list[tuple[bytes, int, str | None, str]] = [
     (b'{"prompt": "x", "n": 17}', 400, "n", "invalid_value"),
     (b'{"prompt": "x", "best_of": 3}', 400, "best_of", "unsupported"),
     (b'{"prompt": "x", "n": 2, "best_of": 3}', 400, "best_of", "unsupported"),
-    (b'{"prompt": "x", "echo": true}', 400, "echo", "unsupported"),
+    (b'{"prompt": "x", "echo": true, "stream": true}', 400, "echo", "unsupported"),
     (b'{"prompt": "x", "prediction": "x"}', 400, "prediction", "invalid_value"),
     (b'{"prompt": "x", "prediction": {"type": "text", "content": "x"}}', 400, "prediction.type", "invalid_value"),
     (b'{"prompt": "x", "prediction": {"type": "content"}}', 400, "prediction.content", "missing_field"),

@@ -72,6 +72,8 @@ class GenerationResult:
     stats: GenerationStats
     records: list[StepRecord] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # aligned with token_ids, when the request asked for them
+    # prompt_ids[1:] scored by the target (``start(prompt_logprobs=k)``): what an echo with logprobs reports
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def finish_reason(self) -> FinishReason:
@@ -173,6 +175,7 @@ class Engine:
         fork_of: Generation | None = None,
         defer_prefill: bool | None = None,
         prediction: str | Sequence[int] | None = None,
+        prompt_logprobs: int | None = None,
     ) -> Generation:
         """Validate a request and prefill it; advance it with ``Generation.step()`` or ``Engine.step``.
 
@@ -188,7 +191,9 @@ class Engine:
         distribution and its ``k`` most likely alternatives (``GenerationResult.logprobs``, ``StepEvent.logprobs``).
         ``prediction``: text (or token ids) the output is expected to repeat much of (OpenAI's predicted outputs);
         steps draft from it where the output is found in it (``specdec.drafters.prediction``), with or without a
-        drafter (not with ``tau=0``); the output is the same either way.
+        drafter (not with ``tau=0``); the output is the same either way. ``prompt_logprobs=k``: each prompt token
+        after the first scored by the target given the ones before it, with its ``k`` likeliest alternatives
+        (``GenerationResult.prompt_logprobs``; one more pass over the prompt).
         """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -209,8 +214,9 @@ class Engine:
             vocab_size=self.side.vocab_size,
             max_new_tokens=max_new_tokens,
         )
-        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
-            raise InvalidRequestError(f"logprobs must be an integer >= 0 or None, got {logprobs!r}", "logprobs")
+        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise InvalidRequestError(f"{name} must be an integer >= 0 or None, got {value!r}", name)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidRequestError("stop strings must be non-empty strings", "stop")
@@ -245,6 +251,7 @@ class Engine:
             fork_of=fork_of,
             defer_prefill=fork_of is None and (self.prefill_in_step > 0 if defer_prefill is None else defer_prefill),
             prediction=predicted,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def _prediction(self, prediction: str | Sequence[int] | None) -> Prediction | None:
@@ -556,6 +563,7 @@ class Generation:
         fork_of: Generation | None = None,
         defer_prefill: bool = False,
         prediction: Prediction | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
@@ -603,6 +611,13 @@ class Generation:
                 lazy = (defer_prefill or prediction is not None) and drafter is not None and drafter.catches_up
                 if drafter is not None and not lazy:
                     drafter.prefill(self.draft_state, prompt_ids)
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+        if prompt_logprobs is not None:  # the samples of one prompt share its scores
+            if fork_of is not None and fork_of.prompt_logprobs is not None:
+                self.prompt_logprobs = fork_of.prompt_logprobs
+            else:
+                with side.mode():
+                    self.prompt_logprobs = side.prompt_logprobs(prompt_ids, params, prompt_logprobs)
         self.stats.prefill_time = engine.clock() - self._t_start
         engine.prefill_seconds += self.stats.prefill_time
         self._t_mark, self._prefill_mark = engine.clock(), engine.prefill_seconds
@@ -804,6 +819,7 @@ class Generation:
             stats=self.stats,
             records=self.records,
             logprobs=list(self.token_logprobs) if self.token_logprobs is not None else None,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
 

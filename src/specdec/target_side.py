@@ -13,6 +13,7 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol
 
 from specdec.drafters.loop import Draft
+from specdec.errors import UnsupportedError
 from specdec.logits_rules import LogitsRules
 from specdec.records import Verdict
 from specdec.sampling_params import SamplingParams, TokenLogprob
@@ -74,6 +75,12 @@ class TargetSide(ABC):
         """A new cache holding ``prompt_ids[:-1]`` (the last prompt token opens the first step's block). ``defer``:
         an empty cache, when the side's ``verify`` takes in what a cache lacks (the prompt then joins the first
         step's pass); a side that cannot defer prefills now."""
+
+    def prompt_logprobs(self, prompt_ids: list[int], params: SamplingParams, k: int) -> list[TokenLogprob]:
+        """Each prompt token after the first, ``prompt_ids[1:]``, scored by the target given the tokens before it
+        (under ``params``' temperature/top-k/top-p, as ``token_logprobs``), with its ``k`` likeliest alternatives: what
+        a completion with ``echo`` and ``logprobs`` reports for its prompt. A side that cannot score refuses."""
+        raise UnsupportedError(f"{type(self).__name__} does not score prompts (prompt log probabilities)")
 
     @abstractmethod
     def fork(self, cache: Cache, prompt_ids: list[int]) -> Cache:

@@ -20,6 +20,8 @@ from specdec.sampling import SamplingParams, TokenLogprob, logits_to_probs, toke
 from specdec.target_side import Cache, TargetSide, Verifying
 from specdec.verify import verdict_greedy, verify_sampling
 
+PROMPT_SCORE_CHUNK = 256  # prompt rows a pass scores (``prompt_logprobs``): 256 vocabulary rows of logits at most
+
 
 class ModelTarget(TargetSide):
     """A ``ModelRunner`` as the engine's target side; EOS ids: the model's and its tokenizer's."""
@@ -45,6 +47,21 @@ class ModelTarget(TargetSide):
             ids = torch.tensor(prompt_ids[:-1], dtype=torch.long, device=self.runner.device)
             self.runner.forward(ids, cache, last_only=True)
         return cache
+
+    def prompt_logprobs(self, prompt_ids: list[int], params: SamplingParams, k: int) -> list[TokenLogprob]:
+        # A scratch cache, the prompt in pieces: logits of PROMPT_SCORE_CHUNK rows at a time (a vocabulary row each).
+        cache = self.runner.new_cache()
+        out: list[TokenLogprob] = []
+        try:
+            for start in range(0, len(prompt_ids) - 1, PROMPT_SCORE_CHUNK):
+                piece = prompt_ids[start : start + PROMPT_SCORE_CHUNK]
+                ids = torch.tensor(piece, dtype=torch.long, device=self.runner.device)
+                logits = self.runner.forward(ids, cache, last_only=False)
+                nxt = prompt_ids[start + 1 : start + 1 + len(piece)]  # the token each row predicts
+                out.extend(token_logprobs(logits, nxt, params, k))
+        finally:
+            self.runner.release(cache)
+        return out
 
     def fork(self, cache: Cache, prompt_ids: list[int]) -> Cache:
         return self.runner.fork_cache(cast(KVCache, cache), prompt_ids[:-1])

@@ -76,7 +76,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             request,
             body,
             completion_builder(body, rid),
-            Reply(f"cmpl-{rid}", _now(), settings.model_name, "completion", engine.tokenizer),
+            Reply(f"cmpl-{rid}", _now(), settings.model_name, "completion", engine.tokenizer, echo=_echo(body, engine)),
             rid,
         )
 
@@ -371,6 +371,16 @@ def _version() -> str:
     from specdec import __version__
 
     return __version__
+
+
+def _echo(body: CompletionRequest, engine: Engine) -> str | None:
+    """The prompt's text a completion with ``echo`` puts before its own: the prompt as sent, or its tokens as text."""
+    if not body.echo:
+        return None
+    prompt = body.prompt
+    if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    return prompt if isinstance(prompt, str) else str(engine.tokenizer.decode(prompt, skip_special_tokens=True))
 
 
 def _compute_threads() -> dict[str, int]:

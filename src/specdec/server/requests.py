@@ -23,8 +23,8 @@ _PARAMS = {
 def check_supported(body: _Common) -> None:
     """Refuse OpenAI options specdec does not implement instead of silently ignoring them."""
     if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise APIError(400, "echo is not supported", "echo", "unsupported")
+        if body.echo and body.stream:
+            raise APIError(400, "echo is not supported with stream: ask for the whole response", "echo", "unsupported")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(
                 400,
@@ -110,6 +110,8 @@ def engine_kwargs(body: _Common, request_id: str) -> dict[str, Any]:
         "ignore_eos": body.ignore_eos,
         "logprobs": logprobs_wanted(body),
         "prediction": body.prediction.text() if body.prediction is not None else None,
+        # echo with logprobs: the prompt's tokens scored too
+        "prompt_logprobs": body.logprobs if isinstance(body, CompletionRequest) and body.echo else None,
     }
 
 

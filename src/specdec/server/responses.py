@@ -27,24 +27,36 @@ class Reply:
     model: str
     kind: Kind
     tokenizer: Any = None  # renders the tokens of log probabilities (needed only when a request asks for them)
+    echo: str | None = None  # completions with ``echo``: the prompt's text, before each choice's
     # A text chunk's bytes before and after its text, by choice index (``chunk``'s common case, made once).
     _around_text: dict[int, tuple[str, str]] = field(default_factory=dict, compare=False, repr=False)
 
-    def logprobs(self, lps: list[TokenLogprob] | None, offset: int = 0) -> dict[str, Any] | None:
+    def logprobs(
+        self, lps: list[TokenLogprob] | None, offset: int = 0, prompt: GenerationResult | None = None
+    ) -> dict[str, Any] | None:
         """The ``logprobs`` of a choice for these tokens, in the endpoint's shape; ``offset``: the completion
-        text offset of the first one (streams carry it across chunks)."""
+        text offset of the first one (streams carry it across chunks). ``prompt``: a completion with ``echo``, whose
+        prompt tokens come first (the first unscored: ``null``, as OpenAI gives it)."""
         if lps is None:
             return None
         if self.kind == "completion":
-            tokens = [token_text(self.tokenizer, lp.token) for lp in lps]
+            scored: list[TokenLogprob | None] = list(lps)
+            if prompt is not None and prompt.prompt_logprobs is not None:
+                first = TokenLogprob(prompt.prompt_ids[0], 0.0, [])
+                scored = [None, *prompt.prompt_logprobs, *lps]
+                tokens = [token_text(self.tokenizer, lp.token) for lp in [first, *prompt.prompt_logprobs, *lps]]
+            else:
+                tokens = [token_text(self.tokenizer, lp.token) for lp in lps]
             offsets = []
             for t in tokens:
                 offsets.append(offset)
                 offset += len(t)
             return {
                 "tokens": tokens,
-                "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{token_text(self.tokenizer, t): v for t, v in lp.top} for lp in lps],
+                "token_logprobs": [lp.logprob if lp is not None else None for lp in scored],
+                "top_logprobs": [
+                    {token_text(self.tokenizer, t): v for t, v in lp.top} if lp is not None else None for lp in scored
+                ],
                 "text_offset": offsets,
             }
 
@@ -64,11 +76,12 @@ class Reply:
         for index, result in enumerate(results):
             reason = result.finish_reason
             if self.kind == "completion":
+                echoed = self.echo is not None
                 choices.append(
                     {
                         "index": index,
-                        "text": result.text,
-                        "logprobs": self.logprobs(result.logprobs),
+                        "text": self.echo + result.text if self.echo is not None else result.text,
+                        "logprobs": self.logprobs(result.logprobs, prompt=result if echoed else None),
                         "finish_reason": reason,
                     }
                 )

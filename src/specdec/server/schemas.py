@@ -1,7 +1,7 @@
 """Request and response bodies of the OpenAI-compatible API (pydantic, so the OpenAPI schema is exact).
 
 Fields OpenAI defines but specdec does not implement are accepted only at their neutral value
-(``echo: false``, ``n: 1``, ...) so a request never silently means something else.
+(``suffix: null``, ``tools: []``, ...) so a request never silently means something else.
 Unknown fields are ignored, as OpenAI clients send new ones over time.
 """
 
@@ -137,7 +137,9 @@ class CompletionRequest(_Common):
         | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
     ) = Field(..., description="a string or token ids; a list of one prompt is accepted")
     max_tokens: StrictInt | None = Field(16, gt=0, description="tokens to generate at most (default 16)")
-    echo: StrictBool = Field(False, description="only false is supported")
+    echo: StrictBool = Field(
+        False, description="the prompt before the completion in each choice's text (with logprobs: its tokens scored)"
+    )
     logprobs: StrictInt | None = Field(
         None, ge=0, le=5, description="log probabilities of each token and of the N most likely alternatives"
     )
