@@ -49,6 +49,14 @@ def test_prompt_tokens_are_scored_as_target_only_decoding_scores_them(engine: An
     ]
     with pytest.raises(specdec.InvalidRequestError, match="prompt_logprobs must be an integer"):
         engine.start(PROMPT, prompt_logprobs=-1)
+    # nothing generated: the prompt scored only, the request finished before any step
+    only = engine.generate(PROMPT, max_new_tokens=0, prompt_logprobs=3)
+    assert only.token_ids == [] and only.finish_reason == "length" and only.stats.target_passes == 0
+    assert [(lp.token, lp.logprob, lp.top) for lp in only.prompt_logprobs] == [
+        (lp.token, lp.logprob, lp.top) for lp in r.prompt_logprobs
+    ]
+    with pytest.raises(specdec.InvalidRequestError, match="0 only with prompt_logprobs"):
+        engine.start(PROMPT, max_new_tokens=0)
 
 
 @pytest.mark.server
@@ -68,11 +76,13 @@ def test_echo_over_http(engine: Any) -> None:
                 {**base, "prompt": [ids], "echo": True, "logprobs": 1, "max_tokens": 1},  # what harnesses send
                 {**base, "prompt": PROMPT, "echo": True, "logprobs": 2, "n": 2},
                 {**base, "prompt": PROMPT, "echo": True, "stream": True},
+                {**base, "prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0, "n": 2},  # scoring only
+                {**base, "prompt": PROMPT, "echo": True, "max_tokens": 0},
             ]
             return [await c.post("/v1/completions", json=body) for body in calls]
 
     try:
-        plain, echoed, scored, two, streamed = asyncio.run(main())
+        plain, echoed, scored, two, streamed, zero, zero_unscored = asyncio.run(main())
     finally:
         app.state.scheduler.stop()
     text = plain.json()["choices"][0]["text"]
@@ -94,3 +104,9 @@ def test_echo_over_http(engine: Any) -> None:
         assert c["text"].startswith(PROMPT) and c["logprobs"]["token_logprobs"][0] is None
         assert len(c["logprobs"]["tokens"]) == len(ids) + 4
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "echo"
+    body = zero.json()
+    assert [c["text"] for c in body["choices"]] == [PROMPT, PROMPT]
+    assert body["usage"]["completion_tokens"] == 0 and body["choices"][0]["finish_reason"] == "length"
+    lp = body["choices"][1]["logprobs"]
+    assert len(lp["tokens"]) == len(ids) and lp["token_logprobs"][1:] == [x.logprob for x in want.prompt_logprobs]
+    assert zero_unscored.status_code == 400 and zero_unscored.json()["error"]["param"] == "max_tokens"

@@ -196,9 +196,15 @@ class Engine:
         (``GenerationResult.prompt_logprobs``; one more pass over the prompt).
         """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        scoring_only = max_new_tokens == 0 and prompt_logprobs is not None  # the prompt scored, nothing generated
+        if (
+            not isinstance(max_new_tokens, int)
+            or isinstance(max_new_tokens, bool)
+            or max_new_tokens < int(not scoring_only)
+        ):
             raise InvalidRequestError(
-                f"max_new_tokens must be a positive integer, got {max_new_tokens}", "max_new_tokens"
+                f"max_new_tokens must be a positive integer (0 only with prompt_logprobs), got {max_new_tokens}",
+                "max_new_tokens",
             )
         if max_verify_passes is not None and (not isinstance(max_verify_passes, int) or max_verify_passes <= 0):
             raise InvalidRequestError(
@@ -249,7 +255,9 @@ class Engine:
             rules,
             logprobs,
             fork_of=fork_of,
-            defer_prefill=fork_of is None and (self.prefill_in_step > 0 if defer_prefill is None else defer_prefill),
+            # (nothing to generate: no cache to fill)
+            defer_prefill=scoring_only
+            or (fork_of is None and (self.prefill_in_step > 0 if defer_prefill is None else defer_prefill)),
             prediction=predicted,
             prompt_logprobs=prompt_logprobs,
         )
@@ -291,6 +299,8 @@ class Engine:
         rid = request_id or uuid.uuid4().hex[:16]
         if n == 1:
             return [self.start(prompt, seed=seed, request_id=rid, **kwargs)]
+        if kwargs.get("max_new_tokens") == 0:  # the prompt scored only: finished at once, nothing to fork
+            return [self.start(prompt, seed=sample_seed(seed, j), request_id=f"{rid}-{j}", **kwargs) for j in range(n)]
         first = self.start(prompt, seed=seed, request_id=f"{rid}-0", defer_prefill=False, **kwargs)  # forked below
         gens = [first]
         try:
@@ -626,6 +636,8 @@ class Generation:
         allowance = self.policy.allowance(request_id)
         if allowance is not None:
             self.max_verify_passes = allowance if max_verify_passes is None else min(allowance, max_verify_passes)
+        if max_new_tokens == 0:  # only its prompt scored (``prompt_logprobs``): done before any step
+            self._finish("length")
 
     def __iter__(self) -> Iterator[StepEvent]:
         while not self.done:

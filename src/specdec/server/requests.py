@@ -23,6 +23,13 @@ _PARAMS = {
 def check_supported(body: _Common) -> None:
     """Refuse OpenAI options specdec does not implement instead of silently ignoring them."""
     if isinstance(body, CompletionRequest):
+        if body.max_tokens == 0 and (not body.echo or body.logprobs is None):
+            raise APIError(
+                400,
+                "max_tokens=0 generates nothing: it is for scoring a prompt, with echo: true and logprobs",
+                "max_tokens",
+                "invalid_value",
+            )
         if body.echo and body.stream:
             raise APIError(400, "echo is not supported with stream: ask for the whole response", "echo", "unsupported")
         if body.best_of is not None and body.best_of != body.n:

@@ -136,7 +136,11 @@ class CompletionRequest(_Common):
         | Annotated[list[Text], Field(min_length=1, max_length=1)]
         | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
     ) = Field(..., description="a string or token ids; a list of one prompt is accepted")
-    max_tokens: StrictInt | None = Field(16, gt=0, description="tokens to generate at most (default 16)")
+    max_tokens: StrictInt | None = Field(
+        16,
+        ge=0,
+        description="tokens to generate at most (default 16; 0 only with echo and logprobs: the prompt scored)",
+    )
     echo: StrictBool = Field(
         False, description="the prompt before the completion in each choice's text (with logprobs: its tokens scored)"
     )
