@@ -218,8 +218,8 @@ FinishReason = Literal["stop", "length", "verify_budget"]
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing before it to score it by)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
