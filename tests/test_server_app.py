@@ -59,7 +59,14 @@ BAD_COMPLETIONS: list[tuple[bytes, int, str | None, str]] = [
     (b'{"prompt": 5}', 400, "prompt", "invalid_value"),
     (b'{"prompt": ""}', 400, "prompt", "invalid_value"),
     (b'{"prompt": []}', 400, "prompt", "invalid_value"),
-    (b'{"prompt": ["a", "b"]}', 400, "prompt", "invalid_value"),
+    (
+        b'{"prompt": ["a", "b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "m", "n", "o", "p", "q"]}',
+        400,
+        "prompt",
+        "invalid_value",
+    ),
+    (b'{"prompt": ["a", "b", "c", "d", "e", "f", "g", "h", "i"], "n": 2}', 400, "n", "invalid_value"),
+    (b'{"prompt": ["a", [1, 2]]}', 400, "prompt", "invalid_value"),
     (b'{"prompt": [1, -4]}', 400, "prompt", "invalid_value"),
     (b'{"prompt": [100000]}', 400, "prompt", "invalid_value"),
     (b'{"prompt": "\\ud800"}', 400, "prompt", "invalid_value"),
@@ -449,3 +456,36 @@ def test_a_text_chunk_is_the_same_bytes_as_the_event_built_whole(kind: str) -> N
                 choice = event["choices"][0]
                 assert (choice["text"] if kind == "completion" else choice["delta"]["content"]) == text
                 assert event["model"] == model and choice["index"] == index
+
+
+def test_a_list_of_prompts_gets_each_prompts_choices_in_turn(engine: Any) -> None:
+    """``prompt`` as a list: prompt i's n choices are indices i·n .. i·n + n − 1, each the output that prompt gets in a
+    request of its own (all of them step together); usage counts each prompt once; streams and echo follow."""
+    app = create_app(engine, ServerSettings(model_name="tiny"))
+    prompts = ["def f(x):", "class A:", "import os"]
+    base = {"max_tokens": 6, "temperature": 0}
+    ids = engine.encode(prompts[1])
+
+    async def go(client: httpx.AsyncClient) -> Any:
+        alone = [(await client.post("/v1/completions", json={**base, "prompt": p})).json() for p in prompts]
+        many = (await client.post("/v1/completions", json={**base, "prompt": prompts, "n": 2})).json()
+        mixed = (await client.post("/v1/completions", json={**base, "prompt": [ids, [5, 6, 7]], "echo": True})).json()
+        streamed = await client.post("/v1/completions", json={**base, "prompt": prompts, "stream": True})
+        return alone, many, mixed, streamed
+
+    alone, many, mixed, streamed = run(app, go)
+    assert [c["index"] for c in many["choices"]] == list(range(6))
+    assert [c["text"] for c in many["choices"]] == [a["choices"][0]["text"] for a in alone for _ in range(2)]
+    assert many["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert many["usage"]["completion_tokens"] == 2 * sum(a["usage"]["completion_tokens"] for a in alone)
+    assert len(many["speculative"]["choices"]) == 6
+    assert mixed["choices"][0]["text"].startswith(engine.tokenizer.decode(ids, skip_special_tokens=True))
+    assert mixed["choices"][1]["text"].startswith(engine.tokenizer.decode([5, 6, 7], skip_special_tokens=True))
+    events = [json.loads(x[6:]) for x in streamed.text.splitlines() if x.startswith("data: {")]
+    texts = ["", "", ""]
+    for e in events:
+        for c in e["choices"]:
+            texts[c["index"]] += c["text"]
+    assert texts == [a["choices"][0]["text"] for a in alone]
+    finished = [c["index"] for e in events for c in e["choices"] if c["finish_reason"]]
+    assert sorted(finished) == [0, 1, 2]

@@ -19,7 +19,7 @@ from specdec.runtime.native import kv_dtype_of
 from specdec.server.errors import APIError, install_handlers
 from specdec.server.guard import Guard
 from specdec.server.observe import ServerMetrics
-from specdec.server.requests import chat_builder, check_supported, completion_builder, has_chat_template
+from specdec.server.requests import chat_builder, check_supported, choices, completion_builder, has_chat_template
 from specdec.server.responses import DONE, Reply, sse, summary
 from specdec.server.scheduler import Done, Failed, Job, Scheduler, Started, Step
 from specdec.server.schemas import (
@@ -169,10 +169,12 @@ class _Api:
         self.check_model(body.model)
         check_supported(body)
         max_n = min(MAX_N, self.settings.max_batch, self.settings.max_active)
-        if body.n > max_n:
+        if choices(body) > max_n:
+            prompts = choices(body) // body.n
+            many = f"{prompts} prompts × n={body.n}" if prompts > 1 else f"n={body.n}"
             raise APIError(
                 400,
-                f"n={body.n} is more samples than this server runs together (at most {max_n}: "
+                f"{many} is more samples than this server runs together (at most {max_n}: "
                 f"--max-batch {self.settings.max_batch}, --max-active {self.settings.max_active})",
                 "n",
                 "invalid_value",
@@ -197,7 +199,8 @@ class _Api:
             loop=asyncio.get_running_loop(),
             deadline=time.monotonic() + self.settings.request_timeout,
             want_steps=want_steps,
-            n=body.n,
+            n=choices(body),
+            prompts=choices(body) // body.n,
             stream=bool(body.stream),
             stream_interval=self.settings.stream_interval,
         )
@@ -213,7 +216,7 @@ class _Api:
             assert isinstance(first, Started)
             headers = {"X-Request-ID": rid}
             if not body.stream:
-                return await self._collect(messages, reply, body.n, first.prompt_tokens, want_steps, headers)
+                return await self._collect(messages, reply, choices(body), first.prompt_tokens, want_steps, headers)
             streaming = True
         finally:
             if not streaming:
@@ -221,7 +224,7 @@ class _Api:
                 self.scheduler.cancel(job)  # a no-op once the job finished
         # From here the watcher goes on: a client that hangs up cancels the job, whose stream then ends.
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _Events(reply, body.n, first.prompt_tokens, want_steps, include_usage)
+        stream = _Events(reply, choices(body), first.prompt_tokens, want_steps, include_usage)
         return _EventStream(
             stream, job, self.scheduler, watcher, {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
@@ -373,14 +376,14 @@ def _version() -> str:
     return __version__
 
 
-def _echo(body: CompletionRequest, engine: Engine) -> str | None:
-    """The prompt's text a completion with ``echo`` puts before its own: the prompt as sent, or its tokens as text."""
+def _echo(body: CompletionRequest, engine: Engine) -> list[str] | None:
+    """Each prompt's text a completion with ``echo`` puts before its choices': the prompt as sent, or its tokens as
+    text."""
     if not body.echo:
         return None
-    prompt = body.prompt
-    if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one prompt
-    return prompt if isinstance(prompt, str) else str(engine.tokenizer.decode(prompt, skip_special_tokens=True))
+    return [
+        p if isinstance(p, str) else str(engine.tokenizer.decode(p, skip_special_tokens=True)) for p in body.prompts()
+    ]
 
 
 def _compute_threads() -> dict[str, int]:

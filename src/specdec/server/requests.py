@@ -122,15 +122,30 @@ def engine_kwargs(body: _Common, request_id: str) -> dict[str, Any]:
     }
 
 
+def choices(body: _Common) -> int:
+    """The sequences a request runs: ``n`` for each of its prompts (a completion may send a list of them)."""
+    return body.n * (len(body.prompts()) if isinstance(body, CompletionRequest) else 1)
+
+
 def completion_builder(body: CompletionRequest, request_id: str) -> Callable[[Engine], list[Generation]]:
-    prompt = body.prompt
-    if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one prompt
+    prompts = body.prompts()
     kwargs = engine_kwargs(body, request_id)
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
 
     def build(engine: Engine) -> list[Generation]:
-        return _start(engine, prompt, body.n, max_tokens, kwargs, "prompt")
+        if len(prompts) == 1:
+            return _start(engine, prompts[0], body.n, max_tokens, kwargs, "prompt")
+        # Several prompts: each one's n samples (prefilled once), then the next's; all step together.
+        gens: list[Generation] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                own = {**kwargs, "request_id": f"{request_id}-p{i}"}
+                gens += _start(engine, prompt, body.n, max_tokens, own, f"prompt.{i}")
+        except BaseException:
+            for g in gens:
+                g.cancel()
+            raise
+        return gens
 
     return build
 

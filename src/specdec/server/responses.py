@@ -27,7 +27,7 @@ class Reply:
     model: str
     kind: Kind
     tokenizer: Any = None  # renders the tokens of log probabilities (needed only when a request asks for them)
-    echo: str | None = None  # completions with ``echo``: the prompt's text, before each choice's
+    echo: list[str] | None = None  # completions with ``echo``: each prompt's text, before its choices' own
     # A text chunk's bytes before and after its text, by choice index (``chunk``'s common case, made once).
     _around_text: dict[int, tuple[str, str]] = field(default_factory=dict, compare=False, repr=False)
 
@@ -76,12 +76,12 @@ class Reply:
         for index, result in enumerate(results):
             reason = result.finish_reason
             if self.kind == "completion":
-                echoed = self.echo is not None
+                echo = self.echo[index * len(self.echo) // len(results)] if self.echo is not None else None
                 choices.append(
                     {
                         "index": index,
-                        "text": self.echo + result.text if self.echo is not None else result.text,
-                        "logprobs": self.logprobs(result.logprobs, prompt=result if echoed else None),
+                        "text": echo + result.text if echo is not None else result.text,
+                        "logprobs": self.logprobs(result.logprobs, prompt=result if echo is not None else None),
                         "finish_reason": reason,
                     }
                 )

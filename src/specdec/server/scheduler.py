@@ -74,6 +74,7 @@ class Job:
     deadline: float  # time.monotonic() after which the request is abandoned
     want_steps: bool = False
     n: int = 1  # sequences: what the job counts towards max_active, max_queue and max_batch
+    prompts: int = 1  # distinct prompts among them (a completion's list of prompts: n sequences each)
     # Whether the client reads the text as it comes (a streaming response; ``want_steps`` has every step posted either
     # way): a request answered at its end gets its Done alone, not a message per step for its event loop to drop.
     stream: bool = True
@@ -244,7 +245,8 @@ class Scheduler:
             return
         with self._cond:
             self._active.append(job)
-        job.post(Started(prompt_tokens=len(job.gens[0].prompt_ids)))
+        per = len(job.gens) // job.prompts  # each prompt counted once, whatever its samples
+        job.post(Started(prompt_tokens=sum(len(job.gens[i * per].prompt_ids) for i in range(job.prompts))))
 
     def _next_batch(self) -> list[Job]:
         """Active jobs holding up to ``max_batch`` sequences in all (a job's n samples always together),

@@ -133,9 +133,13 @@ class CompletionRequest(_Common):
     prompt: (
         Text
         | TokenIds
-        | Annotated[list[Text], Field(min_length=1, max_length=1)]
-        | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
-    ) = Field(..., description="a string or token ids; a list of one prompt is accepted")
+        | Annotated[list[Text], Field(min_length=1, max_length=MAX_N)]
+        | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_N)]
+    ) = Field(
+        ...,
+        description="a string or token ids, or a list of them: each prompt's n choices in turn (prompts × n at most "
+        f"{MAX_N}, and at most the server's --max-batch and --max-active)",
+    )
     max_tokens: StrictInt | None = Field(
         16,
         ge=0,
@@ -149,6 +153,13 @@ class CompletionRequest(_Common):
     )
     best_of: StrictInt | None = Field(None, description="only null or equal to n (every sample returned)")
     suffix: StrictStr | None = Field(None, description="not supported (null only)")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or the list's (a string or token ids each)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)  # type: ignore[arg-type]
+        return [p]  # type: ignore[list-item]
 
 
 class ChatMessage(BaseModel):
