@@ -7,7 +7,7 @@ output, token by token.
     python benchmarks/soak.py --url http://127.0.0.1:8000 --trace run.jsonl --models "--target T --draft D"
     python benchmarks/soak.py --spawn --serve-args "--ray --replicas 2"      # a Ray fleet: each replica's trace
 
-The requests (seeded by ``--seed``): completions (text or token ids) and, where the model has a chat template, chat
+The requests (seeded by ``--seed``): completions (text, token ids, or a list of prompts) and, where the model has a chat template, chat
 completions; streamed or whole; ``n`` 1-3; greedy or sampled (seeded or not); stop strings; logprobs; penalties,
 ``logit_bias``, ``min_tokens``, ``ignore_eos``; a ``prediction``; ``speculative`` with a fixed τ (0 included), a policy, a verification
 budget, the step records. About one streamed request in ten hangs up after a few chunks, one whole request in
@@ -62,6 +62,17 @@ class Plan:
     hang_up_after: int = 0  # streamed: chunks read before the client goes away (0: reads it all)
     timeout: float = 600.0
 
+    @property
+    def prompts(self) -> list[Any]:
+        """A completion's prompts: one, or its list's (strings or token-id lists); a chat's one conversation."""
+        p = self.body.get("prompt")
+        return list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+
+    @property
+    def choices(self) -> int:
+        """Choices the answer holds: ``n`` for each prompt."""
+        return int(self.body.get("n", 1)) * len(self.prompts)
+
 
 @dataclass
 class Tally:
@@ -89,6 +100,8 @@ def plan_request(
         body["prompt"] = text
     if path == "/v1/completions" and rng.random() < 0.1:
         body["prompt"] = [rng.randrange(1, vocab) for _ in range(rng.randint(1, 8))]
+    elif path == "/v1/completions" and rng.random() < 0.1 and max_n > 1:  # a list of prompts, n choices each
+        body["prompt"] = [text] + [rng.choice(prompts)[: rng.choice([12, 80, 400])] for _ in range(rng.randint(1, 2))]
     greedy = rng.random() < 0.7
     body["temperature"] = 0.0 if greedy else rng.choice([0.5, 1.0])
     if not greedy and rng.random() < 0.5:
@@ -98,8 +111,9 @@ def plan_request(
             body["top_k"] = 20
         else:
             body["top_p"] = 0.9
-    if rng.random() < 0.2 and max_n > 1:
-        body["n"] = rng.randint(2, max_n)
+    lists = len(body["prompt"]) if isinstance(body.get("prompt"), list) and isinstance(body["prompt"][0], str) else 1
+    if rng.random() < 0.2 and max_n // lists > 1:
+        body["n"] = rng.randint(2, max_n // lists)
     if rng.random() < 0.2:
         body["stop"] = rng.choice(STOPS)
     if rng.random() < 0.2:
@@ -147,7 +161,7 @@ def plan_request(
 
 def check_whole(plan: Plan, obj: dict[str, Any]) -> str | None:
     """What is wrong with a whole response, or None."""
-    n = plan.body.get("n", 1)
+    n = plan.choices
     choices = obj.get("choices")
     if not isinstance(choices, list) or sorted(c.get("index") for c in choices) != list(range(n)):
         return f"expected choices with indices 0..{n - 1}, got {choices!r:.200}"
@@ -193,7 +207,7 @@ def check_stream(plan: Plan, events: list[str]) -> str | None:
                 if c["finish_reason"] not in FINISH:
                     return f"finish reason {c['finish_reason']!r}"
                 finished[c.get("index")] += 1
-    n = plan.body.get("n", 1)
+    n = plan.choices
     if finished != Counter(range(n)):
         return f"finish reasons per choice {dict(finished)}, expected one for each of 0..{n - 1}"
     if (plan.body.get("stream_options") or {}).get("include_usage") and not (chunks and chunks[-1].get("usage")):
@@ -257,7 +271,7 @@ def keep(plan: Plan, chunks: list[dict[str, Any]], tally: Tally) -> None:
     """A greedy request's texts, one per choice, where it ran to a length limit or a stop (not its budget)."""
     if plan.body["temperature"] != 0:
         return
-    texts = [""] * plan.body.get("n", 1)
+    texts = [""] * plan.choices
     for chunk in chunks:
         for c in chunk.get("choices") or []:
             if c.get("finish_reason") not in (None, "stop", "length"):
@@ -275,12 +289,17 @@ async def replay(client: httpx.AsyncClient, url: str, tally: Tally) -> dict[str,
     differ: list[str] = []
     for plan, texts in tally.greedy:
         body = {k: v for k, v in plan.body.items() if k not in ("stream", "stream_options", "n", "speculative")}
-        r = await client.post(url + plan.path, json={**body, "speculative": {"tau": 0}})
-        c = r.json()["choices"][0]
-        alone = c["text"] if "text" in c else c["message"]["content"]
-        differ += [
-            f"{plan.path} {json.dumps(body)[:300]}: served {t!r:.80}, alone {alone!r:.80}" for t in texts if t != alone
-        ]
+        n = int(plan.body.get("n", 1))
+        for i, prompt in enumerate(plan.prompts):  # each prompt of a list alone too
+            one = {**body, "prompt": prompt} if "prompt" in body else body
+            r = await client.post(url + plan.path, json={**one, "speculative": {"tau": 0}})
+            c = r.json()["choices"][0]
+            alone = c["text"] if "text" in c else c["message"]["content"]
+            differ += [
+                f"{plan.path} {json.dumps(one)[:300]}: served {t!r:.80}, alone {alone!r:.80}"
+                for t in texts[i * n : (i + 1) * n]
+                if t != alone
+            ]
     return {
         "ok": not differ,
         "mode": "replay",

@@ -80,6 +80,10 @@ def test_requests_are_valid_and_cover_the_api() -> None:
     rng = random.Random(0)
     plans = [soak.plan_request(rng, ["def f(x):\n    return x\n"], 320, 12, True) for _ in range(2000)]
     seen = {k for p in plans for k in p.body} | {k for p in plans for k in p.body.get("speculative", {})}
+    lists = [p for p in plans if len(p.prompts) > 1]  # lists of prompts, n choices each, within the server's batch
+    assert lists and all(p.choices <= 3 for p in lists)
+    wide = [soak.plan_request(rng, ["x = 1"], 320, 12, False, 8) for _ in range(2000)]
+    assert any(len(p.prompts) > 1 and p.body.get("n", 1) > 1 for p in wide) and max(p.choices for p in wide) <= 8
     for field in (
         "prompt",
         "messages",
