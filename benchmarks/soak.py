@@ -7,11 +7,11 @@ output, token by token.
     python benchmarks/soak.py --url http://127.0.0.1:8000 --trace run.jsonl --models "--target T --draft D"
     python benchmarks/soak.py --spawn --serve-args "--ray --replicas 2"      # a Ray fleet: each replica's trace
 
-The requests (seeded by ``--seed``): completions (text, token ids, or a list of prompts) and, where the model has a chat template, chat
-completions; streamed or whole; ``n`` 1-3; greedy or sampled (seeded or not); stop strings; logprobs; penalties,
-``logit_bias``, ``min_tokens``, ``ignore_eos``; a ``prediction``; ``speculative`` with a fixed τ (0 included), a policy, a verification
-budget, the step records. About one streamed request in ten hangs up after a few chunks, one whole request in
-twenty gives up after 50 ms.
+The requests (seeded by ``--seed``): completions (text, token ids, or a list of prompts) and, where the model has a
+chat template, chat completions; streamed or whole; ``n`` 1-3; greedy or sampled (seeded or not); stop strings;
+logprobs; penalties, ``logit_bias``, ``min_tokens``, ``ignore_eos``; a ``prediction``; ``speculative`` with a fixed
+τ (0 included), a policy, a verification budget, the step records. About one streamed request in ten hangs up after
+a few chunks, one whole request in twenty gives up after 50 ms.
 
 What must hold (exit status 1 if anything does not; 2 for bad arguments or a server that cannot be reached):
 - no response is a 5xx; every 4xx carries an OpenAI-style error body (``error.message``, ``error.type``), and a 4xx

@@ -13,9 +13,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "diagnose",
         help="explain a trace: why the speedup is low, whether the output can be trusted",
-        description="Read a JSONL trace (--trace of generate/serve/bench), or several as one, and print ranked findings, "
-        "each with its evidence and a recommended action. Exit status: 0 (with "
-        "--strict: 1 when a warning or critical finding is made), 2 bad input.",
+        description="Read a JSONL trace (--trace of generate/serve/bench), or several as one, and print ranked "
+        "findings, each with its evidence and a recommended action. Exit status: 0 (with --strict: 1 when a warning "
+        "or critical finding is made), 2 bad input.",
     )
     p.add_argument(
         "trace",

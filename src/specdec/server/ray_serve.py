@@ -691,7 +691,8 @@ def run_forever(
     on_ready: Callable[[str], None] | None = None,
     trace: str | None = None,
 ) -> None:
-    """Connect to (``address``) or start a local Ray, deploy, and serve until interrupted; ``trace`` as ``build_app``."""
+    """Connect to (``address``) or start a local Ray, deploy, and serve until interrupted; ``trace`` as in
+    ``build_app``."""
     import signal
 
     local = address is None

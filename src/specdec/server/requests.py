@@ -59,8 +59,9 @@ def check_supported(body: _Common) -> None:
 
 
 def _check_neutral(body: ChatCompletionRequest) -> None:
-    """OpenAI chat fields that change what is generated (structured output, tools, audio, web search): specdec generates free text from the messages, so each is accepted only at a value that asks nothing
-    else, and refused otherwise, naming the field."""
+    """OpenAI chat fields that change what is generated (structured output, tools, audio, web search): specdec
+    generates free text from the messages, so each is accepted only at a value that asks nothing else, and refused
+    otherwise, naming the field."""
     no_tools = not body.tools and not body.functions
     neutral = {
         "response_format": (body.response_format in (None, {"type": "text"}), "structured output"),
