@@ -65,6 +65,15 @@ def test_the_longest_match_wins_then_the_place_nearest_the_last_step() -> None:
     assert p.propose(line * 4, 40) == [20, 21]
 
 
+def test_a_fresh_find_reads_the_first_span_again() -> None:
+    p = Prediction(list(range(1, 41)))
+    p.propose([], 40)
+    p.observe(FIRST_SPAN, 1, 2)  # a rejection at the second token: the span falls back
+    assert p.span == 2
+    rejoined = [1, 99, 98, 97, 5, 6, 7, 8]  # the output left the prediction, then rejoins it after an edit
+    assert p.propose(rejoined, 40) == list(range(9, 9 + FIRST_SPAN))
+
+
 def test_span_doubles_on_whole_acceptance_and_falls_back_after_a_rejection() -> None:
     p = Prediction(list(range(200)))
     spans = []

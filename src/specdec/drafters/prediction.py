@@ -57,7 +57,6 @@ class Prediction:
         output is not found in the prediction."""
         if limit <= 0:
             return []
-        limit = min(limit, self.span)
         found = self._align(generated)
         if found is None:
             return []
@@ -66,11 +65,10 @@ class Prediction:
             if matched < min(FRESH_MATCH, len(generated)):
                 return []
             self.span = FIRST_SPAN
-            limit = min(limit, self.span)
         if start >= len(self.tokens):
             return []
         self._start = start
-        return self.tokens[start : start + limit]
+        return self.tokens[start : start + min(limit, self.span)]
 
     def observe(self, drafted: int, accepted: int, emitted: int) -> None:
         """The step that verified ``drafted`` predicted tokens accepted ``accepted`` and appended ``emitted`` tokens."""
