@@ -76,7 +76,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             request,
             body,
             completion_builder(body, rid),
-            Reply(f"cmpl-{rid}", _now(), settings.model_name, "completion", engine.tokenizer, echo=_echo(body, engine)),
+            Reply(f"cmpl-{rid}", _now(), settings.model_name, "completion", engine.tokenizer, echo=_echo(body)),
             rid,
         )
 
@@ -376,14 +376,12 @@ def _version() -> str:
     return __version__
 
 
-def _echo(body: CompletionRequest, engine: Engine) -> list[str] | None:
-    """Each prompt's text a completion with ``echo`` puts before its choices': the prompt as sent, or its tokens as
-    text."""
+def _echo(body: CompletionRequest) -> list[str | None] | None:
+    """Each prompt's text a completion with ``echo`` puts before its choices': the prompt as sent; None for token ids,
+    whose text the response decodes once the engine has checked them."""
     if not body.echo:
         return None
-    return [
-        p if isinstance(p, str) else str(engine.tokenizer.decode(p, skip_special_tokens=True)) for p in body.prompts()
-    ]
+    return [p if isinstance(p, str) else None for p in body.prompts()]
 
 
 def _compute_threads() -> dict[str, int]:

@@ -27,7 +27,8 @@ class Reply:
     model: str
     kind: Kind
     tokenizer: Any = None  # renders the tokens of log probabilities (needed only when a request asks for them)
-    echo: list[str] | None = None  # completions with ``echo``: each prompt's text, before its choices' own
+    # Completions with ``echo``: each prompt's text, before its choices' own (None: a prompt of token ids, decoded)
+    echo: list[str | None] | None = None
     # A text chunk's bytes before and after its text, by choice index (``chunk``'s common case, made once).
     _around_text: dict[int, tuple[str, str]] = field(default_factory=dict, compare=False, repr=False)
 
@@ -76,7 +77,11 @@ class Reply:
         for index, result in enumerate(results):
             reason = result.finish_reason
             if self.kind == "completion":
-                echo = self.echo[index * len(self.echo) // len(results)] if self.echo is not None else None
+                echo = None
+                if self.echo is not None:
+                    echo = self.echo[index * len(self.echo) // len(results)]
+                    if echo is None:  # token ids, checked by the engine: their text
+                        echo = str(self.tokenizer.decode(result.prompt_ids, skip_special_tokens=True))
                 choices.append(
                     {
                         "index": index,
