@@ -9,6 +9,7 @@ on the rows beside them, so the two agree bit for bit).
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -76,13 +77,14 @@ def test_echo_over_http(engine: Any) -> None:
                 {**base, "prompt": [ids], "echo": True, "logprobs": 1, "max_tokens": 1},  # what harnesses send
                 {**base, "prompt": PROMPT, "echo": True, "logprobs": 2, "n": 2},
                 {**base, "prompt": PROMPT, "echo": True, "stream": True},
+                {**base, "prompt": PROMPT, "echo": True, "logprobs": 2, "n": 2, "stream": True},
                 {**base, "prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 0, "n": 2},  # scoring only
                 {**base, "prompt": PROMPT, "echo": True, "max_tokens": 0},
             ]
             return [await c.post("/v1/completions", json=body) for body in calls]
 
     try:
-        plain, echoed, scored, two, streamed, zero, zero_unscored = asyncio.run(main())
+        plain, echoed, scored, two, streamed, streamed_scored, zero, zero_unscored = asyncio.run(main())
     finally:
         app.state.scheduler.stop()
     text = plain.json()["choices"][0]["text"]
@@ -103,7 +105,20 @@ def test_echo_over_http(engine: Any) -> None:
     for c in two.json()["choices"]:  # each sample echoes the prompt, scored once for both
         assert c["text"].startswith(PROMPT) and c["logprobs"]["token_logprobs"][0] is None
         assert len(c["logprobs"]["tokens"]) == len(ids) + 4
-    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "echo"
+    # streamed: each choice's first chunk is its prompt (with its scores), then its own text as it comes
+    events = [json.loads(x[6:]) for x in streamed.text.splitlines() if x.startswith("data: {")]
+    assert events[0]["choices"][0]["text"] == PROMPT and events[0]["choices"][0]["logprobs"] is None
+    assert "".join(c["text"] for e in events for c in e["choices"]) == echoed.json()["choices"][0]["text"]
+    events = [json.loads(x[6:]) for x in streamed_scored.text.splitlines() if x.startswith("data: {")]
+    whole = two.json()["choices"]
+    for index in (0, 1):
+        mine = [c for e in events for c in e["choices"] if c["index"] == index]
+        assert "".join(c["text"] for c in mine) == whole[index]["text"]
+        merged: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for c in mine:
+            for key in merged:
+                merged[key] += (c["logprobs"] or {}).get(key, [])
+        assert merged == whole[index]["logprobs"], index  # the chunks' lists, joined, are the whole response's
     body = zero.json()
     assert [c["text"] for c in body["choices"]] == [PROMPT, PROMPT]
     assert body["usage"]["completion_tokens"] == 0 and body["choices"][0]["finish_reason"] == "length"

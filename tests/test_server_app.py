@@ -89,7 +89,6 @@ BAD_COMPLETIONS: list[tuple[bytes, int, str | None, str]] = [
     (b'{"prompt": "x", "n": 17}', 400, "n", "invalid_value"),
     (b'{"prompt": "x", "best_of": 3}', 400, "best_of", "unsupported"),
     (b'{"prompt": "x", "n": 2, "best_of": 3}', 400, "best_of", "unsupported"),
-    (b'{"prompt": "x", "echo": true, "stream": true}', 400, "echo", "unsupported"),
     (b'{"prompt": [-1], "echo": true}', 400, "prompt", "invalid_value"),  # token ids checked before they are echoed
     (b'{"prompt": [[5], [100000]], "echo": true}', 400, "prompt.1", "invalid_value"),
     (b'{"prompt": "x", "prediction": "x"}', 400, "prediction", "invalid_value"),

@@ -7,6 +7,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -16,6 +17,7 @@ from specdec.draft_vocab import head_size
 from specdec.draft_window import window_of
 from specdec.engine import Engine, Generation, GenerationResult
 from specdec.runtime.native import kv_dtype_of
+from specdec.sampling_params import TokenLogprob
 from specdec.server.errors import APIError, install_handlers
 from specdec.server.guard import Guard
 from specdec.server.observe import ServerMetrics
@@ -224,7 +226,7 @@ class _Api:
                 self.scheduler.cancel(job)  # a no-op once the job finished
         # From here the watcher goes on: a client that hangs up cancels the job, whose stream then ends.
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _Events(reply, choices(body), first.prompt_tokens, want_steps, include_usage)
+        stream = _Events(reply, choices(body), first.prompt_tokens, want_steps, include_usage, first.prompts)
         return _EventStream(
             stream, job, self.scheduler, watcher, {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
@@ -262,18 +264,38 @@ class _Events:
     A request asking for logprobs gets them in the chunk of the step that committed the tokens (the text of a token
     can come in a later chunk: text is held back while it might be partial UTF-8 or a stop string's prefix)."""
 
-    def __init__(self, reply: Reply, n: int, prompt_tokens: int, want_steps: bool, include_usage: bool) -> None:
+    def __init__(
+        self,
+        reply: Reply,
+        n: int,
+        prompt_tokens: int,
+        want_steps: bool,
+        include_usage: bool,
+        prompts: list[tuple[list[int], list[TokenLogprob] | None]] | None = None,
+    ) -> None:
         self.reply, self.n, self.prompt_tokens = reply, n, prompt_tokens
         self.want_steps, self.include_usage = want_steps, include_usage
+        self.prompts = prompts or []  # each choice's prompt ids and scores (``Started``): an echo's first chunk
         self.results: dict[int, GenerationResult] = {}
         self.offsets = [0] * n  # completions' text_offset of each choice, across its chunks
         self.ended = False  # all n choices done, or the request failed
 
     def opening(self) -> bytes:
-        """A chat stream's first chunks: each choice's role."""
-        if self.reply.kind != "chat":
+        """A stream's first chunks: a chat's each choice's role; a completion with ``echo`` each choice's prompt (with
+        ``logprobs``, its tokens' scores), before its own text."""
+        reply = self.reply
+        if reply.kind == "chat":
+            return b"".join(reply.chunk("", index=index, role=True) for index in range(self.n))
+        if reply.echo is None:
             return b""
-        return b"".join(self.reply.chunk("", index=index, role=True) for index in range(self.n))
+        out = []
+        for index, (ids, scores) in enumerate(self.prompts):
+            text = reply.echo_text(index, self.n, ids)
+            logprobs = reply.logprobs([], 0, prompt=_Prompt(ids, scores)) if scores is not None else None
+            if logprobs is not None:
+                self.offsets[index] += sum(len(t) for t in logprobs["tokens"])
+            out.append(reply.chunk(text, index=index, logprobs=logprobs))
+        return b"".join(out)
 
     def events(self, msg: Any) -> list[bytes]:
         reply = self.reply
@@ -299,6 +321,14 @@ class _Events:
             self.ended = True
             return [sse(msg.error.body()), DONE]  # headers are gone: report the failure in the stream
         return []
+
+
+@dataclass
+class _Prompt:
+    """A choice's prompt and its scores, as a streamed echo shows them (``responses.Prompted``)."""
+
+    prompt_ids: list[int]
+    prompt_logprobs: list[TokenLogprob] | None
 
 
 class _EventStream(Response):

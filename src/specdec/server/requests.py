@@ -30,8 +30,6 @@ def check_supported(body: _Common) -> None:
                 "max_tokens",
                 "invalid_value",
             )
-        if body.echo and body.stream:
-            raise APIError(400, "echo is not supported with stream: ask for the whole response", "echo", "unsupported")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(
                 400,

@@ -10,12 +10,19 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from specdec.engine import GenerationResult
 from specdec.sampling import TokenLogprob
 
 Kind = Literal["completion", "chat"]
+
+
+class Prompted(Protocol):
+    """What an echo's log probabilities read: the prompt's ids and their scores (a result, or a stream's start)."""
+
+    prompt_ids: list[int]
+    prompt_logprobs: list[TokenLogprob] | None
 
 
 @dataclass(frozen=True)
@@ -33,7 +40,7 @@ class Reply:
     _around_text: dict[int, tuple[str, str]] = field(default_factory=dict, compare=False, repr=False)
 
     def logprobs(
-        self, lps: list[TokenLogprob] | None, offset: int = 0, prompt: GenerationResult | None = None
+        self, lps: list[TokenLogprob] | None, offset: int = 0, prompt: Prompted | None = None
     ) -> dict[str, Any] | None:
         """The ``logprobs`` of a choice for these tokens, in the endpoint's shape; ``offset``: the completion
         text offset of the first one (streams carry it across chunks). ``prompt``: a completion with ``echo``, whose
@@ -77,11 +84,7 @@ class Reply:
         for index, result in enumerate(results):
             reason = result.finish_reason
             if self.kind == "completion":
-                echo = None
-                if self.echo is not None:
-                    echo = self.echo[index * len(self.echo) // len(results)]
-                    if echo is None:  # token ids, checked by the engine: their text
-                        echo = str(self.tokenizer.decode(result.prompt_ids, skip_special_tokens=True))
+                echo = self.echo_text(index, len(results), result.prompt_ids)
                 choices.append(
                     {
                         "index": index,
@@ -108,6 +111,14 @@ class Reply:
             "usage": usage(prompt_tokens, results),
             "speculative": summary(results, steps),
         }
+
+    def echo_text(self, index: int, choices: int, prompt_ids: list[int]) -> str | None:
+        """The text choice ``index`` of ``choices`` echoes (None without ``echo``): its prompt as sent, or the text of
+        its token ids (checked by the engine by now)."""
+        if self.echo is None:
+            return None
+        text = self.echo[index * len(self.echo) // choices]
+        return text if text is not None else str(self.tokenizer.decode(prompt_ids, skip_special_tokens=True))
 
     def chunk(
         self,

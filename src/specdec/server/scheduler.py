@@ -32,6 +32,7 @@ from typing import Any
 
 from specdec.engine import Engine, Generation, GenerationResult, StepEvent
 from specdec.errors import SpecdecError
+from specdec.sampling_params import TokenLogprob
 from specdec.server.errors import APIError, from_specdec
 
 log = logging.getLogger("specdec.server")
@@ -40,6 +41,9 @@ log = logging.getLogger("specdec.server")
 @dataclass
 class Started:
     prompt_tokens: int
+    # Each choice's prompt ids and, where the request asked (echo with logprobs), their scores: a streamed echo's first
+    # chunk per choice.
+    prompts: list[tuple[list[int], list[TokenLogprob] | None]] = field(default_factory=list)
 
 
 @dataclass
@@ -246,7 +250,12 @@ class Scheduler:
         with self._cond:
             self._active.append(job)
         per = len(job.gens) // job.prompts  # each prompt counted once, whatever its samples
-        job.post(Started(prompt_tokens=sum(len(job.gens[i * per].prompt_ids) for i in range(job.prompts))))
+        job.post(
+            Started(
+                prompt_tokens=sum(len(job.gens[i * per].prompt_ids) for i in range(job.prompts)),
+                prompts=[(g.prompt_ids, g.prompt_logprobs) for g in job.gens],
+            )
+        )
 
     def _next_batch(self) -> list[Job]:
         """Active jobs holding up to ``max_batch`` sequences in all (a job's n samples always together),
