@@ -48,6 +48,8 @@ def test_prompt_tokens_are_scored_as_target_only_decoding_scores_them(engine: An
     assert [(lp.token, lp.logprob, lp.top) for lp in again.prompt_logprobs] == [
         (lp.token, lp.logprob, lp.top) for lp in r.prompt_logprobs
     ]
+    # the scoring pass is the request's prefill, in pieces or not: the output is the one without scores
+    assert again.token_ids == r.token_ids == engine.generate(PROMPT, max_new_tokens=3, tau=0).token_ids
     with pytest.raises(specdec.InvalidRequestError, match="prompt_logprobs must be an integer"):
         engine.start(PROMPT, prompt_logprobs=-1)
     # nothing generated: the prompt scored only, the request finished before any step

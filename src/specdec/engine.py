@@ -24,13 +24,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, cast
 
 from specdec.drafters.base import Draft, DraftAsk, Drafter
-from specdec.drafters.prediction import REASON as PREDICTION
 from specdec.drafters.prediction import Prediction, predicted_draft
 from specdec.errors import ContextLengthError, InvalidRequestError
 from specdec.logits_rules import LogitsRules
 from specdec.policy import Decision, Policy, StepContext, make_policy, request_policy
 from specdec.policy.base import MeasuredCosts
-from specdec.records import FinishReason, GenerationStats, RequestSummary, StepRecord, Verdict
+from specdec.records import PREDICTION_REASON, FinishReason, GenerationStats, RequestSummary, StepRecord, Verdict
 from specdec.sampling_params import SamplingParams, TokenLogprob
 from specdec.target_side import Cache, TargetSide
 from specdec.text import OutputText, fast_encoder
@@ -193,7 +192,7 @@ class Engine:
         steps draft from it where the output is found in it (``specdec.drafters.prediction``), with or without a
         drafter (not with ``tau=0``); the output is the same either way. ``prompt_logprobs=k``: each prompt token
         after the first scored by the target given the ones before it, with its ``k`` likeliest alternatives
-        (``GenerationResult.prompt_logprobs``; one more pass over the prompt).
+        (``GenerationResult.prompt_logprobs``; from the prompt's prefill, run with its logits kept).
         """
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
         scoring_only = max_new_tokens == 0 and prompt_logprobs is not None  # the prompt scored, nothing generated
@@ -255,9 +254,7 @@ class Engine:
             rules,
             logprobs,
             fork_of=fork_of,
-            # (nothing to generate: no cache to fill)
-            defer_prefill=scoring_only
-            or (fork_of is None and (self.prefill_in_step > 0 if defer_prefill is None else defer_prefill)),
+            defer_prefill=fork_of is None and (self.prefill_in_step > 0 if defer_prefill is None else defer_prefill),
             prediction=predicted,
             prompt_logprobs=prompt_logprobs,
         )
@@ -268,13 +265,7 @@ class Engine:
         if isinstance(prediction, str):
             ids = list(self.tokenizer(prediction, add_special_tokens=False)["input_ids"]) if prediction else []
         else:
-            ids = [int(t) for t in prediction]
-            bad = [t for t in ids if not 0 <= t < self.side.vocab_size]
-            if bad:
-                raise InvalidRequestError(
-                    f"prediction token id {bad[0]} is outside the vocabulary (size {self.side.vocab_size})",
-                    "prediction",
-                )
+            ids = self._in_vocab([int(t) for t in prediction], "prediction")
         return Prediction(ids) if ids else None
 
     def start_many(
@@ -345,10 +336,14 @@ class Engine:
             ids = [int(t) for t in prompt]
         if not ids:
             raise InvalidRequestError("prompt is empty", "prompt")
+        return self._in_vocab(ids, "prompt")
+
+    def _in_vocab(self, ids: list[int], field: str) -> list[int]:
+        """``ids``, each a token of the vocabulary, else an error naming the first that is not and the field."""
         bad = [t for t in ids if not 0 <= t < self.side.vocab_size]
         if bad:
             raise InvalidRequestError(
-                f"prompt token id {bad[0]} is outside the vocabulary (size {self.side.vocab_size})", "prompt"
+                f"{field} token id {bad[0]} is outside the vocabulary (size {self.side.vocab_size})", field
             )
         return ids
 
@@ -390,7 +385,7 @@ class Engine:
         t1 = self.clock()
         predicted = self._predicted(live, ctxs, taus)
         for i, tokens in predicted.items():  # read from the request's prediction: the drafter skips the sequence
-            taus[i], decisions[i] = 0, Decision(len(tokens), PREDICTION)
+            taus[i], decisions[i] = 0, Decision(len(tokens), PREDICTION_REASON)
         drafts = self._draft(live, taus, decisions, fills)
         for i, tokens in predicted.items():
             drafts[i] = predicted_draft(tokens, live[i].params, self.side.vocab_size)
@@ -616,18 +611,20 @@ class Generation:
             # empty, and the first step's passes take the prompt in with the other sequences' rows. With a predicted
             # output a drafter that catches up is left to take the prompt in when it first drafts: while the steps
             # draft from the prediction, it never may.
+            # Prompt scores come from the target's prefill (``prompt_logprobs``): its cache is filled as they are made.
+            scored = prompt_logprobs is not None
             with side.mode():
-                self.cache = side.prefill(prompt_ids, defer=defer_prefill)
+                self.cache = side.prefill(prompt_ids, defer=defer_prefill or scored)
                 lazy = (defer_prefill or prediction is not None) and drafter is not None and drafter.catches_up
                 if drafter is not None and not lazy:
                     drafter.prefill(self.draft_state, prompt_ids)
         self.prompt_logprobs: list[TokenLogprob] | None = None
-        if prompt_logprobs is not None:  # the samples of one prompt share its scores
+        if prompt_logprobs is not None:  # the samples of one prompt share its scores (and its prefilled cache)
             if fork_of is not None and fork_of.prompt_logprobs is not None:
                 self.prompt_logprobs = fork_of.prompt_logprobs
             else:
                 with side.mode():
-                    self.prompt_logprobs = side.prompt_logprobs(prompt_ids, params, prompt_logprobs)
+                    self.prompt_logprobs = side.prompt_logprobs(prompt_ids, params, prompt_logprobs, self.cache)
         self.stats.prefill_time = engine.clock() - self._t_start
         engine.prefill_seconds += self.stats.prefill_time
         self._t_mark, self._prefill_mark = engine.clock(), engine.prefill_seconds
@@ -701,7 +698,7 @@ class Generation:
         if self.engine.drafter is not None:
             self.engine.drafter.rollback(self.draft_state, base + verdict.n_accepted)
         emitted, finish = self._commit(verdict.tokens)
-        if decision.reason == PREDICTION and self.prediction is not None:
+        if decision.reason == PREDICTION_REASON and self.prediction is not None:
             self.prediction.observe(len(draft.tokens), verdict.n_accepted, len(verdict.tokens))
         if self.rules_state is not None:
             self.rules_state.commit(emitted)

@@ -28,7 +28,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from specdec.records import PREDICTION_REASON, RequestSummary, StepRecord
+from specdec.records import RequestSummary, StepRecord
 
 ACCEPTED_LENGTH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 16, 24, 32)
 FLUSH_EVERY = 256  # step records summed before they reach the metrics, at most (a scrape or a request's end sooner)
@@ -122,7 +122,7 @@ class SpecMetrics:
             sums.verify += record.verify_time
             sums.other += record.other_time
             sums.policy += record.policy_time
-            if record.reason == PREDICTION_REASON:
+            if record.predicted:
                 sums.predicted += record.tau
                 sums.predicted_accepted += record.n_accepted
             elif record.tau > 0:

@@ -87,6 +87,11 @@ class StepRecord:
     max_verify_passes: int | None = None  # the request's cap (its own, or the policy's allowance if smaller)
 
     @property
+    def predicted(self) -> bool:
+        """Whether the step drafted from the request's predicted output rather than from its drafter."""
+        return self.reason == PREDICTION_REASON
+
+    @property
     def n_emitted_accepted(self) -> int:
         """Accepted draft tokens that reached the output (a stop may cut the step short)."""
         return min(self.n_accepted, len(self.emitted))
@@ -180,7 +185,7 @@ class GenerationStats:
         self.new_tokens += len(rec.emitted)
         self.drafted += rec.tau
         self.accepted += rec.n_emitted_accepted
-        if rec.reason == PREDICTION_REASON:
+        if rec.predicted:
             self.prediction_accepted += rec.n_emitted_accepted
             self.prediction_rejected += rec.tau - rec.n_accepted
         self.draft_time += rec.draft_time

@@ -76,10 +76,14 @@ class TargetSide(ABC):
         an empty cache, when the side's ``verify`` takes in what a cache lacks (the prompt then joins the first
         step's pass); a side that cannot defer prefills now."""
 
-    def prompt_logprobs(self, prompt_ids: list[int], params: SamplingParams, k: int) -> list[TokenLogprob]:
+    def prompt_logprobs(
+        self, prompt_ids: list[int], params: SamplingParams, k: int, cache: Cache | None = None
+    ) -> list[TokenLogprob]:
         """Each prompt token after the first, ``prompt_ids[1:]``, scored by the target given the tokens before it
         (under ``params``' temperature/top-k/top-p, as ``token_logprobs``), with its ``k`` likeliest alternatives: what
-        a completion with ``echo`` and ``logprobs`` reports for its prompt. A side that cannot score refuses."""
+        a completion with ``echo`` and ``logprobs`` reports for its prompt. The pass that scores them is a prefill:
+        ``cache``, the request's own still empty one (``prefill(..., defer=True)``), is left holding
+        ``prompt_ids[:-1]``. A side that cannot score refuses."""
         raise UnsupportedError(f"{type(self).__name__} does not score prompts (prompt log probabilities)")
 
     @abstractmethod

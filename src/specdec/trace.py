@@ -174,16 +174,11 @@ def read_trace(path: str | Path | Sequence[str | Path]) -> Trace:
         if p.resolve() in seen:
             raise TraceError(f"trace file {p} is given twice")
         seen.add(p.resolve())
-    parts = [_read_one(p, allow_empty=True) for p in paths]
     headers: list[dict[str, Any]] = []
     requests: list[TraceRequest] = []
     bad: list[str] = []
-    for part in parts:
-        offset = len(headers)
-        for req in part.requests:
-            req.session += offset
-            req.key = f"{req.request_id}@{req.session}.{req.key.rsplit('.', 1)[1]}"
-            req.file = part.path
+    for p in paths:
+        part = _read_one(p, allow_empty=True, sessions_before=len(headers))
         requests.extend(part.requests)
         headers.extend(part.headers)
         bad.extend(f"{part.path}: {why}" for why in part.bad_lines)
@@ -192,14 +187,15 @@ def read_trace(path: str | Path | Sequence[str | Path]) -> Trace:
     return Trace(path=", ".join(map(str, paths)), headers=headers, requests=requests, bad_lines=bad)
 
 
-def _read_one(p: Path, allow_empty: bool = False) -> Trace:
+def _read_one(p: Path, allow_empty: bool = False, sessions_before: int = 0) -> Trace:
+    """One file; its sessions numbered on from ``sessions_before`` (the files read before it, as one trace)."""
     if not p.is_file():
         raise TraceError(f"trace file {p} does not exist")
     headers: list[dict[str, Any]] = []
     done: list[TraceRequest] = []
     open_: dict[str, TraceRequest] = {}  # request_id -> its request while no summary line has closed it
     bad: list[str] = []
-    session = 0
+    session = sessions_before
     with open(p, encoding="utf-8", errors="replace") as f:
         for no, raw in enumerate(f, 1):
             if not raw.strip():

@@ -48,19 +48,23 @@ class ModelTarget(TargetSide):
             self.runner.forward(ids, cache, last_only=True)
         return cache
 
-    def prompt_logprobs(self, prompt_ids: list[int], params: SamplingParams, k: int) -> list[TokenLogprob]:
-        # A scratch cache, the prompt in pieces: logits of PROMPT_SCORE_CHUNK rows at a time (a vocabulary row each).
-        cache = self.runner.new_cache()
+    def prompt_logprobs(
+        self, prompt_ids: list[int], params: SamplingParams, k: int, cache: Cache | None = None
+    ) -> list[TokenLogprob]:
+        # The prefill of prompt_ids[:-1], in pieces of PROMPT_SCORE_CHUNK rows (each a vocabulary row of logits), into
+        # the request's empty cache, or a scratch one.
+        own = cache is not None and cast(KVCache, cache).length == 0
+        kv = cast(KVCache, cache) if own else self.runner.new_cache()
         out: list[TokenLogprob] = []
         try:
             for start in range(0, len(prompt_ids) - 1, PROMPT_SCORE_CHUNK):
-                piece = prompt_ids[start : start + PROMPT_SCORE_CHUNK]
+                piece = prompt_ids[start : min(start + PROMPT_SCORE_CHUNK, len(prompt_ids) - 1)]
                 ids = torch.tensor(piece, dtype=torch.long, device=self.runner.device)
-                logits = self.runner.forward(ids, cache, last_only=False)
-                nxt = prompt_ids[start + 1 : start + 1 + len(piece)]  # the token each row predicts
-                out.extend(token_logprobs(logits, nxt, params, k))
+                logits = self.runner.forward(ids, kv, last_only=False)
+                out.extend(token_logprobs(logits, prompt_ids[start + 1 : start + 1 + len(piece)], params, k))
         finally:
-            self.runner.release(cache)
+            if not own:
+                self.runner.release(kv)
         return out
 
     def fork(self, cache: Cache, prompt_ids: list[int]) -> Cache:

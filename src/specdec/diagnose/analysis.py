@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from specdec.analysis import StepAggregate, VerifyFit, low_quantile
-from specdec.records import PREDICTION_REASON, StepRecord, steady_rest
+from specdec.records import StepRecord, steady_rest
 from specdec.trace import Trace
 
 PROMPT_BUCKET_EDGES = (0, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -180,7 +180,7 @@ class TraceStats:
 def analyse(trace: Trace) -> TraceStats:
     # Steps that drafted from a request's predicted output (``prediction``) say how well the prediction matched, not
     # the drafter: the analysis is the drafter's (an exact prediction alone would read as implausible acceptance).
-    steps = [s for s in trace.steps if s.reason != PREDICTION_REASON]
+    steps = [s for s in trace.steps if not s.predicted]
     agg = StepAggregate.of(steps)
     timed_steps = [s for s in steps if s.batch_size <= 1]
     timed = StepAggregate.of(timed_steps)
@@ -308,7 +308,7 @@ def prompt_buckets(trace: Trace) -> list[Bucket]:
         b.requests.add(req.key)
         for s in req.steps:
             b.time += s.draft_time + s.verify_time + s.other_time
-            if s.tau > 0 and s.reason != PREDICTION_REASON:
+            if s.tau > 0 and not s.predicted:
                 b.drafting.append(s)
     return [b for b in buckets if b.requests]
 

@@ -22,7 +22,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from specdec.drafters.base import Draft, one_hot
-from specdec.records import PREDICTION_REASON
 
 MAX_NGRAM = 8  # the longest generated suffix matched against the prediction
 FIRST_SPAN = 8  # tokens the first predicted draft reads ahead
@@ -31,8 +30,6 @@ MIN_SPAN = 2
 # Generated tokens that must match where the output is found afresh (not where the last predicted step ended): in
 # repetitive text short suffixes occur all over a prediction, and a draft read from the wrong place costs rows.
 FRESH_MATCH = 4
-
-REASON = PREDICTION_REASON  # a step record's ``reason`` when its draft was read from the prediction
 
 
 class Prediction:
