@@ -7,7 +7,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,13 +16,12 @@ from specdec.draft_vocab import head_size
 from specdec.draft_window import window_of
 from specdec.engine import Engine, Generation, GenerationResult
 from specdec.runtime.native import kv_dtype_of
-from specdec.sampling_params import TokenLogprob
 from specdec.server.errors import APIError, install_handlers
 from specdec.server.guard import Guard
 from specdec.server.observe import ServerMetrics
 from specdec.server.requests import chat_builder, check_supported, choices, completion_builder, has_chat_template
 from specdec.server.responses import DONE, Reply, sse, summary
-from specdec.server.scheduler import Done, Failed, Job, Scheduler, Started, Step
+from specdec.server.scheduler import Done, Failed, Job, Prompt, Scheduler, Started, Step
 from specdec.server.schemas import (
     MAX_N,
     ChatCompletionRequest,
@@ -271,7 +269,7 @@ class _Events:
         prompt_tokens: int,
         want_steps: bool,
         include_usage: bool,
-        prompts: list[tuple[list[int], list[TokenLogprob] | None]] | None = None,
+        prompts: list[Prompt] | None = None,
     ) -> None:
         self.reply, self.n, self.prompt_tokens = reply, n, prompt_tokens
         self.want_steps, self.include_usage = want_steps, include_usage
@@ -289,9 +287,9 @@ class _Events:
         if reply.echo is None:
             return b""
         out = []
-        for index, (ids, scores) in enumerate(self.prompts):
-            text = reply.echo_text(index, self.n, ids)
-            logprobs = reply.logprobs([], 0, prompt=_Prompt(ids, scores)) if scores is not None else None
+        for index, prompt in enumerate(self.prompts):
+            text = reply.echo_text(index, self.n, prompt.prompt_ids)
+            logprobs = reply.logprobs([], 0, prompt=prompt) if prompt.prompt_logprobs is not None else None
             if logprobs is not None:
                 self.offsets[index] += sum(len(t) for t in logprobs["tokens"])
             out.append(reply.chunk(text, index=index, logprobs=logprobs))
@@ -321,14 +319,6 @@ class _Events:
             self.ended = True
             return [sse(msg.error.body()), DONE]  # headers are gone: report the failure in the stream
         return []
-
-
-@dataclass
-class _Prompt:
-    """A choice's prompt and its scores, as a streamed echo shows them (``responses.Prompted``)."""
-
-    prompt_ids: list[int]
-    prompt_logprobs: list[TokenLogprob] | None
 
 
 class _EventStream(Response):

@@ -21,8 +21,11 @@ Kind = Literal["completion", "chat"]
 class Prompted(Protocol):
     """What an echo's log probabilities read: the prompt's ids and their scores (a result, or a stream's start)."""
 
-    prompt_ids: list[int]
-    prompt_logprobs: list[TokenLogprob] | None
+    @property
+    def prompt_ids(self) -> list[int]: ...
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob] | None: ...
 
 
 @dataclass(frozen=True)

@@ -38,12 +38,18 @@ from specdec.server.errors import APIError, from_specdec
 log = logging.getLogger("specdec.server")
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A choice's prompt: its ids and, where the request asked (echo with logprobs), their scores."""
+
+    prompt_ids: list[int]
+    prompt_logprobs: list[TokenLogprob] | None
+
+
 @dataclass
 class Started:
     prompt_tokens: int
-    # Each choice's prompt ids and, where the request asked (echo with logprobs), their scores: a streamed echo's first
-    # chunk per choice.
-    prompts: list[tuple[list[int], list[TokenLogprob] | None]] = field(default_factory=list)
+    prompts: list[Prompt] = field(default_factory=list)  # each choice's: a streamed echo's first chunk
 
 
 @dataclass
@@ -253,7 +259,7 @@ class Scheduler:
         job.post(
             Started(
                 prompt_tokens=sum(len(job.gens[i * per].prompt_ids) for i in range(job.prompts)),
-                prompts=[(g.prompt_ids, g.prompt_logprobs) for g in job.gens],
+                prompts=[Prompt(g.prompt_ids, g.prompt_logprobs) for g in job.gens],
             )
         )
 
