@@ -535,9 +535,7 @@ class _Forwarder:
                     APIError(503, f"fleet metrics unavailable ({_kind(e)}): retry", None, "metrics_unavailable")
                 )
                 return
-            headers = [(b"content-type", CONTENT_TYPE_LATEST.encode()), (b"content-length", str(len(body)).encode())]
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else body})
+            await _send_ok(send, body, CONTENT_TYPE_LATEST, head=scope["method"] == "HEAD")
             return
         if scope["path"] == "/health" and scope["method"] in ("GET", "HEAD"):
             await self._health(send, head=scope["method"] == "HEAD")
@@ -563,10 +561,7 @@ class _Forwarder:
         if fleet is None:
             await _Relay(send).fail(APIError(503, why, None, "no_replicas", headers={"Retry-After": "1"}))
             return
-        body = json.dumps(fleet).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": b"" if head else body})
+        await _send_ok(send, json.dumps(fleet).encode(), "application/json", head)
 
 
 class _Ingress:
@@ -643,6 +638,13 @@ class _Ingress:
             log.error("request failed (%s, %s): %s", when, _kind(failure), failure)
             await relay.fail(_replica_error(failure, relay, lost, attempt))
             return
+
+
+async def _send_ok(send: Send, body: bytes, content_type: str, head: bool) -> None:
+    """A 200 answer the ingress makes itself (the fleet's /metrics and /health); HEAD: the headers alone."""
+    headers = [(b"content-type", content_type.encode()), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": b"" if head else body})
 
 
 def _kind(e: BaseException) -> str:
