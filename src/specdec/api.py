@@ -126,6 +126,7 @@ def load(
     draft_vocab: int | str | None = "auto",
     draft_window: int | str | None = "auto",
     kv_dtype: str | torch.dtype | None = "auto",
+    prefix_cache: int | str | None = None,
 ) -> Engine:
     """Build an engine.
 
@@ -148,8 +149,13 @@ def load(
     ``kv_dtype``: the element type of both models' KV caches on the CPU kernel: "fp32", "bf16", "fp16", or "auto"
     (16 bits for 16-bit weights, as a checkpoint run in its own dtype keeps its cache; fp32 for fp32 weights). A
     16-bit cache halves the bytes each row's attention reads (docs/runtime.md); keys and values are rounded to it.
+    ``prefix_cache``: keep finished requests' keys and values by token prefix, so a prompt that starts the way an
+    earlier request's context did copies that part instead of computing it (``specdec.runtime.prefix_cache``;
+    the output never changes): MiB per model (target and draft each), "auto" (``DEFAULT_PREFIX_CACHE_MIB`` where
+    the model runs on the CPU kernel, else off), or None/"off"/0 (default: off; ``specdec serve``: auto).
     """
     dev = resolve_device(device)
+    prefix_mib = prefix_cache_mib(prefix_cache)
     if kv_dtype not in (None, "auto"):
         from specdec.runtime.native import kv_cache_dtype
 
@@ -212,8 +218,10 @@ def load(
         kind = _draft_kind(draft_tokenizer, target_tok, draft_tok, target_runner, draft_runner)
         if kind == "model":  # positions are shared only when the ids are
             max_context = min(max_context, draft_runner.max_context)
+            _keep_prefixes(draft_runner, prefix_mib, required=False)  # the target's refusal speaks for both
     else:
         _refuse_draft_options(draft_vocab, draft_window, "a draft model")
+    _keep_prefixes(target_runner, prefix_mib, required=prefix_cache != "auto")
     side = DraftSide(target_runner, draft_runner, target_tok, draft_tok)
     drafter = DRAFTERS[kind](side) if kind is not None else None
 
@@ -234,6 +242,48 @@ def load(
     # beside no other team (``release_thread_team``: with two, every barrier of a pass sleeps).
     release_thread_team()
     return engine
+
+
+DEFAULT_PREFIX_CACHE_MIB = 512  # a model's kept prefixes under prefix_cache="auto": ~100k tokens of the default target
+
+
+def prefix_cache_mib(choice: int | str | None) -> int | None:
+    """MiB of kept prefixes per model for ``load(prefix_cache=choice)``: None for off (None, "off", 0),
+    ``DEFAULT_PREFIX_CACHE_MIB`` for "auto", else the positive whole number given."""
+    if choice is None or choice in ("off", 0, "0"):
+        return None
+    if choice == "auto":
+        return DEFAULT_PREFIX_CACHE_MIB
+    n: object = choice
+    if isinstance(choice, str):
+        try:
+            n = int(choice)
+        except ValueError:
+            n = choice
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise InvalidRequestError(
+            f"prefix_cache must be a number of MiB, 'auto' or 'off', got {choice!r}", "prefix_cache"
+        )
+    return n or None
+
+
+def _keep_prefixes(runner: ModelRunner, mib: int | None, required: bool) -> None:
+    """Give ``runner`` a prefix cache of ``mib`` MiB where it can keep one exactly (the CPU kernel); where it
+    cannot, an error when the size was asked for (``required``), else nothing."""
+    if mib is None:
+        return
+    from specdec.runtime.native import NativeRunner
+
+    reason = None
+    if not isinstance(runner, NativeRunner):
+        reason = f"prefix caching needs the native runtime's CPU kernel ({runner.name} runs on transformers)"
+    else:
+        try:
+            runner.enable_prefix_cache(mib << 20)
+        except ValueError as e:
+            reason = str(e)
+    if reason is not None and required:
+        raise InvalidRequestError(reason, "prefix_cache")
 
 
 def _refuse_draft_options(draft_vocab: int | str | None, draft_window: int | str | None, needs: str) -> None:

@@ -611,10 +611,13 @@ class Generation:
             # empty, and the first step's passes take the prompt in with the other sequences' rows. With a predicted
             # output a drafter that catches up is left to take the prompt in when it first drafts: while the steps
             # draft from the prediction, it never may.
-            # Prompt scores come from the target's prefill (``prompt_logprobs``): its cache is filled as they are made.
+            # Prompt scores come from the target's prefill (``prompt_logprobs``): its cache is filled as they are made
+            # (every prompt row computed: none copied from the prefix cache).
             scored = prompt_logprobs is not None
             with side.mode():
-                self.cache = side.prefill(prompt_ids, defer=defer_prefill or scored)
+                self.cache, self.stats.cached_tokens = side.prefill(
+                    prompt_ids, defer=defer_prefill or scored, reuse=not scored
+                )
                 lazy = (defer_prefill or prediction is not None) and drafter is not None and drafter.catches_up
                 if drafter is not None and not lazy:
                     drafter.prefill(self.draft_state, prompt_ids)
@@ -805,10 +808,10 @@ class Generation:
     def _release(self) -> None:
         """Hand the caches back at once (the slot serves the next request)."""
         if self.cache is not None:
-            self.engine.side.release(self.cache)
+            self.engine.side.release(self.cache, self.context)
             self.cache = None  # type: ignore[assignment]
         if self.draft_state is not None and self.engine.drafter is not None:
-            self.engine.drafter.release(self.draft_state)
+            self.engine.drafter.release(self.draft_state, self.context)
             self.draft_state = None
 
     def cancel(self) -> None:

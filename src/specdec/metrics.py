@@ -71,6 +71,11 @@ class SpecMetrics:
         self.verify_passes = Counter("specdec_verify_passes", "Target verify passes (prefill not counted).", registry=r)
         self.generation_tokens = Counter("specdec_generation_tokens", "Tokens emitted to outputs.", registry=r)
         self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.prompt_cached_tokens = Counter(
+            "specdec_prompt_cached_tokens",
+            "Of specdec_prompt_tokens, those whose keys and values the target's prefix cache held (not computed).",
+            registry=r,
+        )
         self.step_seconds = Counter(
             "specdec_step_seconds", "Step time by phase: draft, verify, other.", ["phase"], registry=r
         )
@@ -170,6 +175,7 @@ class SpecMetrics:
             self._flush()
             self.requests.labels(finished_reason=s.finish_reason).inc()
             self.prompt_tokens.inc(s.prompt_tokens)
+            self.prompt_cached_tokens.inc(s.cached_tokens)
             self.request_verify_passes.observe(s.target_passes)
             self.request_latency.observe(s.latency)
             decode = s.latency - s.prefill_time

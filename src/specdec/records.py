@@ -163,6 +163,9 @@ class GenerationStats:
     prediction_tokens: int = 0
     prediction_accepted: int = 0
     prediction_rejected: int = 0
+    # Prompt tokens whose keys and values the target's prefix cache held (copied, not computed; 0 without one, and
+    # for a sample forked from a sibling's prefill: the prompt's are counted once, at its first sample).
+    cached_tokens: int = 0
 
     @property
     def acceptance_rate(self) -> float:

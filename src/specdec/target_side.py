@@ -71,10 +71,11 @@ class TargetSide(ABC):
         """The counts of a request whose logit rules are active (``LogitsRules.active``)."""
 
     @abstractmethod
-    def prefill(self, prompt_ids: list[int], defer: bool = False) -> Cache:
-        """A new cache holding ``prompt_ids[:-1]`` (the last prompt token opens the first step's block). ``defer``:
-        an empty cache, when the side's ``verify`` takes in what a cache lacks (the prompt then joins the first
-        step's pass); a side that cannot defer prefills now."""
+    def prefill(self, prompt_ids: list[int], defer: bool = False, reuse: bool = True) -> tuple[Cache, int]:
+        """A new cache holding ``prompt_ids[:-1]`` (the last prompt token opens the first step's block), and how many
+        of those tokens came from the side's prefix cache instead of a pass (``reuse``: look there first; a side
+        without one: 0). ``defer``: only what the prefix cache had, when the side's ``verify`` takes in what a cache
+        lacks (the rest of the prompt then joins the first step's pass); a side that cannot defer prefills now."""
 
     def prompt_logprobs(
         self, prompt_ids: list[int], params: SamplingParams, k: int, cache: Cache | None = None
@@ -91,8 +92,9 @@ class TargetSide(ABC):
         """A copy of an unstepped request's cache of the same prompt (``Engine.start_many``)."""
 
     @abstractmethod
-    def release(self, cache: Cache) -> None:
-        """A finished request's cache, which the side may reuse."""
+    def release(self, cache: Cache, tokens: list[int]) -> None:
+        """A finished request's cache, which the side may reuse; ``tokens``: the request's context (the cache holds
+        its first ``cache.length``), for the side's prefix cache."""
 
     @abstractmethod
     def verify(

@@ -41,12 +41,13 @@ class ModelTarget(TargetSide):
     def rules_state(self, rules: LogitsRules, prompt_ids: list[int], eos_ids: frozenset[int]) -> RulesState:
         return RulesState(rules, prompt_ids, self.vocab_size, eos_ids, self.runner.device)
 
-    def prefill(self, prompt_ids: list[int], defer: bool = False) -> Cache:
+    def prefill(self, prompt_ids: list[int], defer: bool = False, reuse: bool = True) -> tuple[Cache, int]:
         cache = self.runner.new_cache()
-        if len(prompt_ids) > 1 and not defer:
-            ids = torch.tensor(prompt_ids[:-1], dtype=torch.long, device=self.runner.device)
+        reused = self.runner.reuse_prefix(cache, prompt_ids[:-1]) if reuse else 0
+        if len(prompt_ids) - 1 > reused and not defer:
+            ids = torch.tensor(prompt_ids[reused:-1], dtype=torch.long, device=self.runner.device)
             self.runner.forward(ids, cache, last_only=True)
-        return cache
+        return cache, reused
 
     def prompt_logprobs(
         self, prompt_ids: list[int], params: SamplingParams, k: int, cache: Cache | None = None
@@ -70,8 +71,8 @@ class ModelTarget(TargetSide):
     def fork(self, cache: Cache, prompt_ids: list[int]) -> Cache:
         return self.runner.fork_cache(cast(KVCache, cache), prompt_ids[:-1])
 
-    def release(self, cache: Cache) -> None:
-        self.runner.release(cast(KVCache, cache))
+    def release(self, cache: Cache, tokens: list[int]) -> None:
+        self.runner.release(cast(KVCache, cache), tokens)
 
     def verify(
         self,

@@ -28,6 +28,7 @@ class ModelSettings:
     draft_vocab: str = "auto"  # auto | full | N: the tokens the draft's output head keeps (specdec.draft_vocab)
     draft_window: str = "auto"  # auto | full | N: the latest tokens the draft attends to (specdec.draft_window)
     kv_dtype: str = "auto"  # auto | fp32 | bf16 | fp16: the KV caches' element type on the CPU kernel
+    prefix_cache: str = "off"  # auto | off | MiB: finished requests' keys and values kept by prefix (serve: auto)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSettings:
@@ -48,6 +49,7 @@ class ModelSettings:
             draft_vocab=getattr(args, "draft_vocab", "auto"),
             draft_window=getattr(args, "draft_window", "auto"),
             kv_dtype=getattr(args, "kv_dtype", "auto"),
+            prefix_cache=getattr(args, "prefix_cache", "off"),
         )
 
     def load(self, observers: list | None = None) -> Engine:
@@ -75,6 +77,7 @@ class ModelSettings:
             draft_vocab=self.draft_vocab,
             draft_window=self.draft_window,
             kv_dtype=self.kv_dtype,
+            prefix_cache=self.prefix_cache,
         )
 
 

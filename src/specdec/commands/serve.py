@@ -64,6 +64,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "their own between steps; 0: every prompt in a pass of its own (default: 256 with --max-batch > 1, else 0)",
     )
     g.add_argument(
+        "--prefix-cache",
+        default="auto",
+        metavar="MIB|auto|off",
+        help="keep finished requests' keys and values by token prefix, so a prompt that begins as an earlier "
+        "request's context did (a system prompt, a conversation's earlier turns) copies them instead of computing "
+        "them; outputs never change (CPU kernel only). MiB per model, auto (512 where the models run on the CPU "
+        "kernel, else off) or off (default: auto)",
+    )
+    g.add_argument(
         "--stream-interval",
         type=int,
         default=1,

@@ -51,8 +51,9 @@ class Drafter(ABC):
     def rollback(self, state: Any, length: int) -> None:  # noqa: B027 - optional hook
         """Only the first ``length`` tokens of what the drafter has seen stand (the rest were rejected)."""
 
-    def release(self, state: Any) -> None:  # noqa: B027 - optional hook
-        """The request is over: free (or hand back) its state."""
+    def release(self, state: Any, tokens: Sequence[int] = ()) -> None:  # noqa: B027 - optional hook
+        """The request is over: free (or hand back) its state. ``tokens``: the request's context, of which the state
+        holds a prefix (a draft model's prefix cache keeps it)."""
 
     @abstractmethod
     def propose(self, asks: Sequence[DraftAsk]) -> list[Draft]:

@@ -198,8 +198,8 @@ class BridgedDrafter(Drafter):
             state.text = TextDecoder(self.target_tokenizer)
             state.draft_ids = _DraftIds(self.draft_tokenizer, self._prefix)
 
-    def release(self, state: BridgeState) -> None:
-        self.inner.release(state.inner)
+    def release(self, state: BridgeState, tokens: Sequence[int] = ()) -> None:
+        self.inner.release(state.inner)  # the target's ids are not the draft's: nothing kept as a prefix
 
     @torch.inference_mode()
     def propose(self, asks: Sequence[DraftAsk]) -> list[Draft]:

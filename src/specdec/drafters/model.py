@@ -29,12 +29,22 @@ class ModelDrafter(Drafter):
         return DraftModelState(cache=self.runner.new_cache())
 
     def prefill(self, state: DraftModelState, prompt: list[int]) -> None:
-        # Like the target: the cache holds all but the last prompt token, which the first draft feeds.
-        if len(prompt) > 1:
-            ids = torch.tensor(prompt[:-1], dtype=torch.long, device=self.runner.device)
+        # Like the target: the cache holds all but the last prompt token, which the first draft feeds; what the
+        # runner's prefix cache holds of it is copied, not computed.
+        reused = self._resume(state, prompt[:-1])
+        if len(prompt) - 1 > reused:
+            ids = torch.tensor(prompt[reused:-1], dtype=torch.long, device=self.runner.device)
             self.runner.forward(ids, state.cache, last_only=True)
 
+    def _resume(self, state: DraftModelState, tokens: list[int]) -> int:
+        """An empty cache starts from the runner's longest kept prefix of ``tokens``; the cache's length after."""
+        if state.cache.length == 0 and self.runner.prefix_cache is not None:
+            return self.runner.reuse_prefix(state.cache, tokens)
+        return state.cache.length
+
     def take_in(self, items: Sequence[tuple[DraftModelState, list[int], int, int]]) -> None:
+        for state, context, start, n in items:
+            self._resume(state, context[: start + n])
         blocks = [
             (context[state.cache.length : start + n], state.cache)
             for state, context, start, n in items
@@ -49,8 +59,8 @@ class ModelDrafter(Drafter):
     def rollback(self, state: DraftModelState, length: int) -> None:
         state.cache.crop(min(state.cache.length, length))
 
-    def release(self, state: DraftModelState) -> None:
-        self.runner.release(state.cache)
+    def release(self, state: DraftModelState, tokens: Sequence[int] = ()) -> None:
+        self.runner.release(state.cache, tokens)
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         # Checkpoints often pad their embedding matrix; rows beyond the shared tokenizer are never valid tokens.
@@ -82,6 +92,7 @@ class ModelDrafter(Drafter):
         def catch_up(i: int) -> tuple[list[int], KVCache]:
             drafted[i] = []
             ask, cache = asks[i], asks[i].state.cache
+            self._resume(ask.state, ask.context[:-1])
             if cache.length >= len(ask.context):  # at least one token must be fed to get the next distribution
                 cache.crop(len(ask.context) - 1)
             fed[i] = len(ask.context) - cache.length

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from specdec.runtime.prefix_cache import PrefixCache
 
 
 class KVCache(ABC):
@@ -101,8 +104,16 @@ class ModelRunner(ABC):
         ``drafts_natively`` is true have it."""
         raise NotImplementedError(f"{type(self).__name__} does not draft in one call")
 
-    def release(self, cache: KVCache) -> None:  # noqa: B027 - optional hook
-        """A finished sequence's cache, which the runner may reuse for the next one."""
+    prefix_cache: PrefixCache | None = None  # where the runner keeps prefixes (``reuse_prefix``); None: it does not
+
+    def release(self, cache: KVCache, tokens: Sequence[int] = ()) -> None:  # noqa: B027 - optional hook
+        """A finished sequence's cache, which the runner may reuse for the next one. ``tokens``: the ids the cache
+        holds (its first ``len(tokens)`` positions), kept as prefixes where the runner has a prefix cache."""
+
+    def reuse_prefix(self, cache: KVCache, tokens: Sequence[int]) -> int:
+        """Fill an empty ``cache`` with the longest prefix of ``tokens`` the runner kept (``release``); returns its
+        length (0: none, or no prefix cache). The rest of ``tokens`` is the caller's to feed."""
+        return 0
 
     def fork_cache(self, cache: KVCache, tokens: Sequence[int]) -> KVCache:
         """A new cache holding what ``cache`` holds (``tokens``, the ids it was filled with), independent of it

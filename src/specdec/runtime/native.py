@@ -52,6 +52,7 @@ from specdec.runtime.native_kernel import (
 )
 from specdec.runtime.native_ops import DenseOps, HalfOps, Ops, choose_ops, half_fits, prepare_layer
 from specdec.runtime.native_weights import ModelWeights, load_weights
+from specdec.runtime.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from specdec.policy.base import RuleNumbers
@@ -310,7 +311,31 @@ class NativeRunner(ModelRunner):
         # empty, not zeros: positions at or beyond a cache's length are never read.
         return NativeCache(torch.empty(shape, device=self.device, dtype=self.cache_dtype))
 
-    def release(self, cache: KVCache) -> None:
+    def enable_prefix_cache(self, capacity_bytes: int) -> None:
+        """Keep finished sequences' keys and values by token prefix, up to ``capacity_bytes``
+        (``runtime.prefix_cache``): exact on the CPU kernel only, where a row's keys and values never depend on the
+        rows beside it in a pass; elsewhere a ``ValueError`` saying so."""
+        if self._fused is None:
+            raise ValueError(
+                f"prefix caching needs the CPU kernel ({self.name} runs on {self.backend}, whose products may round a "
+                "row differently with the rows beside it)"
+            )
+        self.prefix_cache = PrefixCache(capacity_bytes)
+
+    @torch.inference_mode()
+    def reuse_prefix(self, cache: KVCache, tokens: Sequence[int]) -> int:
+        if self.prefix_cache is None:
+            return 0
+        if not isinstance(cache, NativeCache) or cache.length:
+            raise ValueError("reuse_prefix needs an empty cache from this runner's new_cache()")
+        n = self.prefix_cache.restore(cache.kv, tokens)
+        cache._length = n
+        return n
+
+    @torch.inference_mode()
+    def release(self, cache: KVCache, tokens: Sequence[int] = ()) -> None:
+        if self.prefix_cache is not None and tokens and isinstance(cache, NativeCache):
+            self.prefix_cache.store(cache.kv, tokens[: cache.length])
         kept = sum(t.numel() * t.element_size() for t in self._spare)
         if isinstance(cache, NativeCache) and kept + cache.kv.numel() * cache.kv.element_size() <= SPARE_CACHE_BYTES:
             cache.crop(0)

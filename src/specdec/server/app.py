@@ -132,6 +132,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             "runtime": getattr(engine.target, "backend", type(engine.target).__name__),
             # the KV caches' element type on the CPU kernel (kv_dtype): "bf16", "fp16", "fp32"; None elsewhere
             "kv_dtype": kv_dtype_of(engine.target),
+            # the target's kept prefixes (--prefix-cache): size and hits; None when off
+            "prefix_cache": None if engine.target.prefix_cache is None else engine.target.prefix_cache.describe(),
             **_compute_threads(),
             **scheduler.snapshot(),
         }

@@ -202,13 +202,15 @@ def token_text(tokenizer: Any, token: int) -> str:
 
 
 def usage(prompt_tokens: int, results: Sequence[GenerationResult]) -> dict[str, Any]:
-    """The prompt counted once (it is prefilled once), the completion tokens of every sample; with a prediction, the
-    tokens drafted from it that the outputs kept and those rejected (OpenAI's ``completion_tokens_details``)."""
+    """The prompt counted once (it is prefilled once), of it the tokens the prefix cache held (OpenAI's
+    ``prompt_tokens_details.cached_tokens``), the completion tokens of every sample; with a prediction, the tokens
+    drafted from it that the outputs kept and those rejected (``completion_tokens_details``)."""
     completion = sum(len(r.token_ids) for r in results)
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(r.stats.cached_tokens for r in results)},
     }
     if any(r.stats.prediction_tokens for r in results):
         out["completion_tokens_details"] = {

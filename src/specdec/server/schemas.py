@@ -204,10 +204,15 @@ class CompletionTokensDetails(BaseModel):
     rejected_prediction_tokens: int = Field(description="tokens drafted from the prediction and rejected")
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens whose keys and values came from the prefix cache")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
     completion_tokens_details: CompletionTokensDetails | None = Field(None, description="with a prediction only")
 
 

@@ -149,15 +149,15 @@ class SimTarget(TargetSide):
     def rules_state(self, rules: LogitsRules, prompt_ids: list[int], eos_ids: frozenset[int]) -> RulesState:
         raise InvalidRequestError("the simulator has no logits for logit rules to act on", "logit_bias")
 
-    def prefill(self, prompt_ids: list[int], defer: bool = False) -> SimCache:  # prefills now: the clock charges it
-        self.clock.prefill(len(prompt_ids))
-        return SimCache(self.world.request_of(prompt_ids), len(prompt_ids) - 1)
+    def prefill(self, prompt_ids: list[int], defer: bool = False, reuse: bool = True) -> tuple[SimCache, int]:
+        self.clock.prefill(len(prompt_ids))  # prefills now (no prefix cache): the clock charges it
+        return SimCache(self.world.request_of(prompt_ids), len(prompt_ids) - 1), 0
 
     def fork(self, cache: Cache, prompt_ids: list[int]) -> SimCache:
         held = cast(SimCache, cache)
         return SimCache(held.req, held.length)
 
-    def release(self, cache: Cache) -> None:
+    def release(self, cache: Cache, tokens: list[int]) -> None:
         pass
 
     def verify(
