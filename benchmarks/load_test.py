@@ -9,7 +9,10 @@ side by side in one run.
     python benchmarks/load_test.py --spawn --other llama.cpp=http://127.0.0.1:8080    # another server beside ours
 
 ``--spawn`` starts two servers on loopback with the same models (``--serve-args``): one with the default
-``--max-batch`` and one with ``--max-batch 1``; mode ``unbatched`` is the policy on the second, every
+``--max-batch`` and one with ``--max-batch 1``, both with ``--prefix-cache off`` unless ``--prefix-cache`` says
+otherwise (the load test sends each of its prompts many times: with the cache on, every prompt after its first
+sending copies its whole prefill, which is a server's behaviour for repeated prompts but not what the load measures;
+the report says what share of the prompt tokens each mode's server found cached); mode ``unbatched`` is the policy on the second, every
 other mode runs on the first (``plain`` asks for ``"speculative": {"tau": 0}``, ``spec`` for the policy,
 ``tauN`` for fixed τ = N). Modes alternate within each concurrency level so machine noise hits all alike, in an
 order rotated each round (``--rounds``), and the JSON keeps each round's tokens/s (``round_tokens_per_s``).
@@ -76,6 +79,8 @@ class Sample:
     ttft: float
     tokens: int
     text: str
+    prompt_tokens: int = 0  # from the usage (0 where the server sent none)
+    cached_tokens: int = 0  # of those, held by the server's prefix cache (usage.prompt_tokens_details)
 
 
 @dataclass
@@ -104,6 +109,8 @@ class Result:
             # requests that produced no text (an immediate EOS) have no first token: left out
             "p50_ttft_s": _pct(sorted(s.ttft for s in self.samples if s.ttft == s.ttft), 50),
             "mean_tokens": tokens / len(self.samples) if self.samples else 0.0,
+            "prompt_tokens": sum(s.prompt_tokens for s in self.samples),
+            "cached_prompt_tokens": sum(s.cached_tokens for s in self.samples),
             "round_tokens_per_s": [round(r, 1) for r in self.rounds],
         }
 
@@ -195,6 +202,7 @@ class _Reading:
         self.text: list[str] = []
         self.tokens = 0
         self.usage = False
+        self.prompt_tokens = self.cached_tokens = 0
 
     def event(self, data: str | bytes) -> None:
         """One event's ``data:`` payload (``[DONE]`` included)."""
@@ -203,7 +211,7 @@ class _Reading:
         chunk = json.loads(data)
         _raise_reported(chunk)
         if chunk.get("usage"):
-            self.tokens, self.usage = chunk["usage"]["completion_tokens"], True
+            self._usage(chunk["usage"])
         for choice in chunk.get("choices", ()):
             if choice.get("text"):
                 if not self.text:
@@ -216,11 +224,21 @@ class _Reading:
         """A response that did not stream: its text and completion tokens (no time to first text)."""
         _raise_reported(response)
         self.text = [choice.get("text") or "" for choice in response.get("choices", ())[:1]]
-        self.tokens = response.get("usage", {}).get("completion_tokens", 0)
+        self._usage(response.get("usage") or {})
+
+    def _usage(self, usage: dict[str, Any]) -> None:
+        self.tokens, self.usage = usage.get("completion_tokens", 0), True
+        self.prompt_tokens = usage.get("prompt_tokens", 0)
+        self.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
     def sample(self) -> Sample:
         return Sample(
-            latency=time.perf_counter() - self.t0, ttft=self.ttft, tokens=self.tokens, text="".join(self.text)
+            latency=time.perf_counter() - self.t0,
+            ttft=self.ttft,
+            tokens=self.tokens,
+            text="".join(self.text),
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
         )
 
 
@@ -366,7 +384,8 @@ def spawned_servers(args: argparse.Namespace) -> contextlib.AbstractContextManag
 
     def serve(extra: list[str]) -> Callable[[int], list[str]]:
         head = [sys.executable, "-m", "specdec.cli", "serve", "--log-level", "warning"]
-        return lambda port: [*head, "--port", str(port), *shlex.split(args.serve_args), *extra]
+        cache = ["--prefix-cache", args.prefix_cache]
+        return lambda port: [*head, "--port", str(port), *cache, *shlex.split(args.serve_args), *extra]
 
     return running_servers([("batched", serve([])), ("unbatched", serve(["--max-batch", "1"]))])
 
@@ -478,6 +497,16 @@ def render(report: dict[str, Any]) -> str:
             f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {r['tokens_per_s']:.1f} | "
             f"{ratio} | {r['requests_per_s']:.2f} | {r['p50_latency_s']:.3f} | {r['p95_latency_s']:.3f} | "
             f"{_seconds(r['p50_ttft_s'])} | {r.get('identical_prompts', '')} |"
+        )
+    cached = [r for r in rows if r.get("cached_prompt_tokens")]
+    if cached:
+        lines.append(
+            "\nPrompt tokens found in the server's prefix cache: "
+            + ", ".join(
+                f"{r['mode']} × {r['concurrency']} {100 * r['cached_prompt_tokens'] / r['prompt_tokens']:.0f}%"
+                for r in cached
+            )
+            + " (the load test repeats its prompts: a repeat copies its prefill)."
         )
     same = report["greedy_identity"]
     if same is not None:
@@ -632,6 +661,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--unbatched-url", default=None, help="a running --max-batch 1 server, for mode 'unbatched'")
     p.add_argument("--spawn", action="store_true", help="start both servers here (loopback) and stop them after")
     p.add_argument("--serve-args", default="", help="extra 'specdec serve' arguments for --spawn (models, ...)")
+    p.add_argument(
+        "--prefix-cache",
+        default="off",
+        metavar="MIB|auto|off",
+        help="the spawned servers' --prefix-cache (default: off: the load test repeats its prompts, and with the "
+        "cache on every repeat copies its prefill)",
+    )
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="model id to send (default: none, the server's)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])

@@ -120,7 +120,8 @@ def main() -> int:
     from specdec.server import ServerSettings
     from specdec.server.ray_serve import RaySettings, build_app, default_model_settings
 
-    model = replace(default_model_settings(), target=args.target, draft=args.draft)
+    # No prefix cache: the same prompts are sent again and again (each repeat would copy its whole prefill).
+    model = replace(default_model_settings(), target=args.target, draft=args.draft, prefix_cache="off")
     settings = ServerSettings(model_name="bench")
     ray.init(num_cpus=args.cpus, include_dashboard=False, log_to_driver=False)
     port = free_port()
@@ -142,7 +143,7 @@ def main() -> int:
                 if spec is None:
                     p = free_port()
                     cmd = [sys.executable, "-m", "specdec.cli", "serve", "--port", str(p), "--model-name", "bench"]
-                    cmd += ["--log-level", "warning"]
+                    cmd += ["--log-level", "warning", "--prefix-cache", "off"]  # as the replicas
                     cmd += [
                         x
                         for flag, v in (("--target", args.target), ("--draft", args.draft))

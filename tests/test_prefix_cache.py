@@ -12,6 +12,7 @@ the server's usage, /metrics and /health.
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import subprocess
 import sys
@@ -348,3 +349,25 @@ def test_the_server_reports_cached_prompt_tokens(tiny_models: dict[str, Path]) -
     assert first["choices"][0]["text"] == second["choices"][0]["text"]
     assert f"specdec_prompt_cached_tokens_total {3 * BLOCK:.1f}" in metrics
     assert health["prefix_cache"]["hit_tokens"] == 3 * BLOCK and health["prefix_cache"]["capacity_mib"] == 16
+
+
+@pytest.mark.server
+def test_the_prefix_cache_benchmark_runs_both_servers_side_by_side(
+    tiny_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """benchmarks/prefix_cache.py against two spawned servers over the tiny pair: every output the same on both, the
+    cached server finding the preamble and the earlier turns, the other nothing."""
+    preamble = tmp_path / "preamble.txt"
+    preamble.write_text("def helper(x):\n    return x * 2\n\n" * 6)
+    out = tmp_path / "prefix.json"
+    models = f"--target {tiny_models['llama']} --draft {tiny_models['draft']} --dtype float32"
+    args = ["--serve-args", models, "--concurrency", "2", "--requests", "6", "--turns", "3", "--rounds", "1"]
+    args += ["--max-tokens", "8", "--preamble-file", str(preamble), "--json", str(out)]
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "prefix_cache.py"
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=500)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(out.read_text())
+    assert report["identity"] == {"requests": 12, "differing": 0}
+    share = {(r["workload"], r["server"]): r["cached_share"] for r in report["rows"]}
+    assert share[("preamble", "--prefix-cache off")] == 0 and share[("turns", "--prefix-cache off")] == 0
+    assert share[("preamble", "--prefix-cache auto")] > 0.3 and share[("turns", "--prefix-cache auto")] > 0.2

@@ -148,6 +148,7 @@ def default_model_settings() -> ModelSettings:
         policy="fixed",
         tau=4,
         trust_remote_code=False,
+        prefix_cache="auto",
     )
 
 
