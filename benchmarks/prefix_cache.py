@@ -7,13 +7,16 @@ saved by having been sent before):
 - ``preamble``: a shared preamble (a system prompt, few-shot examples, a document; default: the first shipped
   held-out prompts joined, ~500 tokens; ``--preamble-file``) ahead of a short tail of its own per request;
 - ``turns``: conversations of ``--turns`` turns, each turn's prompt the one before it, its output and a new tail
-  (what a chat client resends every turn).
+  (what a chat client resends every turn);
+- ``unique``: the tails alone, no two alike from their first tokens (nothing to find: what keeping and looking up
+  prefixes costs a server whose prompts share nothing).
 
 Reports, per workload, server and clients: output tokens/s, p50/p95 latency, p50 time to first token, and the share of
 prompt tokens the server found cached (``usage.prompt_tokens_details.cached_tokens``); greedy outputs of the two
 servers must be identical (the exit code is 1 where one is not).
 
     python benchmarks/prefix_cache.py --concurrency 1 8 --rounds 2 --json prefix.json
+    python benchmarks/prefix_cache.py --workloads unique --rounds 3   # what the cache costs where nothing is found
     python benchmarks/prefix_cache.py --serve-args "--target DIR --draft DIR" --preamble-file system.txt
 """
 
@@ -65,7 +68,7 @@ async def run(url: str, args: argparse.Namespace, workload: str, clients: int, b
     samples: list[Any] = []
     texts: dict[int, str] = {}
     preamble = args.preamble_text
-    if workload == "preamble":
+    if workload != "turns":
         jobs = iter([[k] for k in range(args.requests)])
     else:
         convs = max(1, args.requests // args.turns)
@@ -73,9 +76,10 @@ async def run(url: str, args: argparse.Namespace, workload: str, clients: int, b
 
     async def worker(conn: Any) -> None:
         for job in jobs:
-            prompt = preamble if workload == "preamble" else ""
+            start = preamble if workload == "preamble" else ""
+            prompt = start
             for k in job:
-                prompt = (preamble if workload == "preamble" else prompt) + tail(base + k)
+                prompt = (prompt if workload == "turns" else start) + tail(base + k)
                 sample = await complete(conn, args, prompt)
                 samples.append(sample)
                 texts[k] = sample.text
@@ -181,7 +185,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="rounds, the servers' order swapped each round")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--policy", default="adaptive", help="the requests' speculative policy ('' for the server's)")
-    p.add_argument("--workloads", nargs="+", choices=["preamble", "turns"], default=["preamble", "turns"])
+    p.add_argument(
+        "--workloads", nargs="+", choices=["preamble", "turns", "unique"], default=["preamble", "turns", "unique"]
+    )
     p.add_argument("--preamble-file", type=Path, default=None, help="the shared preamble (default: held-out code)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--json", type=Path, default=None)
