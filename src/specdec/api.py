@@ -12,6 +12,7 @@ import torch
 
 from specdec.draft_vocab import means_full as draft_vocab_means_full
 from specdec.draft_vocab import resolve as draft_vocab_tokens
+from specdec.draft_vocab import whole_number
 from specdec.draft_window import resolve as draft_window_tokens
 from specdec.drafters.base import Drafter
 from specdec.drafters.bridge import BridgedDrafter
@@ -254,13 +255,8 @@ def prefix_cache_mib(choice: int | str | None) -> int | None:
         return None
     if choice == "auto":
         return DEFAULT_PREFIX_CACHE_MIB
-    n: object = choice
-    if isinstance(choice, str):
-        try:
-            n = int(choice)
-        except ValueError:
-            n = choice
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    n = whole_number(choice)
+    if n is None or n < 0:
         raise InvalidRequestError(
             f"prefix_cache must be a number of MiB, 'auto' or 'off', got {choice!r}", "prefix_cache"
         )

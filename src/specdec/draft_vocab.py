@@ -70,6 +70,16 @@ def means_full(choice: int | str | None) -> bool:
     return choice is None or choice == "full" or choice == 0 or choice == "0"
 
 
+def whole_number(choice: object) -> int | None:
+    """An option's number: an int, or a string spelling one; None for anything else (a bool is not a number)."""
+    if isinstance(choice, str):
+        try:
+            return int(choice)
+        except ValueError:
+            return None
+    return choice if isinstance(choice, int) and not isinstance(choice, bool) else None
+
+
 def resolve(model_dir: str | Path, choice: int | str | None) -> list[int] | None:
     """The head tokens for ``draft_vocab=choice``: ``"auto"`` (the ranking's own default, else the full head),
     ``"full"``/None/0 (the full head), or a number of tokens (the most frequent)."""
@@ -79,12 +89,10 @@ def resolve(model_dir: str | Path, choice: int | str | None) -> list[int] | None
         doc = _ranking(Path(model_dir))
         default = None if doc is None else doc.get("default_head")
         return None if not default else head_tokens(model_dir, int(default))
-    if isinstance(choice, str):
-        try:
-            choice = int(choice)
-        except ValueError:
-            raise ModelLoadError(f"draft_vocab must be auto, full or a number of tokens, got {choice!r}") from None
-    return head_tokens(model_dir, choice)
+    n = whole_number(choice)
+    if n is None:
+        raise ModelLoadError(f"draft_vocab must be auto, full or a number of tokens, got {choice!r}")
+    return head_tokens(model_dir, n)
 
 
 def head_tokens(model_dir: str | Path, n: int) -> list[int]:

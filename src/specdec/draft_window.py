@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from specdec.draft_vocab import means_full  # the same spellings of "all of it": "full", None, 0, "0"
+from specdec.draft_vocab import means_full, whole_number  # the same spellings of "all of it": "full", None, 0, "0"
 from specdec.errors import InvalidRequestError
 
 TRAINING_FILE = "specdec_training.json"
@@ -50,13 +50,8 @@ def resolve(model_dir: str | Path | None, choice: int | str | None) -> int | Non
         return None
     if choice == "auto":
         return None if model_dir is None else trained_context(model_dir)
-    n: object = choice
-    if isinstance(choice, str):
-        try:
-            n = int(choice)
-        except ValueError:
-            n = choice
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    n = whole_number(choice)
+    if n is None or n < 1:
         raise InvalidRequestError(
             f"draft_window must be auto, full or a positive number of tokens, got {choice!r}", "draft_window"
         )

@@ -38,7 +38,7 @@ class ModelDrafter(Drafter):
 
     def _resume(self, state: DraftModelState, tokens: list[int]) -> int:
         """An empty cache starts from the runner's longest kept prefix of ``tokens``; the cache's length after."""
-        if state.cache.length == 0 and self.runner.prefix_cache is not None:
+        if state.cache.length == 0:
             return self.runner.reuse_prefix(state.cache, tokens)
         return state.cache.length
 
