@@ -87,7 +87,7 @@ async def run(url: str, args: argparse.Namespace, workload: str, clients: int, b
                     prompt += sample.text
 
     for conn in conns:
-        conn._reader, conn._writer = await asyncio.open_connection(conn.host, conn.port)
+        await conn.connect()
     t0 = time.perf_counter()
     try:
         await asyncio.gather(*(worker(c) for c in conns))

@@ -85,9 +85,11 @@ def test_the_least_recently_used_leaf_goes_first_and_the_capacity_holds() -> Non
     for k in range(3):
         fresh = list(range(1000 + k * BLOCK, 1000 + (k + 1) * BLOCK))
         tree.store(fake_kv(fresh), fresh)
-        assert tree.restore(torch.zeros(2, 2, 1, 128, 4), root) == BLOCK or not any(
-            tree.restore(torch.zeros(2, 2, 1, 128, 4), root + leaf) for leaf in chain[1:]
-        )
+        kept = list(tree._blocks.values())
+        assert tree.stats.evicted_blocks == k + 1 and len(kept) == 4
+        # every block kept still hangs from a kept parent, which counts it among its children
+        assert all(b.parent is None or tree._blocks.get(b.parent.key) is b.parent for b in kept)
+        assert all(b.children == sum(c.parent is b for c in kept) for b in kept)
     with pytest.raises(ValueError, match="positive capacity"):
         PrefixCache(0)
 

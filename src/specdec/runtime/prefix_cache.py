@@ -105,11 +105,11 @@ class PrefixCache:
         whole = len(tokens) // BLOCK
         if not whole:
             return 0
-        path = self._path(tokens[: whole * BLOCK])
+        path = self._path(tokens)  # (whole blocks only)
         added = 0
         parent = path[-1] if path else None
+        size = kv[:, :, :, :BLOCK].numel() * kv.element_size()  # a block's bytes
         for i in range(len(path), whole):
-            size = kv[:, :, :, :BLOCK].numel() * kv.element_size()
             if not self._make_room(size, keep=parent):
                 break
             key = (parent.ident if parent is not None else 0, tuple(tokens[i * BLOCK : (i + 1) * BLOCK]))
