@@ -1,7 +1,7 @@
 """What the prefix cache buys a server, side by side: ``specdec serve --prefix-cache off`` and ``--prefix-cache auto``
 on loopback, the same requests through the same clients, the two servers taking turns in rounds.
 
-Two workloads, every prompt sent once per server (none is ever repeated whole, so no request's whole prefill is
+Four workloads, every prompt sent once per server (none is ever repeated whole, so no request's whole prefill is
 saved by having been sent before):
 
 - ``preamble``: a shared preamble (a system prompt, few-shot examples, a document; default: the first shipped
@@ -9,7 +9,9 @@ saved by having been sent before):
 - ``turns``: conversations of ``--turns`` turns, each turn's prompt the one before it, its output and a new tail
   (what a chat client resends every turn);
 - ``unique``: the tails alone, no two alike from their first tokens (nothing to find: what keeping and looking up
-  prefixes costs a server whose prompts share nothing).
+  prefixes costs a server whose prompts share nothing);
+- ``burst``: waves of as many requests as clients, sent together, each wave's preamble new to the server (a batch
+  job's prompts with their few-shot preamble: what requests arriving together share before any of them finished).
 
 Reports, per workload, server and clients: output tokens/s, p50/p95 latency, p50 time to first token, and the share of
 prompt tokens the server found cached (``usage.prompt_tokens_details.cached_tokens``); greedy outputs of the two
@@ -17,6 +19,7 @@ servers must be identical (the exit code is 1 where one is not).
 
     python benchmarks/prefix_cache.py --concurrency 1 8 --rounds 2 --json prefix.json
     python benchmarks/prefix_cache.py --workloads unique --rounds 3   # what the cache costs where nothing is found
+    python benchmarks/prefix_cache.py --workloads burst --concurrency 8 16   # requests arriving together
     python benchmarks/prefix_cache.py --serve-args "--target DIR --draft DIR" --preamble-file system.txt
 """
 
@@ -68,7 +71,9 @@ async def run(url: str, args: argparse.Namespace, workload: str, clients: int, b
     samples: list[Any] = []
     texts: dict[int, str] = {}
     preamble = args.preamble_text
-    if workload != "turns":
+    if workload == "burst":
+        waves = [list(range(w, min(w + clients, args.requests))) for w in range(0, args.requests, clients)]
+    elif workload != "turns":
         jobs = iter([[k] for k in range(args.requests)])
     else:
         convs = max(1, args.requests // args.turns)
@@ -86,11 +91,24 @@ async def run(url: str, args: argparse.Namespace, workload: str, clients: int, b
                 if workload == "turns":
                     prompt += sample.text
 
+    async def one(conn: Any, prompt: str, k: int) -> None:
+        sample = await complete(conn, args, prompt)
+        samples.append(sample)
+        texts[k] = sample.text
+
+    async def bursts() -> None:
+        for wave in waves:  # a preamble of its own (its first line), sent by every client at once
+            head = f"# batch {base + wave[0]}\n{preamble}"
+            await asyncio.gather(*(one(conn, head + tail(base + k), k) for conn, k in zip(conns, wave)))
+
     for conn in conns:
         await conn.connect()
     t0 = time.perf_counter()
     try:
-        await asyncio.gather(*(worker(c) for c in conns))
+        if workload == "burst":
+            await bursts()
+        else:
+            await asyncio.gather(*(worker(c) for c in conns))
     finally:
         for conn in conns:
             await conn.close()
@@ -186,7 +204,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--policy", default="adaptive", help="the requests' speculative policy ('' for the server's)")
     p.add_argument(
-        "--workloads", nargs="+", choices=["preamble", "turns", "unique"], default=["preamble", "turns", "unique"]
+        "--workloads",
+        nargs="+",
+        choices=["preamble", "turns", "unique", "burst"],
+        default=["preamble", "turns", "unique", "burst"],
     )
     p.add_argument("--preamble-file", type=Path, default=None, help="the shared preamble (default: held-out code)")
     p.add_argument("--timeout", type=float, default=300.0)

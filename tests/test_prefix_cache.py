@@ -148,10 +148,15 @@ def test_a_reused_prefix_gives_the_logits_a_whole_prefill_gives(runners: dict[st
         ref_cache = r.new_cache()
         r.forward(torch.tensor(tokens[:-1]), ref_cache, last_only=True)
         assert torch.equal(got, r.forward(torch.tensor(tokens[-1:]), ref_cache)), (len(tokens), n)
-    with pytest.raises(ValueError, match="empty cache"):
-        full = r.new_cache()
-        r.forward(torch.tensor(base[:3]), full)
-        r.reuse_prefix(full, base)
+    # A cache that already holds part of the prompt (computed, or found earlier) is extended from where it is, on and
+    # off block boundaries; what it holds beyond the kept prefix stays; each way the logits are a whole prefill's.
+    for held in (3, BLOCK, BLOCK + 5, 3 * BLOCK, 3 * BLOCK + 2):
+        part = r.new_cache()
+        r.forward(torch.tensor(base[:held]), part, last_only=True)
+        assert r.reuse_prefix(part, base[:-1]) == max(held, 3 * BLOCK), held
+        if part.length < len(base) - 1:
+            r.forward(torch.tensor(base[part.length : -1]), part, last_only=True)
+        assert torch.equal(r.forward(torch.tensor(base[-1:]), part), want), held
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -262,6 +267,62 @@ def test_random_batched_schedules_with_shared_prefixes_keep_every_output(
         assert g is not None and g.new_tokens == solo(engines, PROMPTS[p], n)
 
 
+@pytest.mark.parametrize("prefill_in_step", [24, 1000])
+def test_requests_arriving_together_with_a_new_preamble_compute_it_once(
+    engines: dict[str, Engine], monkeypatch: pytest.MonkeyPatch, prefill_in_step: int
+) -> None:
+    """Four requests sharing a preamble nobody has sent before start together (their prompts taken in by the steps,
+    in pieces of 24 tokens or whole): the first computes the preamble's rows, the others wait for them and copy its
+    blocks (target and draft) as soon as they are in its cache, not when it finishes; every output is its solo run's."""
+    engine = engines["cached"]
+    target, draft = engine.target.prefix_cache, engine.drafter.runner.prefix_cache  # type: ignore[union-attr]
+    assert target is not None and draft is not None
+    target.clear()
+    draft.clear()
+    rng = random.Random(prefill_in_step)
+    preamble = [rng.randrange(3, 250) for _ in range(5 * BLOCK + 7)]
+    prompts = [preamble + [rng.randrange(3, 250) for _ in range(3 + 2 * j)] for j in range(4)]
+    rows = {"target": 0}
+
+    def counted(runner: Any, name: str) -> None:
+        inner = runner.forward_blocks
+
+        def forward_blocks(blocks: Any, *a: Any, **kw: Any) -> Any:
+            rows[name] += sum(len(ids) for ids, _ in blocks)
+            return inner(blocks, *a, **kw)
+
+        monkeypatch.setattr(runner, "forward_blocks", forward_blocks)
+
+    counted(engine.target, "target")
+    draft_hits = draft.stats.hit_tokens
+    engine.prefill_in_step = prefill_in_step
+    try:
+        gens = [engine.start(p, max_new_tokens=8, tau=3) for p in prompts]
+        first_steps = [0] * len(gens)
+        steps = 0
+        while any(not g.done for g in gens):
+            steps += 1
+            engine.step([g for g in gens if not g.done])
+            for j, g in enumerate(gens):
+                if g.new_tokens and not first_steps[j]:
+                    first_steps[j] = steps
+            assert steps < 100
+    finally:
+        engine.prefill_in_step = 0
+    for p, g in zip(prompts, gens):
+        assert g.new_tokens == solo(engines, p, 8)
+    shared = len(preamble) // BLOCK * BLOCK
+    assert [g.stats.cached_tokens for g in gens] == [0] + [shared] * 3
+    # Prompt rows computed: the first prompt's, and only the others' tails (beyond the shared whole blocks).
+    prompt_rows = sum(len(p) - 1 for p in prompts) - 3 * shared
+    assert rows["target"] <= prompt_rows + steps * len(gens) * (3 + 1)  # and each step's blocks: last token + drafts
+    assert rows["target"] < sum(len(p) - 1 for p in prompts)
+    assert draft.stats.hit_tokens - draft_hits >= 3 * shared  # the draft model's rows of it copied likewise
+    # The later requests start as soon as the preamble is in and the budget takes their rests in (in pieces).
+    rests = sum(len(p) - 1 - shared for p in prompts[1:])
+    assert max(first_steps[1:]) <= first_steps[0] + -(-rests // prefill_in_step), first_steps
+
+
 def test_n_samples_and_scored_prompts(engines: dict[str, Engine]) -> None:
     engine = engines["cached"]
     engine.generate(PROMPTS[0], max_new_tokens=4, tau=2)  # warm
@@ -358,7 +419,7 @@ def test_the_prefix_cache_benchmark_runs_both_servers_side_by_side(
     tiny_models: dict[str, Path], tmp_path: Path
 ) -> None:
     """benchmarks/prefix_cache.py against two spawned servers over the tiny pair: every output the same on both, the
-    cached server finding the preamble and the earlier turns, the other nothing."""
+    cached server finding the preamble, the earlier turns and a wave's preamble, the other nothing."""
     preamble = tmp_path / "preamble.txt"
     preamble.write_text("def helper(x):\n    return x * 2\n\n" * 6)
     out = tmp_path / "prefix.json"
@@ -369,7 +430,9 @@ def test_the_prefix_cache_benchmark_runs_both_servers_side_by_side(
     done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=500)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(out.read_text())
-    assert report["identity"] == {"requests": 18, "differing": 0}
+    assert report["identity"] == {"requests": 24, "differing": 0}
     share = {(r["workload"], r["server"]): r["cached_share"] for r in report["rows"]}
     assert not any(v for (w, server), v in share.items() if server.endswith("off") or w == "unique"), share
     assert share[("preamble", "--prefix-cache auto")] > 0.3 and share[("turns", "--prefix-cache auto")] > 0.2
+    # waves of two requests sent together behind a preamble new to the server: the second copies the first's
+    assert share[("burst", "--prefix-cache auto")] > 0.2

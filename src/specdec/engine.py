@@ -30,6 +30,7 @@ from specdec.logits_rules import LogitsRules
 from specdec.policy import Decision, Policy, StepContext, make_policy, request_policy
 from specdec.policy.base import MeasuredCosts
 from specdec.records import PREDICTION_REASON, FinishReason, GenerationStats, RequestSummary, StepRecord, Verdict
+from specdec.runtime.prefix_cache import BLOCK
 from specdec.sampling_params import SamplingParams, TokenLogprob
 from specdec.target_side import Cache, TargetSide
 from specdec.text import OutputText, fast_encoder
@@ -377,6 +378,8 @@ class Engine:
         ctxs = [g.context_for_policy(len(live)) for g in live]
         # Prompt rows in this step's pass whatever is decided: joining sequences' prompt rests and the pieces.
         prompt_rows = sum(len(g.context) - 1 - g.cache.length for g in live) + sum(n for _, n in fills)
+        # the sequences whose prompt rows are in it (kept for others after the pass)
+        taking = [g for g in live if len(g.context) - 1 > g.cache.length] + [g for g, _ in fills] if prompt_rows else []
         t0 = self.clock()
         decisions = self._plan(live, ctxs, prompt_rows)
         self.policy_seconds += self.clock() - t0
@@ -398,6 +401,8 @@ class Engine:
             self._undo(live, fills)
             raise
         t3 = self.clock()
+        if taking and self.side.shares_prefixes:
+            self._keep_prompts(taking)
         if not live:  # only prompt pieces this time
             return [None] * len(generations)
 
@@ -465,24 +470,55 @@ class Engine:
         deferred prompt is not all in their cache: one whose rest fits steps with it (its block is the rest, then
         its draft); one whose rest does not takes in what is left of the budget (a piece: no draft, no verdict, no
         record) or, with nothing left, waits. Returns the pieces and the ids of the sequences that do not step.
-        Without a budget (0) a deferred prompt always comes whole with its first step."""
+        Without a budget (0) a deferred prompt always comes whole with its first step.
+
+        With a prefix cache (``TargetSide.shares_prefixes``) a waiting prompt first takes what other requests' prompts
+        have put there since it looked (``resume``), and one that shares whole blocks beyond its cache with a prompt
+        that an earlier sequence takes in this step waits for them instead of computing them again: requests that
+        arrive together with a new shared preamble compute it once."""
         pieces: list[tuple[Generation, int]] = []
         held: set[int] = set()
         budget = self.prefill_in_step
         if budget <= 0:
             return pieces, held
+        sharing = self.side.shares_prefixes
+        taking: list[list[int]] = []  # the prompts taking rows in this step's pass (with a prefix cache)
         for g in live:
             lag = len(g.context) - 1 - g.cache.length
             if lag <= 0:
                 continue
+            if sharing:
+                lag = len(g.context) - 1 - self._resume_prompt(g)
+                if lag <= 0:
+                    continue
+                if any(_shared_blocks(g.prompt_ids, p) > g.cache.length for p in taking):
+                    held.add(id(g))  # its next blocks are in an earlier sequence's rows: found there next step
+                    continue
             if lag <= budget:
                 budget -= lag
-                continue
-            held.add(id(g))
-            if budget > 0:
+            else:
+                held.add(id(g))
+                if budget <= 0:
+                    continue
                 pieces.append((g, budget))
                 budget = 0
+            if sharing:
+                taking.append(g.prompt_ids)
         return pieces, held
+
+    def _resume_prompt(self, g: Generation) -> int:
+        """A deferred prompt's cache extended from the prefix cache (``TargetSide.resume``), counted as cached."""
+        have = g.cache.length
+        now = self.side.resume(g.cache, g.prompt_ids)
+        g.stats.cached_tokens += now - have
+        return now
+
+    def _keep_prompts(self, taking: Sequence[Generation]) -> None:
+        """The prompt rows a pass just computed, kept for requests that share them (``TargetSide.keep``)."""
+        for g in taking:
+            self.side.keep(g.cache, g.prompt_ids[:-1])
+            if self.drafter is not None and g.draft_state is not None:
+                self.drafter.keep(g.draft_state, g.prompt_ids[:-1])
 
     def _draft(
         self,
@@ -532,6 +568,16 @@ class _StepShape:
     drafting: int  # sequences that drafted
     draft_passes: int  # lockstep draft forwards
     draft_fed: int  # context tokens the drafter took in before drafting, over all sequences (its catch-up)
+
+
+def _shared_blocks(a: list[int], b: list[int]) -> int:
+    """Positions of the whole ``BLOCK``s two prompts share from their start (of what their caches hold: all but the
+    last token)."""
+    n = min(len(a), len(b)) - 1
+    i = 0
+    while i + BLOCK <= n and a[i : i + BLOCK] == b[i : i + BLOCK]:
+        i += BLOCK
+    return i
 
 
 def _by_policy(live: Sequence[Generation]) -> list[tuple[Policy, list[int]]]:

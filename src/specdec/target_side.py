@@ -87,6 +87,18 @@ class TargetSide(ABC):
         ``prompt_ids[:-1]``. A side that cannot score refuses."""
         raise UnsupportedError(f"{type(self).__name__} does not score prompts (prompt log probabilities)")
 
+    shares_prefixes: bool = False  # a prefix cache: ``resume`` may find what another request's ``keep`` put there
+
+    def resume(self, cache: Cache, prompt_ids: list[int]) -> int:
+        """Extend a deferred prompt's ``cache`` (holding the first ``cache.length`` of ``prompt_ids[:-1]``) with what
+        the side's prefix cache has kept of the prompt beyond that since its prefill looked; returns the cache's
+        length after. A side without a prefix cache: unchanged."""
+        return cache.length
+
+    def keep(self, cache: Cache, tokens: list[int]) -> None:  # noqa: B027 - optional hook
+        """Keep the prefix of ``tokens`` (a prompt) that ``cache`` holds in the side's prefix cache now, for requests
+        arriving while this one runs (``release`` keeps the whole context at its end)."""
+
     @abstractmethod
     def fork(self, cache: Cache, prompt_ids: list[int]) -> Cache:
         """A copy of an unstepped request's cache of the same prompt (``Engine.start_many``)."""

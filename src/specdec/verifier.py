@@ -47,7 +47,18 @@ class ModelTarget(TargetSide):
         if len(prompt_ids) - 1 > reused and not defer:
             ids = torch.tensor(prompt_ids[reused:-1], dtype=torch.long, device=self.runner.device)
             self.runner.forward(ids, cache, last_only=True)
+            self.runner.keep_prefix(cache, prompt_ids[:-1])  # for requests arriving while this one runs
         return cache, reused
+
+    @property
+    def shares_prefixes(self) -> bool:  # type: ignore[override]
+        return self.runner.prefix_cache is not None
+
+    def resume(self, cache: Cache, prompt_ids: list[int]) -> int:
+        return self.runner.reuse_prefix(cast(KVCache, cache), prompt_ids[:-1])
+
+    def keep(self, cache: Cache, tokens: list[int]) -> None:
+        self.runner.keep_prefix(cast(KVCache, cache), tokens)
 
     def prompt_logprobs(
         self, prompt_ids: list[int], params: SamplingParams, k: int, cache: Cache | None = None

@@ -51,6 +51,10 @@ class Drafter(ABC):
     def rollback(self, state: Any, length: int) -> None:  # noqa: B027 - optional hook
         """Only the first ``length`` tokens of what the drafter has seen stand (the rest were rejected)."""
 
+    def keep(self, state: Any, tokens: Sequence[int]) -> None:  # noqa: B027 - optional hook
+        """Keep what the state holds of ``tokens`` (a prompt) in the drafter's prefix cache now, for requests arriving
+        while this one runs (a draft model's; ``release`` keeps the whole context at the end)."""
+
     def release(self, state: Any, tokens: Sequence[int] = ()) -> None:  # noqa: B027 - optional hook
         """The request is over: free (or hand back) its state. ``tokens``: the request's context, of which the state
         holds a prefix (a draft model's prefix cache keeps it)."""

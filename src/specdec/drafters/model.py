@@ -9,6 +9,7 @@ import torch
 
 from specdec.drafters.base import Draft, DraftAsk, Drafter, Pick, lockstep
 from specdec.runtime.base import KVCache, ModelRunner
+from specdec.runtime.prefix_cache import BLOCK
 from specdec.sampling import SamplingParams, logits_to_probs, sample
 
 
@@ -35,12 +36,17 @@ class ModelDrafter(Drafter):
         if len(prompt) - 1 > reused:
             ids = torch.tensor(prompt[reused:-1], dtype=torch.long, device=self.runner.device)
             self.runner.forward(ids, state.cache, last_only=True)
+            self.runner.keep_prefix(state.cache, prompt[:-1])  # for requests arriving while this one runs
 
     def _resume(self, state: DraftModelState, tokens: list[int]) -> int:
-        """An empty cache starts from the runner's longest kept prefix of ``tokens``; the cache's length after."""
-        if state.cache.length == 0:
+        """A cache a block or more behind ``tokens`` (a prompt not yet taken in: not a step's catch-up of a token or
+        two) is extended from the runner's longest kept prefix of them; the cache's length after."""
+        if len(tokens) - state.cache.length >= BLOCK:
             return self.runner.reuse_prefix(state.cache, tokens)
         return state.cache.length
+
+    def keep(self, state: DraftModelState, tokens: Sequence[int]) -> None:
+        self.runner.keep_prefix(state.cache, tokens)
 
     def take_in(self, items: Sequence[tuple[DraftModelState, list[int], int, int]]) -> None:
         for state, context, start, n in items:

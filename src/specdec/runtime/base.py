@@ -108,12 +108,19 @@ class ModelRunner(ABC):
 
     def release(self, cache: KVCache, tokens: Sequence[int] = ()) -> None:  # noqa: B027 - optional hook
         """A finished sequence's cache, which the runner may reuse for the next one. ``tokens``: the ids the cache
-        holds (its first ``len(tokens)`` positions), kept as prefixes where the runner has a prefix cache."""
+        holds (its first ``len(tokens)`` positions), kept as prefixes where the runner has a prefix cache
+        (``keep_prefix``)."""
 
     def reuse_prefix(self, cache: KVCache, tokens: Sequence[int]) -> int:
-        """Fill an empty ``cache`` with the longest prefix of ``tokens`` the runner kept (``release``); returns its
-        length (0: none, or no prefix cache). The rest of ``tokens`` is the caller's to feed."""
-        return 0
+        """Extend ``cache``, which holds the first ``cache.length`` of ``tokens`` (none when it is new), with what the
+        runner kept (``keep_prefix``, ``release``) of the longest prefix of ``tokens`` beyond that; returns the cache's
+        length after (unchanged: nothing further kept, or no prefix cache). The rest of ``tokens`` is the caller's to
+        feed."""
+        return cache.length
+
+    def keep_prefix(self, cache: KVCache, tokens: Sequence[int]) -> None:  # noqa: B027 - optional hook
+        """Keep the prefix of ``tokens`` that ``cache`` holds (its first ``cache.length`` positions), where the runner
+        has a prefix cache, for other sequences to reuse (``reuse_prefix``); the cache goes on as it was."""
 
     def fork_cache(self, cache: KVCache, tokens: Sequence[int]) -> KVCache:
         """A new cache holding what ``cache`` holds (``tokens``, the ids it was filled with), independent of it

@@ -325,17 +325,22 @@ class NativeRunner(ModelRunner):
     @torch.inference_mode()
     def reuse_prefix(self, cache: KVCache, tokens: Sequence[int]) -> int:
         if self.prefix_cache is None:
-            return 0
-        if not isinstance(cache, NativeCache) or cache.length:
-            raise ValueError("reuse_prefix needs an empty cache from this runner's new_cache()")
-        n = self.prefix_cache.restore(cache.kv, tokens)
-        cache._length = n
-        return n
+            return cache.length
+        if not isinstance(cache, NativeCache):
+            raise ValueError("reuse_prefix needs a cache from this runner's new_cache()")
+        have = min(cache.length, len(tokens))
+        n = self.prefix_cache.restore(cache.kv, tokens, have)
+        if n > cache.length:
+            cache._length = n
+        return cache.length
 
     @torch.inference_mode()
-    def release(self, cache: KVCache, tokens: Sequence[int] = ()) -> None:
+    def keep_prefix(self, cache: KVCache, tokens: Sequence[int]) -> None:
         if self.prefix_cache is not None and tokens and isinstance(cache, NativeCache):
             self.prefix_cache.store(cache.kv, tokens[: cache.length])
+
+    def release(self, cache: KVCache, tokens: Sequence[int] = ()) -> None:
+        self.keep_prefix(cache, tokens)
         kept = sum(t.numel() * t.element_size() for t in self._spare)
         if isinstance(cache, NativeCache) and kept + cache.kv.numel() * cache.kv.element_size() <= SPARE_CACHE_BYTES:
             cache.crop(0)

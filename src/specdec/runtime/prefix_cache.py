@@ -6,8 +6,9 @@ time the prefill recomputes keys and values it has computed before, and on a CPU
 request's arithmetic (a 300-token prompt costs the default target ~23 ms of multiply-adds at the two cores' peak;
 64 tokens of batched decoding cost less). A ``PrefixCache`` keeps a runner's keys and values by token prefix, in
 blocks of ``BLOCK`` positions: a new sequence copies the longest stored prefix of its prompt into its cache
-(``NativeRunner.reuse_prefix``) and computes only the rest; a finished sequence's whole blocks go in
-(``NativeRunner.keep_prefix``), prompt and output alike, so a conversation's next turn finds its earlier turns.
+(``NativeRunner.reuse_prefix``) and computes only the rest; a prompt's whole blocks go in as soon as they are computed
+(``NativeRunner.keep_prefix``: requests that arrive while it runs find them) and a finished sequence's at its end
+(``NativeRunner.release``), prompt and output alike, so a conversation's next turn finds its earlier turns.
 
 Exact: the entry for a block is keyed by every token before it and in it (a block is found only through its parent,
 the block before it), so what a sequence copies is what its own prefill would have written to those positions. On
@@ -45,7 +46,8 @@ class _Block:
 
 @dataclass
 class PrefixStats:
-    """Counts since the runner loaded (``/metrics``): tokens looked up and found, blocks kept and evicted."""
+    """Counts since the runner loaded (``/health``): tokens looked up (on a sequence's first look) and found, blocks
+    kept and evicted."""
 
     queried_tokens: int = 0
     hit_tokens: int = 0
@@ -85,18 +87,24 @@ class PrefixCache:
         for block in reversed(path):  # deepest first: each ancestor ends up more recent than its descendants
             self._lru.move_to_end(block.ident)
 
-    def restore(self, kv: torch.Tensor, tokens: Sequence[int]) -> int:
+    def restore(self, kv: torch.Tensor, tokens: Sequence[int], have: int = 0) -> int:
         """Copy the longest stored prefix of ``tokens`` into ``kv`` (a cache tensor ``[layers, 2, kv_heads,
-        positions, head_dim]``, positions from 0); returns its length (a multiple of ``BLOCK``, 0 when none)."""
-        self.stats.queried_tokens += len(tokens)
+        positions, head_dim]``, positions from 0); returns its length (a multiple of ``BLOCK``, 0 when none).
+        ``have``: positions ``kv`` already holds of ``tokens`` (their keys and values, however computed): only the
+        blocks from the one holding position ``have`` on are copied, and only when the stored prefix goes beyond it
+        (a block partly held is copied whole: its held positions get the same bits again)."""
+        skip = have // BLOCK
+        if not have:  # a sequence's first look (a later one, for what it still lacks, counts only what it finds)
+            self.stats.queried_tokens += len(tokens)
         path = self._path(tokens)
-        if not path:
-            return 0
-        self._touch(path)
         n = len(path) * BLOCK
-        stacked = torch.stack([b.kv for b in path], dim=3)  # [layers, 2, kv_heads, blocks, BLOCK, head_dim]
-        kv.narrow(3, 0, n).copy_(stacked.flatten(3, 4))
-        self.stats.hit_tokens += n
+        if n <= have:
+            return n
+        self._touch(path)
+        new = path[skip:]
+        stacked = torch.stack([b.kv for b in new], dim=3)  # [layers, 2, kv_heads, blocks, BLOCK, head_dim]
+        kv.narrow(3, skip * BLOCK, len(new) * BLOCK).copy_(stacked.flatten(3, 4))
+        self.stats.hit_tokens += n - have
         return n
 
     def store(self, kv: torch.Tensor, tokens: Sequence[int]) -> int:
