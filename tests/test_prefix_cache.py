@@ -323,6 +323,45 @@ def test_requests_arriving_together_with_a_new_preamble_compute_it_once(
     assert max(first_steps[1:]) <= first_steps[0] + -(-rests // prefill_in_step), first_steps
 
 
+def test_a_prompt_sharing_little_with_one_taken_in_beside_it_does_not_wait(engines: dict[str, Engine]) -> None:
+    """Two prompts sharing their first block (a chat template's header) and then 60 tokens each, started together,
+    both fitting the step's budget: waiting a step would save the second a sixth of its rows, so both are taken in by
+    the first step."""
+    engine = engines["cached"]
+    rng = random.Random(5)
+    header = [rng.randrange(3, 250) for _ in range(BLOCK + 3)]
+    prompts = [header + [rng.randrange(3, 250) for _ in range(60)] for _ in range(2)]
+    engine.prefill_in_step = 1000
+    try:
+        gens = [engine.start(p, max_new_tokens=4, tau=2) for p in prompts]
+        engine.step(gens)
+        assert all(g.new_tokens for g in gens)  # both emitted in the first step
+        while any(not g.done for g in gens):
+            engine.step([g for g in gens if not g.done])
+    finally:
+        engine.prefill_in_step = 0
+    assert all(g.new_tokens == solo(engines, p, 4) for g, p in zip(gens, prompts))
+
+
+def test_prompts_prefilled_at_start_are_shared_before_their_requests_finish(engines: dict[str, Engine]) -> None:
+    """Without a prompt budget (``--max-batch 1``, ``Engine.generate``) each prompt is prefilled when its request
+    starts: requests started one after another behind a new preamble find it kept, target's and draft's, while the
+    first is still running."""
+    engine = engines["cached"]
+    draft = engine.drafter.runner.prefix_cache  # type: ignore[union-attr]
+    assert draft is not None
+    rng = random.Random(11)
+    preamble = [rng.randrange(3, 250) for _ in range(4 * BLOCK + 1)]
+    prompts = [preamble + [rng.randrange(3, 250) for _ in range(4)] for _ in range(3)]
+    hits = draft.stats.hit_tokens
+    gens = [engine.start(p, max_new_tokens=6, tau=2) for p in prompts]
+    assert [g.stats.cached_tokens for g in gens] == [0, 4 * BLOCK, 4 * BLOCK]
+    assert draft.stats.hit_tokens - hits == 2 * 4 * BLOCK
+    while any(not g.done for g in gens):
+        engine.step([g for g in gens if not g.done])
+    assert all(g.new_tokens == solo(engines, p, 6) for g, p in zip(gens, prompts))
+
+
 def test_n_samples_and_scored_prompts(engines: dict[str, Engine]) -> None:
     engine = engines["cached"]
     engine.generate(PROMPTS[0], max_new_tokens=4, tau=2)  # warm

@@ -30,7 +30,6 @@ from specdec.logits_rules import LogitsRules
 from specdec.policy import Decision, Policy, StepContext, make_policy, request_policy
 from specdec.policy.base import MeasuredCosts
 from specdec.records import PREDICTION_REASON, FinishReason, GenerationStats, RequestSummary, StepRecord, Verdict
-from specdec.runtime.prefix_cache import BLOCK
 from specdec.sampling_params import SamplingParams, TokenLogprob
 from specdec.target_side import Cache, TargetSide
 from specdec.text import OutputText, fast_encoder
@@ -401,7 +400,7 @@ class Engine:
             self._undo(live, fills)
             raise
         t3 = self.clock()
-        if taking and self.side.shares_prefixes:
+        if taking and self.side.prefix_block:
             self._keep_prompts(taking)
         if not live:  # only prompt pieces this time
             return [None] * len(generations)
@@ -472,27 +471,29 @@ class Engine:
         record) or, with nothing left, waits. Returns the pieces and the ids of the sequences that do not step.
         Without a budget (0) a deferred prompt always comes whole with its first step.
 
-        With a prefix cache (``TargetSide.shares_prefixes``) a waiting prompt first takes what other requests' prompts
-        have put there since it looked (``resume``), and one that shares whole blocks beyond its cache with a prompt
-        that an earlier sequence takes in this step waits for them instead of computing them again: requests that
-        arrive together with a new shared preamble compute it once."""
+        With a prefix cache (``TargetSide.prefix_block``) a waiting prompt first takes what other requests' prompts
+        have put there since it looked (``resume``), and one whose rest is at least half whole blocks that an earlier
+        sequence's prompt takes in this step waits a step for them instead of computing them again: requests that
+        arrive together behind a new shared preamble compute it once, and a prompt sharing only a little (a chat
+        template's first lines) is not delayed for it."""
         pieces: list[tuple[Generation, int]] = []
         held: set[int] = set()
         budget = self.prefill_in_step
         if budget <= 0:
             return pieces, held
-        sharing = self.side.shares_prefixes
+        block = self.side.prefix_block  # 0: no prefix cache
         taking: list[list[int]] = []  # the prompts taking rows in this step's pass (with a prefix cache)
         for g in live:
             lag = len(g.context) - 1 - g.cache.length
             if lag <= 0:
                 continue
-            if sharing:
+            if block:
                 lag = len(g.context) - 1 - self._resume_prompt(g)
                 if lag <= 0:
                     continue
-                if any(_shared_blocks(g.prompt_ids, p) > g.cache.length for p in taking):
-                    held.add(id(g))  # its next blocks are in an earlier sequence's rows: found there next step
+                found = max((_shared_blocks(g.prompt_ids, p, block) for p in taking), default=0) - g.cache.length
+                if found > 0 and 2 * found >= lag:
+                    held.add(id(g))  # most of what it lacks is in an earlier sequence's rows: copied next step
                     continue
             if lag <= budget:
                 budget -= lag
@@ -502,7 +503,7 @@ class Engine:
                     continue
                 pieces.append((g, budget))
                 budget = 0
-            if sharing:
+            if block:
                 taking.append(g.prompt_ids)
         return pieces, held
 
@@ -570,13 +571,13 @@ class _StepShape:
     draft_fed: int  # context tokens the drafter took in before drafting, over all sequences (its catch-up)
 
 
-def _shared_blocks(a: list[int], b: list[int]) -> int:
-    """Positions of the whole ``BLOCK``s two prompts share from their start (of what their caches hold: all but the
-    last token)."""
+def _shared_blocks(a: list[int], b: list[int], block: int) -> int:
+    """Positions of the whole blocks of ``block`` tokens two prompts share from their start (of what their caches
+    hold: all but the last token)."""
     n = min(len(a), len(b)) - 1
     i = 0
-    while i + BLOCK <= n and a[i : i + BLOCK] == b[i : i + BLOCK]:
-        i += BLOCK
+    while i + block <= n and a[i : i + block] == b[i : i + block]:
+        i += block
     return i
 
 

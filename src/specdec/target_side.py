@@ -87,7 +87,9 @@ class TargetSide(ABC):
         ``prompt_ids[:-1]``. A side that cannot score refuses."""
         raise UnsupportedError(f"{type(self).__name__} does not score prompts (prompt log probabilities)")
 
-    shares_prefixes: bool = False  # a prefix cache: ``resume`` may find what another request's ``keep`` put there
+    # Positions per block of the side's prefix cache, where ``resume`` finds what other requests' prompts ``keep``
+    # (prefixes are shared in whole blocks); 0: no prefix cache.
+    prefix_block: int = 0
 
     def resume(self, cache: Cache, prompt_ids: list[int]) -> int:
         """Extend a deferred prompt's ``cache`` (holding the first ``cache.length`` of ``prompt_ids[:-1]``) with what

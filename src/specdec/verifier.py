@@ -16,6 +16,7 @@ from specdec.drafters.base import Draft
 from specdec.logits_rules import LogitsRules, RulesState
 from specdec.records import Verdict
 from specdec.runtime.base import KVCache, ModelRunner, eos_ids_of
+from specdec.runtime.prefix_cache import BLOCK
 from specdec.sampling import SamplingParams, TokenLogprob, logits_to_probs, token_logprobs
 from specdec.target_side import Cache, TargetSide, Verifying
 from specdec.verify import verdict_greedy, verify_sampling
@@ -51,8 +52,8 @@ class ModelTarget(TargetSide):
         return cache, reused
 
     @property
-    def shares_prefixes(self) -> bool:  # type: ignore[override]
-        return self.runner.prefix_cache is not None
+    def prefix_block(self) -> int:  # type: ignore[override]
+        return BLOCK if self.runner.prefix_cache is not None else 0
 
     def resume(self, cache: Cache, prompt_ids: list[int]) -> int:
         return self.runner.reuse_prefix(cast(KVCache, cache), prompt_ids[:-1])
