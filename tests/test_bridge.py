@@ -432,3 +432,19 @@ def test_bench_and_tune_measure_the_pair(pair: tuple[Path, Path], tmp_path: Path
     assert res.returncode == 0, res.stderr
     tuned = json.loads(tune_out.read_text())
     assert tuned["drafts"][0]["acceptance_rate"] > 0
+
+
+def test_a_bridged_draft_keeps_prefixes_by_its_own_ids(pair: tuple[Path, Path]) -> None:
+    """With a prefix cache the bridged draft keeps its cache by the draft ids it holds (the target's ids are not its
+    own): a prompt sharing an earlier one's start finds the draft's rows too, and outputs stay target-only's."""
+    target, draft = pair
+    cached = specdec.load(target, draft, dtype="float32", prefix_cache=8)
+    plain = specdec.load(target, draft, dtype="float32")
+    assert isinstance(cached.drafter, BridgedDrafter)
+    store = cached.drafter.runner.prefix_cache
+    assert store is not None and cached.target.prefix_cache is not None
+    start = "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n" * 2
+    for tail in ("    return a\n", "    print(a)\n", "    return b\n"):
+        got = cached.generate(start + tail, max_new_tokens=16, tau=3)
+        assert got.token_ids == plain.generate(start + tail, max_new_tokens=16, tau=0).token_ids
+    assert store.stats.hit_tokens >= 2 * 16  # the later prompts found at least a block of the draft's each

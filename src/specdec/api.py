@@ -219,7 +219,8 @@ def load(
         kind = _draft_kind(draft_tokenizer, target_tok, draft_tok, target_runner, draft_runner)
         if kind == "model":  # positions are shared only when the ids are
             max_context = min(max_context, draft_runner.max_context)
-            _keep_prefixes(draft_runner, prefix_mib, required=False)  # the target's refusal speaks for both
+        # (a bridged draft's prefixes are its own ids': kept by them, as exact)
+        _keep_prefixes(draft_runner, prefix_mib, required=False)  # the target's refusal speaks for both
     else:
         _refuse_draft_options(draft_vocab, draft_window, "a draft model")
     _keep_prefixes(target_runner, prefix_mib, required=prefix_cache != "auto")

@@ -199,7 +199,9 @@ class BridgedDrafter(Drafter):
             state.draft_ids = _DraftIds(self.draft_tokenizer, self._prefix)
 
     def release(self, state: BridgeState, tokens: Sequence[int] = ()) -> None:
-        self.inner.release(state.inner)  # the target's ids are not the draft's: nothing kept as a prefix
+        # The target's ids are not the draft's: the draft's cache is kept by the draft ids it holds (``held``; a
+        # prompt's prefill kept it too, ``ModelDrafter.prefill``), exact as any draft model's.
+        self.inner.release(state.inner, state.held[: state.inner.cache.length])
 
     @torch.inference_mode()
     def propose(self, asks: Sequence[DraftAsk]) -> list[Draft]:
