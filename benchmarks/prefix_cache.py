@@ -79,22 +79,21 @@ async def run(url: str, args: argparse.Namespace, workload: str, clients: int, b
         convs = max(1, args.requests // args.turns)
         jobs = iter([[c * args.turns + t for t in range(args.turns)] for c in range(convs)])
 
+    async def one(conn: Any, prompt: str, k: int) -> str:
+        sample = await complete(conn, args, prompt)
+        samples.append(sample)
+        texts[k] = sample.text
+        return str(sample.text)
+
     async def worker(conn: Any) -> None:
         for job in jobs:
             start = preamble if workload == "preamble" else ""
             prompt = start
             for k in job:
                 prompt = (prompt if workload == "turns" else start) + tail(base + k)
-                sample = await complete(conn, args, prompt)
-                samples.append(sample)
-                texts[k] = sample.text
+                text = await one(conn, prompt, k)
                 if workload == "turns":
-                    prompt += sample.text
-
-    async def one(conn: Any, prompt: str, k: int) -> None:
-        sample = await complete(conn, args, prompt)
-        samples.append(sample)
-        texts[k] = sample.text
+                    prompt += text
 
     async def bursts() -> None:
         for wave in waves:  # a preamble of its own (its first line), sent by every client at once

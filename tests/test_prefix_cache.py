@@ -282,18 +282,14 @@ def test_requests_arriving_together_with_a_new_preamble_compute_it_once(
     rng = random.Random(prefill_in_step)
     preamble = [rng.randrange(3, 250) for _ in range(5 * BLOCK + 7)]
     prompts = [preamble + [rng.randrange(3, 250) for _ in range(3 + 2 * j)] for j in range(4)]
-    rows = {"target": 0}
+    rows = {"target": 0}  # of the target's passes
+    inner = engine.target.forward_blocks
 
-    def counted(runner: Any, name: str) -> None:
-        inner = runner.forward_blocks
+    def forward_blocks(blocks: Any, *a: Any, **kw: Any) -> Any:
+        rows["target"] += sum(len(ids) for ids, _ in blocks)
+        return inner(blocks, *a, **kw)
 
-        def forward_blocks(blocks: Any, *a: Any, **kw: Any) -> Any:
-            rows[name] += sum(len(ids) for ids, _ in blocks)
-            return inner(blocks, *a, **kw)
-
-        monkeypatch.setattr(runner, "forward_blocks", forward_blocks)
-
-    counted(engine.target, "target")
+    monkeypatch.setattr(engine.target, "forward_blocks", forward_blocks)
     draft_hits = draft.stats.hit_tokens
     engine.prefill_in_step = prefill_in_step
     try:
