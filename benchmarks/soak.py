@@ -107,10 +107,8 @@ def plan_request(
     if not greedy and rng.random() < 0.5:
         body["seed"] = rng.randrange(1000)
     if not greedy and rng.random() < 0.3:
-        if rng.random() < 0.5:
-            body["top_k"] = 20
-        else:
-            body["top_p"] = 0.9
+        field, value = rng.choice([("top_k", 20), ("top_p", 0.9), ("min_p", 0.05)])
+        body[field] = value
     lists = len(body["prompt"]) if isinstance(body.get("prompt"), list) and isinstance(body["prompt"][0], str) else 1
     if rng.random() < 0.2 and max_n // lists > 1:
         body["n"] = rng.randint(2, max_n // lists)

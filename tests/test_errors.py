@@ -30,6 +30,8 @@ def engine(tiny_models):
         (dict(top_p=0.0), InvalidRequestError, "top_p"),
         (dict(top_p=1.5), InvalidRequestError, "top_p"),
         (dict(top_k=-2), InvalidRequestError, "top_k"),
+        (dict(min_p=1.5), InvalidRequestError, "min_p"),
+        (dict(min_p=-0.1), InvalidRequestError, "min_p"),
         (dict(max_verify_passes=0), InvalidRequestError, "max_verify_passes"),
         (dict(policy="nonsense"), InvalidRequestError, "unknown policy"),
         (dict(stop=[""]), InvalidRequestError, "stop"),

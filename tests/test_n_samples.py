@@ -261,11 +261,12 @@ def n_engine(n_models: tuple[Path, Path]) -> Engine:
 
 @pytest.mark.server
 def test_server_n_samples_match_the_engine(n_client: Any, n_engine: Engine) -> None:
-    """n=3 seeded sampling: choices 0..2, each the engine's sample j (same seeds), usage summed."""
+    """n=3 seeded sampling: choices 0..2, each the engine's sample j (same seeds, the extensions top_k and min_p
+    passed on), usage summed."""
     resp = n_client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=20, temperature=1.0, seed=11, n=3, extra_body={"top_k": 20}
+        model=MODEL, prompt=PROMPT, max_tokens=20, temperature=1.0, seed=11, n=3, extra_body={"top_k": 20, "min_p": 0.5}
     )
-    want = n_engine.start_many(PROMPT, 3, max_new_tokens=20, temperature=1.0, top_k=20, seed=11)
+    want = n_engine.start_many(PROMPT, 3, max_new_tokens=20, temperature=1.0, top_k=20, min_p=0.5, seed=11)
     run_all(n_engine, want)
     results = [g.result() for g in want]
     assert [c.index for c in resp.choices] == [0, 1, 2]

@@ -80,6 +80,8 @@ BAD_COMPLETIONS: list[tuple[bytes, int, str | None, str]] = [
     (b'{"prompt": "x", "temperature": "hot"}', 400, "temperature", "invalid_value"),
     (b'{"prompt": "x", "top_p": 0}', 400, "top_p", "invalid_value"),
     (b'{"prompt": "x", "top_k": -1}', 400, "top_k", "invalid_value"),
+    (b'{"prompt": "x", "min_p": 1.5}', 400, "min_p", "invalid_value"),
+    (b'{"prompt": "x", "min_p": -0.1}', 400, "min_p", "invalid_value"),
     (b'{"prompt": "x", "seed": 1e30}', 400, "seed", "invalid_value"),
     (b'{"prompt": "x", "seed": 100000000000000000000000}', 400, "seed", "invalid_value"),
     (b'{"prompt": "x", "stop": ""}', 400, "stop", "invalid_value"),

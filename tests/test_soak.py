@@ -106,6 +106,7 @@ def test_requests_are_valid_and_cover_the_api() -> None:
         "stream_options",
         "top_k",
         "top_p",
+        "min_p",
     ):
         assert field in seen, field
     for p in plans:

@@ -294,6 +294,7 @@ def audit_sampling(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
     runs: int = 400,
     positions: int = 2,
     seed: int = 0,
@@ -315,7 +316,7 @@ def audit_sampling(
     rules = dict(rules or {})
     if batch < 1:
         raise ValueError(f"batch must be >= 1, got {batch}")
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
     if params.greedy:
         raise ValueError("audit_sampling needs temperature > 0; use audit_greedy for greedy decoding")
     result = AuditResult(mode="sampling", prompts=len(prompts), alpha=alpha, batch=batch)
@@ -328,6 +329,7 @@ def audit_sampling(
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            min_p=min_p,
             seed=seed + r,
             **rules,
             **spec_kwargs,
@@ -377,7 +379,7 @@ def _target_probs(
     prompt_len: int | None = None,
 ) -> torch.Tensor:
     """The target's next-token distribution after ``context`` as target-only decoding samples it: its logits under
-    ``rules`` (the tokens after ``prompt_len`` counted as generated), then temperature, top-k and top-p."""
+    ``rules`` (the tokens after ``prompt_len`` counted as generated), then temperature, top-k, top-p and min-p."""
     logits = _next_logits(engine, context)[None]
     if rules is not None and rules.active:
         start = len(context) if prompt_len is None else prompt_len

@@ -158,6 +158,7 @@ class Engine:
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
+        min_p: float = 0.0,
         seed: int | None = None,
         tau: int | None = None,
         policy: str | Policy | None = None,
@@ -194,7 +195,7 @@ class Engine:
         after the first scored by the target given the ones before it, with its ``k`` likeliest alternatives
         (``GenerationResult.prompt_logprobs``; from the prompt's prefill, run with its logits kept).
         """
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         scoring_only = max_new_tokens == 0 and prompt_logprobs is not None  # the prompt scored, nothing generated
         if (
             not isinstance(max_new_tokens, int)
@@ -842,6 +843,7 @@ class Generation:
                 "temperature": self.params.temperature,
                 "top_k": self.params.top_k,
                 "top_p": self.params.top_p,
+                "min_p": self.params.min_p,
                 "seed": self.params.seed,
                 "max_new_tokens": self.max_new_tokens,
                 "max_verify_passes": self.max_verify_passes,

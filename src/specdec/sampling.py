@@ -3,7 +3,7 @@
 The same ``SamplingParams`` are applied to target and draft logits before the acceptance
 rule (Leviathan et al. 2023 prove losslessness for whatever distribution the target
 samples from, so the target's *processed* distribution is the one to reproduce).
-Order as in ``transformers``: temperature, then top-k, then top-p. ``SamplingParams`` and ``TokenLogprob`` are
+Order as in ``transformers``: temperature, then top-k, then top-p, then min-p. ``SamplingParams`` and ``TokenLogprob`` are
 plain data, defined in ``specdec.sampling_params`` (no torch) and re-exported here.
 """
 
@@ -17,8 +17,9 @@ __all__ = ["SamplingParams", "TokenLogprob", "logits_to_probs", "processed_logit
 
 
 def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """``logits [k, V]`` -> float32 logits of the distribution sampled from: tempered, with -inf outside top-k
-    and top-p. Greedy requests: the logits unchanged (temperature 1)."""
+    """``logits [k, V]`` -> float32 logits of the distribution sampled from: tempered, with -inf outside top-k,
+    top-p and min-p (a token kept when its probability is at least ``min_p`` times the most likely one's, after
+    top-k and top-p, which leave that one). Greedy requests: the logits unchanged (temperature 1)."""
     logits = logits.float()
     if params.greedy:
         return logits
@@ -33,6 +34,10 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
         drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        floor = params.min_p * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
 

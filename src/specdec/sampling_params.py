@@ -20,6 +20,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
     seed: int | None = None
 
     def __post_init__(self) -> None:
@@ -29,6 +30,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be an integer >= 0, got {self.top_k}", "top_k")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
 
     @property
     def greedy(self) -> bool:

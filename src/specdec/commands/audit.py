@@ -60,6 +60,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy comparison (default)")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument(
+        "--min-p", type=float, default=0.0, help="keep tokens at least MIN_P times as likely as the likeliest (0 = off)"
+    )
     g.add_argument("--max-new-tokens", type=int, default=64, help="greedy: tokens compared per prompt")
     g.add_argument("--runs", type=int, default=400, help="sampling: seeded runs per prompt (default 400)")
     g.add_argument("--positions", type=int, default=2, choices=(1, 2), help="sampling: positions tested")
@@ -131,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             temperature=args.temperature,
             top_k=args.top_k,
             top_p=args.top_p,
+            min_p=args.min_p,
             runs=args.runs,
             positions=args.positions,
             seed=args.seed,

@@ -27,6 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument(
+        "--min-p", type=float, default=0.0, help="keep tokens at least MIN_P times as likely as the likeliest (0 = off)"
+    )
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     g.add_argument("--max-verify-passes", type=int, default=None, help="hard cap on target passes for the request")
@@ -102,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        min_p=args.min_p,
         seed=args.seed,
         stop=args.stop,
         max_verify_passes=args.max_verify_passes,

@@ -102,6 +102,7 @@ def engine_kwargs(body: _Common, request_id: str) -> dict[str, Any]:
         "temperature": float(body.temperature),
         "top_k": body.top_k,
         "top_p": float(body.top_p),
+        "min_p": float(body.min_p),
         "seed": body.seed,
         "stop": body.stop,
         "tau": spec.tau if spec else None,

@@ -74,6 +74,12 @@ class _Common(BaseModel):
     temperature: Float = Field(1.0, ge=0, le=2, description="0 = greedy")
     top_p: Float = Field(1.0, gt=0, le=1)
     top_k: StrictInt = Field(0, ge=0, description="extension: keep the k most likely tokens (0 = off)")
+    min_p: Float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="extension: keep the tokens at least min_p times as likely as the likeliest (0 = off)",
+    )
     stop: Stop = None
     seed: StrictInt | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stream: StrictBool = False
