@@ -118,6 +118,21 @@ def test_cli_bad_arguments_one_line(tiny_models, extra, words):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize(
+    ("template", "words"),
+    [
+        ("chatml", "--chat-template: 'chatml' is neither a file nor a Jinja template"),
+        ("{{ raise_exception('roles must alternate') }}", "fails on a one-message conversation: TemplateError"),
+    ],
+)
+def test_cli_serve_bad_chat_template_one_line(tiny_models, template, words):
+    """Refused before the server listens: the first before any model loads, the second once the tokenizer is there."""
+    r = _cli("serve", "--target", str(tiny_models["llama"]), "--no-draft", "--port", "0", "--chat-template", template)
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], r.stderr
+
+
 def test_cli_missing_dir_and_empty_prompt(tiny_models, tmp_path):
     r = _cli("generate", "hi", "--target", str(tmp_path / "missing"))
     assert (

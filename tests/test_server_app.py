@@ -209,6 +209,44 @@ def test_bad_chat_requests(app: Any, body: dict[str, Any], param: str, code: str
     assert (err["param"], err["code"]) == (param, code), err
 
 
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+
+
+def test_chat_template_of_the_server(engine: Any, tmp_path: Path) -> None:
+    """``--chat-template`` (``ServerSettings.chat_template``) gives a model without one chat completions, rendered
+    with it: the reply is the engine's greedy continuation of the rendered conversation."""
+    from specdec.server.requests import read_chat_template
+
+    assert not getattr(engine.tokenizer, "chat_template", None)  # the tiny tokenizer has none (see BAD_CHATS)
+    path = tmp_path / "chat.jinja"
+    path.write_text(CHAT_TEMPLATE)
+    assert read_chat_template(str(path)) == read_chat_template(CHAT_TEMPLATE) == CHAT_TEMPLATE
+    app = create_app(engine, ServerSettings(model_name="tiny", chat_template=read_chat_template(str(path))))
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def fib"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0}
+    r = run(app, lambda c: c.post("/v1/chat/completions", json=body))
+    assert r.status_code == 200, r.text
+    ids = engine.tokenizer("[system] be brief\n[user] def fib\n[assistant] ", add_special_tokens=False)["input_ids"]
+    assert r.json()["choices"][0]["message"]["content"] == engine.generate(ids, max_new_tokens=12).text
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        ("chatml", "neither a file nor a Jinja template"),
+        ("{% for m in messages %}{{ m['content'] }}", "not a valid Jinja template (line 1"),
+        ("{{ raise_exception('roles must alternate') }}", "fails on a one-message conversation"),
+        ("{% if add_generation_prompt %}[assistant]{% endif %}", "renders without its message"),
+    ],
+)
+def test_bad_chat_template_refused_at_start(engine: Any, value: str, words: str) -> None:
+    from specdec.server.requests import read_chat_template
+
+    with pytest.raises(InvalidRequestError, match=words.replace("(", r"\(")):
+        create_app(engine, ServerSettings(chat_template=read_chat_template(value)))
+
+
 def test_oversized_body_is_413_with_or_without_content_length(app: Any) -> None:
     big = json.dumps({"prompt": "x" * 5000}).encode()
 

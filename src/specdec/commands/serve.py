@@ -93,6 +93,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=2 * 1024 * 1024,
         help="largest request body accepted, else 413 (default: 2 MiB)",
     )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="the Jinja chat template /v1/chat/completions renders conversations with (a file, or the template "
+        "itself), in place of the tokenizer's; a model without one (a base model, the shipped default pair) "
+        "answers chat requests only with it",
+    )
     g.add_argument("--trace", default=None, metavar="FILE", help="append a JSONL trace of every step and request")
     g.add_argument(
         "--costs",
@@ -173,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from specdec.server import ServerSettings, create_app
+    from specdec.server.requests import read_chat_template
 
     if not 0 <= args.port <= 65535:
         raise InvalidRequestError(f"--port must be in 0..65535, got {args.port}", "port")
@@ -188,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         # replicas (--ray) run elsewhere: a cost file by its absolute path
         costs=args.costs if args.costs in (None, "none") else str(Path(args.costs).expanduser().resolve()),
+        # replicas (--ray) render with the text, not a path of this machine
+        chat_template=read_chat_template(args.chat_template) if args.chat_template is not None else None,
     )
     if args.ray or args.ray_address:
         for name in ("threads", "draft_threads"):
@@ -200,6 +211,10 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"{', '.join(given)}: only with --ray (or --ray-address)", given[0])
     threads = apply_threads(args.threads, args.draft_threads)
     engine = ModelSettings.from_args(args).load()
+    if settings.chat_template is not None:
+        from specdec.server.requests import check_chat_template
+
+        check_chat_template(engine.tokenizer, settings.chat_template)
     from specdec.tune import prime_for_serving
 
     print(f"specdec: {prime_for_serving(engine, settings)}", file=sys.stderr)
@@ -329,6 +344,13 @@ def run_ray(args: argparse.Namespace, settings: ServerSettings) -> int:
             # A local instance for a loopback server: Ray's own processes listen and talk on 127.0.0.1 only
             # (on Linux this switch makes Ray take the loopback address as the node's address).
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if settings.chat_template is not None:  # refused here, before the replicas start, where the tokenizer is at hand
+        from specdec.api import default_target, load_tokenizer
+        from specdec.server.requests import check_chat_template
+
+        target = model.target if model.target is not None else default_target()
+        if Path(target).is_dir():
+            check_chat_template(load_tokenizer(target), settings.chat_template)
     try:
         import ray.serve  # noqa: F401
     except ImportError:

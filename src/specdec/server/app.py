@@ -19,7 +19,14 @@ from specdec.runtime.native import kv_dtype_of
 from specdec.server.errors import APIError, install_handlers
 from specdec.server.guard import Guard
 from specdec.server.observe import ServerMetrics
-from specdec.server.requests import chat_builder, check_supported, choices, completion_builder, has_chat_template
+from specdec.server.requests import (
+    chat_builder,
+    check_chat_template,
+    check_supported,
+    choices,
+    completion_builder,
+    has_chat_template,
+)
 from specdec.server.responses import DONE, Reply, sse, summary
 from specdec.server.scheduler import Done, Failed, Job, Prompt, Scheduler, Started, Step
 from specdec.server.schemas import (
@@ -42,6 +49,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for c
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAPI:
     """An app serving ``engine``; the scheduler's worker thread starts with the app (or the first request)."""
     settings = settings or ServerSettings()
+    if settings.chat_template is not None:
+        check_chat_template(engine.tokenizer, settings.chat_template)
     scheduler = Scheduler(
         engine, max_active=settings.max_active, max_queue=settings.max_queue, max_batch=settings.max_batch
     )
@@ -84,11 +93,11 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """Continue a conversation rendered with the model's chat template."""
         api.check_request(body)
-        if not has_chat_template(engine.tokenizer):
+        if not has_chat_template(engine.tokenizer, settings.chat_template):
             raise APIError(
                 400,
                 f"model {settings.model_name!r} has no chat template (its tokenizer defines none): "
-                "use /v1/completions with a plain prompt",
+                "use /v1/completions with a plain prompt, or start the server with --chat-template",
                 "messages",
                 "no_chat_template",
             )
@@ -96,7 +105,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
         return await api.serve(
             request,
             body,
-            chat_builder(body, rid),
+            chat_builder(body, rid, settings.chat_template),
             Reply(f"chatcmpl-{rid}", _now(), settings.model_name, "chat", engine.tokenizer),
             rid,
         )

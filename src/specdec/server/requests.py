@@ -150,13 +150,16 @@ def completion_builder(body: CompletionRequest, request_id: str) -> Callable[[En
     return build
 
 
-def chat_builder(body: ChatCompletionRequest, request_id: str) -> Callable[[Engine], list[Generation]]:
+def chat_builder(
+    body: ChatCompletionRequest, request_id: str, template: str | None = None
+) -> Callable[[Engine], list[Generation]]:
+    """``template``: the server's chat template (``--chat-template``), else the tokenizer's."""
     messages = [_message_dict(m.role, m.text(), m.name) for m in body.messages]
     kwargs = engine_kwargs(body, request_id)
     max_tokens = body.max_completion_tokens or body.max_tokens
 
     def build(engine: Engine) -> list[Generation]:
-        ids = render_chat(engine.tokenizer, messages)
+        ids = render_chat(engine.tokenizer, messages, template)
         room = engine.max_context - len(ids)
         if room <= 0:
             raise ContextLengthError(
@@ -168,16 +171,19 @@ def chat_builder(body: ChatCompletionRequest, request_id: str) -> Callable[[Engi
     return build
 
 
-def has_chat_template(tokenizer: Any) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
+def has_chat_template(tokenizer: Any, template: str | None = None) -> bool:
+    return bool(template or getattr(tokenizer, "chat_template", None))
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of the conversation in the model's chat template, ready for the assistant's reply."""
+def render_chat(tokenizer: Any, messages: list[dict[str, str]], template: str | None = None) -> list[int]:
+    """Token ids of the conversation in ``template`` (Jinja text; None: the tokenizer's chat template), ready for
+    the assistant's reply."""
     from jinja2 import TemplateError
 
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=True
+        )
     except TemplateError as e:  # templates raise for conversations they do not accept
         raise APIError(
             400, f"the model's chat template rejected the messages: {e}", "messages", "invalid_messages"
@@ -207,3 +213,47 @@ def _start(
             param = prompt_field
         message = str(e).replace("max_new_tokens", "max_tokens")
         raise type(e)(message, param) from e
+
+
+def read_chat_template(value: str) -> str:
+    """``--chat-template``'s value as template text: a file's contents, or the value itself where it is Jinja (holds
+    ``{{`` or ``{%``). Its syntax checked here, so a mistake stops the server before it loads anything."""
+    from pathlib import Path
+
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise InvalidRequestError(f"--chat-template: cannot read {value}: {e}", "chat_template") from e
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise InvalidRequestError(f"--chat-template: {value!r} is neither a file nor a Jinja template", "chat_template")
+    try:
+        ImmutableSandboxedEnvironment().parse(text)
+    except TemplateSyntaxError as e:
+        raise InvalidRequestError(
+            f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message})", "chat_template"
+        ) from e
+    return text
+
+
+def check_chat_template(tokenizer: Any, template: str) -> None:
+    """A one-message conversation rendered with ``template`` on ``tokenizer``: a template that cannot render the
+    simplest conversation is refused as the server starts, not on its first chat request."""
+    try:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Hello"}], chat_template=template, tokenize=False, add_generation_prompt=True
+        )
+    except Exception as e:  # a template's own errors are of any kind (raise_exception, undefined names, ...)
+        raise InvalidRequestError(
+            f"--chat-template: fails on a one-message conversation: {type(e).__name__}: {e}", "chat_template"
+        ) from e
+    if not isinstance(text, str) or "Hello" not in text:
+        raise InvalidRequestError(
+            "--chat-template: a one-message conversation renders without its message", "chat_template"
+        )

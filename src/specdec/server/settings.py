@@ -31,6 +31,8 @@ class ServerSettings:
     # models ($SPECDEC_COSTS or ~/.cache/specdec/costs.json), else measured as the server starts; "none": learnt from
     # steps alone; a path: that cost file, which must have been measured on the served models.
     costs: str | None = None
+    # The chat template's text (``--chat-template``) for /v1/chat/completions; None: the tokenizer's own, if any.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         from specdec.errors import InvalidRequestError
