@@ -101,3 +101,45 @@ def test_default_load_uses_the_pair(default_pair: tuple[Path, Path]) -> None:
 
     result = specdec.load().generate("def fibonacci(n):", max_new_tokens=16)
     assert len(result.token_ids) >= 1 and result.stats.drafted > 0 and result.text
+
+
+@pytest.mark.server
+def test_chat_completions_work_with_the_default_pair(default_pair: tuple[Path, Path], tokenizer) -> None:
+    """The pair ships a chat template (training.corpus.CHAT_TEMPLATE: messages as comment lines, the assistant's as
+    code), so a chat client works against ``specdec serve`` with no model options; the reply is the engine's greedy
+    continuation of the rendered conversation, and the draft's tokenizer renders it alike."""
+    import asyncio
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    import specdec
+    from specdec.server import ServerSettings, create_app
+    from specdec.training.corpus import CHAT_TEMPLATE
+
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    assert AutoTokenizer.from_pretrained(str(default_pair[1])).chat_template == CHAT_TEMPLATE
+    messages = [
+        {"role": "system", "content": "Python 3."},
+        {"role": "user", "content": "reverse a string\nwithout slicing"},
+        {"role": "assistant", "content": "def rev(s):\n    return ''.join(reversed(s))"},
+        {"role": "user", "content": "now a list"},
+    ]
+    rendered = "# Python 3.\n# reverse a string\n# without slicing\ndef rev(s):\n    return ''.join(reversed(s))\n# now a list\n"
+    assert tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == rendered
+    engine = specdec.load()
+    app = create_app(engine, ServerSettings(model_name="specdec-default"))
+    body = {"model": "specdec-default", "messages": messages, "max_tokens": 16, "temperature": 0}
+
+    async def main() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            return await client.post("/v1/chat/completions", json=body)
+
+    try:
+        r = asyncio.run(main())
+    finally:
+        app.state.scheduler.stop()
+    assert r.status_code == 200, r.text
+    want = engine.generate(tokenizer(rendered, add_special_tokens=False)["input_ids"], max_new_tokens=16)
+    assert r.json()["choices"][0]["message"]["content"] == want.text and want.text

@@ -27,7 +27,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from test_server import free_port, long_context, with_chat_template  # noqa: E402
+from test_server import CHAT_TEMPLATE, free_port, long_context, with_chat_template  # noqa: E402
 
 # Read when Ray is first imported (set before any test imports it): the local Ray node takes the loopback address,
 # so no Ray process of these tests listens or talks on another interface; children (the service, workers) inherit it.
@@ -209,6 +209,15 @@ def models(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(scope="module")
+def plain_target(tiny_models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target's weights and tokenizer without a chat template: the service gets it with ``--chat-template``, and
+    its chat answers must equal those of the single-process server over the target with that template."""
+    import shutil
+
+    return long_context(Path(shutil.copytree(tiny_models["llama"], tmp_path_factory.mktemp("ray-plain") / "llama")))
+
+
+@pytest.fixture(scope="module")
 def traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder of the service's traces: ``--trace run.jsonl``, each replica writing ``run.<replica id>.jsonl``."""
     return tmp_path_factory.mktemp("ray-traces")
@@ -216,11 +225,16 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def service(
-    ray_cluster: str, models: tuple[Path, Path], traces: Path, tmp_path_factory: pytest.TempPathFactory
+    ray_cluster: str,
+    models: tuple[Path, Path],
+    plain_target: Path,
+    traces: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[str]:
-    """``specdec serve --ray-address ... --replicas 2 --trace ...`` as users run it; its URL once both replicas
-    serve."""
-    target, draft = models
+    """``specdec serve --ray-address ... --replicas 2 --trace ... --chat-template ...`` as users run it (the target's
+    tokenizer has no chat template: the replicas render with the server's); its URL once both replicas serve."""
+    _, draft = models
+    target = plain_target
     port = free_port()
     log = tmp_path_factory.mktemp("ray-serve") / "serve.log"
     cmd = [
@@ -246,6 +260,8 @@ def service(
         "warning",
         "--trace",
         str(traces / "run.jsonl"),
+        "--chat-template",
+        CHAT_TEMPLATE,
     ]
     proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env={**os.environ})
     try:
@@ -393,6 +409,8 @@ def test_completions_equal_the_single_process_server(client: Any, local: Any) ->
 @needs_ray
 @pytest.mark.timeout(120)
 def test_chat_plain_and_streamed_equal_the_single_process_server(client: Any, local: Any) -> None:
+    """The replicas render with ``--chat-template`` (their tokenizer has none) as the single-process server renders
+    with its tokenizer's same template."""
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def fib"}]
     body = {"model": MODEL, "messages": messages, "max_tokens": 20, "temperature": 0}
     want = local("/v1/chat/completions", body)

@@ -3,8 +3,8 @@
 The same ``SamplingParams`` are applied to target and draft logits before the acceptance
 rule (Leviathan et al. 2023 prove losslessness for whatever distribution the target
 samples from, so the target's *processed* distribution is the one to reproduce).
-Order as in ``transformers``: temperature, then top-k, then top-p, then min-p. ``SamplingParams`` and ``TokenLogprob`` are
-plain data, defined in ``specdec.sampling_params`` (no torch) and re-exported here.
+Order as in ``transformers``: temperature, then top-k, then top-p, then min-p. ``SamplingParams`` and
+``TokenLogprob`` are plain data, defined in ``specdec.sampling_params`` (no torch) and re-exported here.
 """
 
 from __future__ import annotations

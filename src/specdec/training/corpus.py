@@ -15,6 +15,18 @@ from pathlib import Path
 import numpy as np
 
 EOS_TOKEN = "<|endoftext|>"
+# The default pair is a code-completion model, not a chat model. Its chat template lays a conversation out as Python
+# source the model continues: every message but the assistant's as comment lines, the assistant's as code. So chat
+# clients work against it out of the box (``specdec serve``'s /v1/chat/completions); the replies are code.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}\n"
+    "{%- if message['role'] == 'assistant' -%}\n"
+    "{{ message['content'] }}\n"
+    "{% else -%}\n"
+    "# {{ message['content'] | replace('\\n', '\\n# ') }}\n"
+    "{% endif -%}\n"
+    "{%- endfor -%}"
+)
 # Validation share of files, in per-mille of the path hash space.
 VAL_PER_MILLE = 50
 
@@ -82,6 +94,7 @@ def train_tokenizer(split: Split, vocab_size: int, out_dir: Path) -> None:
         clean_up_tokenization_spaces=False,
     )
     fast.model_max_length = 1024
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out_dir))
 
 

@@ -176,6 +176,7 @@ SHIPPED_FILES = (
     "generation_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",
     "special_tokens_map.json",
     "specdec_training.json",
 )
