@@ -235,6 +235,7 @@ def test_chat_template_of_the_server(engine: Any, tmp_path: Path) -> None:
     ("value", "words"),
     [
         ("chatml", "neither a file nor a Jinja template"),
+        ("templates/chat.jinja", "no such file: templates/chat.jinja"),
         ("{% for m in messages %}{{ m['content'] }}", "not a valid Jinja template (line 1"),
         ("{{ raise_exception('roles must alternate') }}", "fails on a one-message conversation"),
         ("{% if add_generation_prompt %}[assistant]{% endif %}", "renders without its message"),

@@ -231,6 +231,8 @@ def read_chat_template(value: str) -> str:
             raise InvalidRequestError(f"--chat-template: cannot read {value}: {e}", "chat_template") from e
     elif "{{" in value or "{%" in value:
         text = value
+    elif "/" in value or path.suffix in (".jinja", ".j2", ".txt"):
+        raise InvalidRequestError(f"--chat-template: no such file: {value}", "chat_template")
     else:
         raise InvalidRequestError(f"--chat-template: {value!r} is neither a file nor a Jinja template", "chat_template")
     try:
