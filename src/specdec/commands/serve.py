@@ -211,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidRequestError(f"{', '.join(given)}: only with --ray (or --ray-address)", given[0])
     threads = apply_threads(args.threads, args.draft_threads)
     engine = ModelSettings.from_args(args).load()
+    # create_app checks the chat template too; checked here, a bad one stops the server before its costs are measured
     if settings.chat_template is not None:
         from specdec.server.requests import check_chat_template
 

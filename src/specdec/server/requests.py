@@ -175,15 +175,19 @@ def has_chat_template(tokenizer: Any, template: str | None = None) -> bool:
     return bool(template or getattr(tokenizer, "chat_template", None))
 
 
+def chat_text(tokenizer: Any, messages: list[dict[str, str]], template: str | None = None) -> Any:
+    """The conversation as ``template`` (None: the tokenizer's) renders it for the assistant's reply: what every
+    chat request is rendered with, and what the start-up check renders (``check_chat_template``)."""
+    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+
+
 def render_chat(tokenizer: Any, messages: list[dict[str, str]], template: str | None = None) -> list[int]:
     """Token ids of the conversation in ``template`` (Jinja text; None: the tokenizer's chat template), ready for
     the assistant's reply."""
     from jinja2 import TemplateError
 
     try:
-        text = tokenizer.apply_chat_template(
-            messages, chat_template=template, tokenize=False, add_generation_prompt=True
-        )
+        text = chat_text(tokenizer, messages, template)
     except TemplateError as e:  # templates raise for conversations they do not accept
         raise APIError(
             400, f"the model's chat template rejected the messages: {e}", "messages", "invalid_messages"
@@ -248,9 +252,7 @@ def check_chat_template(tokenizer: Any, template: str) -> None:
     """A one-message conversation rendered with ``template`` on ``tokenizer``: a template that cannot render the
     simplest conversation is refused as the server starts, not on its first chat request."""
     try:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Hello"}], chat_template=template, tokenize=False, add_generation_prompt=True
-        )
+        text = chat_text(tokenizer, [{"role": "user", "content": "Hello"}], template)
     except Exception as e:  # a template's own errors are of any kind (raise_exception, undefined names, ...)
         raise InvalidRequestError(
             f"--chat-template: fails on a one-message conversation: {type(e).__name__}: {e}", "chat_template"
