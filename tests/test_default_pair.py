@@ -108,14 +108,12 @@ def test_chat_completions_work_with_the_default_pair(default_pair: tuple[Path, P
     """The pair ships a chat template (training.corpus.CHAT_TEMPLATE: messages as comment lines, the assistant's as
     code), so a chat client works against ``specdec serve`` with no model options; the reply is the engine's greedy
     continuation of the rendered conversation, and the draft's tokenizer renders it alike."""
-    import asyncio
-
-    import httpx
     from transformers import AutoTokenizer
 
     import specdec
     from specdec.server import ServerSettings, create_app
     from specdec.training.corpus import CHAT_TEMPLATE
+    from test_server_app import run
 
     assert tokenizer.chat_template == CHAT_TEMPLATE
     assert AutoTokenizer.from_pretrained(str(default_pair[1])).chat_template == CHAT_TEMPLATE
@@ -131,15 +129,7 @@ def test_chat_completions_work_with_the_default_pair(default_pair: tuple[Path, P
     app = create_app(engine, ServerSettings(model_name="specdec-default"))
     body = {"model": "specdec-default", "messages": messages, "max_tokens": 16, "temperature": 0}
 
-    async def main() -> httpx.Response:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
-            return await client.post("/v1/chat/completions", json=body)
-
-    try:
-        r = asyncio.run(main())
-    finally:
-        app.state.scheduler.stop()
+    r = run(app, lambda client: client.post("/v1/chat/completions", json=body))
     assert r.status_code == 200, r.text
     want = engine.generate(tokenizer(rendered, add_special_tokens=False)["input_ids"], max_new_tokens=16)
     assert r.json()["choices"][0]["message"]["content"] == want.text and want.text
