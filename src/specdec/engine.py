@@ -19,7 +19,7 @@ import hashlib
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeGuard, cast
 
@@ -27,6 +27,7 @@ from specdec.drafters.base import Draft, DraftAsk, Drafter
 from specdec.drafters.prediction import Prediction, predicted_draft
 from specdec.errors import ContextLengthError, InvalidRequestError
 from specdec.logits_rules import LogitsRules
+from specdec.output_format import Formats, OutputFormat
 from specdec.policy import Decision, Policy, StepContext, make_policy, request_policy
 from specdec.policy.base import MeasuredCosts
 from specdec.records import PREDICTION_REASON, FinishReason, GenerationStats, RequestSummary, StepRecord, Verdict
@@ -123,6 +124,8 @@ class Engine:
         self.clock = clock
         self._named_policies: dict[str, Policy] = {self.policy.name: self.policy}
         self.eos_ids = self.side.eos_token_ids
+        # Output formats (``start(response_format=...)``): the vocabulary prepared for them on the first one.
+        self.formats = Formats(tokenizer, self.side.vocab_size, self.eos_ids)
         self._measured = MeasuredCosts()
         # Seconds of every request's prefill so far: a request's step record leaves out the prefills that ran
         # between its steps (requests admitted meanwhile: their passes, not this step's overhead).
@@ -171,6 +174,7 @@ class Engine:
         logit_bias: dict[int, float] | None = None,
         min_tokens: int = 0,
         ignore_eos: bool = False,
+        response_format: OutputFormat | Mapping[str, Any] | None = None,
         logprobs: int | None = None,
         fork_of: Generation | None = None,
         defer_prefill: bool | None = None,
@@ -187,7 +191,10 @@ class Engine:
         prompt budget (``prefill_in_step`` > 0).
         Penalties, ``logit_bias``, ``min_tokens`` and ``ignore_eos``: see ``specdec.logits_rules`` (each
         position of a verify block is processed with its own context, so the output is target-only decoding
-        with the same rules). ``logprobs=k``: each emitted token's log probability under the target's processed
+        with the same rules). ``response_format``: the format the output follows (``specdec.output_format``: an
+        ``OutputFormat``, or OpenAI's ``{"type": "json_object"}`` / ``{"type": "json_schema", "json_schema": {...}}``,
+        or ``{"type": "regex" | "choice" | "grammar", ...}``), enforced on target and draft at every position, so the
+        output is target-only decoding under the same format. ``logprobs=k``: each emitted token's log probability under the target's processed
         distribution and its ``k`` most likely alternatives (``GenerationResult.logprobs``, ``StepEvent.logprobs``).
         ``prediction``: text (or token ids) the output is expected to repeat much of (OpenAI's predicted outputs);
         steps draft from it where the output is found in it (``specdec.drafters.prediction``), with or without a
@@ -217,6 +224,7 @@ class Engine:
             logit_bias=logit_bias,
             min_tokens=min_tokens,
             ignore_eos=ignore_eos,
+            output_format=response_format,
             vocab_size=self.side.vocab_size,
             max_new_tokens=max_new_tokens,
         )
@@ -628,8 +636,13 @@ class Generation:
         self.context = list(prompt_ids)
         self.rules = rules or LogitsRules()
         side = engine.side
-        # Counts for the logit rules, only when one is active (most requests: no state, no cost).
-        self.rules_state = side.rules_state(self.rules, prompt_ids, engine.eos_ids) if self.rules.active else None
+        # Counts for the logit rules, only when one is active (most requests: no state, no cost); an output format's
+        # matcher made first (a grammar that does not compile is the request's error).
+        fmt = self.rules.output_format
+        matcher = engine.formats.matcher(fmt) if fmt is not None else None
+        self.rules_state = (
+            side.rules_state(self.rules, prompt_ids, engine.eos_ids, matcher) if self.rules.active else None
+        )
         self.logprobs = logprobs  # top alternatives per token; None = no log probabilities
         self.token_logprobs: list[TokenLogprob] | None = [] if logprobs is not None else None
         self.records: list[StepRecord] = []

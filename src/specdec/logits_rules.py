@@ -11,10 +11,12 @@ Order, on the raw logits (float32): ``logit_bias`` added; ``repetition_penalty``
 of a token seen in prompt + generated tokens is divided by it, a negative one multiplied); frequency and
 presence penalties (OpenAI/vLLM, generated tokens only: ``logit[t] -= frequency*count[t] +
 presence*(count[t] > 0)``); EOS masked to -inf while fewer than ``min_tokens`` tokens have been generated
-at that row. Temperature, top-k and top-p come after (``sampling.logits_to_probs``).
+at that row; last, every token an output format (``response_format``, ``specdec.output_format``) does not allow
+there masked to -inf. Temperature, top-k, top-p and min-p come after (``sampling.logits_to_probs``).
 
 ``LogitsRules`` (the checked settings) is plain data; only ``RulesState`` needs torch, and imports it when made
-(the engine's step imports this module without torch, for the simulator).
+(the engine's step imports this module without torch, for the simulator). A format's matcher is made by the engine
+(``Engine.formats``, which holds the tokenizer) and handed to the ``RulesState``.
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from specdec.errors import InvalidRequestError
+from specdec.output_format import OutputFormat
 
 if TYPE_CHECKING:
     import torch
+
+    from specdec.output_format import FormatMatcher
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class LogitsRules:
     logit_bias: Mapping[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     ignore_eos: bool = False  # not a logits rule: EOS is kept as a token and does not end the request
+    output_format: OutputFormat | None = None  # the format the output must follow (``specdec.output_format``)
 
     @classmethod
     def checked(
@@ -48,6 +54,7 @@ class LogitsRules:
         logit_bias: Mapping[int, float] | None = None,
         min_tokens: int = 0,
         ignore_eos: bool = False,
+        output_format: OutputFormat | Mapping[str, Any] | None = None,
         vocab_size: int,
         max_new_tokens: int,
     ) -> LogitsRules:
@@ -81,6 +88,14 @@ class LogitsRules:
             )
         if not isinstance(ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos")
+        fmt = OutputFormat.parse(output_format)
+        if fmt is not None:  # the format ends the output (only EOS allowed once it is complete)
+            for name, value in (("min_tokens", min_tokens), ("ignore_eos", ignore_eos)):
+                if value:
+                    raise InvalidRequestError(
+                        f"{name} cannot be combined with response_format: the format decides where the output ends",
+                        name,
+                    )
         return cls(
             float(presence_penalty),
             float(frequency_penalty),
@@ -88,6 +103,7 @@ class LogitsRules:
             bias,
             min_tokens,
             ignore_eos,
+            fmt,
         )
 
     @property
@@ -99,6 +115,7 @@ class LogitsRules:
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.min_tokens
+            or self.output_format is not None
         )
 
     def settings(self) -> dict[str, object]:
@@ -109,6 +126,8 @@ class LogitsRules:
                 out[name] = getattr(self, name)
         if self.logit_bias:
             out["logit_bias"] = dict(self.logit_bias)
+        if self.output_format is not None:
+            out["response_format"] = self.output_format.settings()
         return out
 
 
@@ -129,6 +148,9 @@ def rules_from_settings(settings: Mapping[str, object]) -> dict[str, Any]:
     bias = settings.get("logit_bias")
     if isinstance(bias, Mapping) and bias:
         out["logit_bias"] = {int(token): float(value) for token, value in bias.items()}
+    fmt = settings.get("response_format")
+    if isinstance(fmt, Mapping):
+        out["response_format"] = dict(fmt)
     return out
 
 
@@ -140,7 +162,7 @@ class RulesState:
     """The counts one request's rules need, kept incrementally as tokens are committed.
 
     ``counts[t]``: how often ``t`` was generated; ``seen[t]``: ``t`` is in prompt + generated tokens;
-    ``generated``: tokens generated so far.
+    ``generated``: tokens generated so far; ``matcher``: the output format's place (a rules with a format only).
     """
 
     def __init__(
@@ -150,9 +172,13 @@ class RulesState:
         vocab_size: int,
         eos_ids: Collection[int],
         device: torch.device,
+        matcher: FormatMatcher | None = None,
     ) -> None:
         import torch
 
+        if (rules.output_format is None) != (matcher is None):
+            raise ValueError("a RulesState has a format matcher exactly when its rules have an output format")
+        self.matcher = matcher
         self.rules = rules
         self.vocab_size = vocab_size
         self.device = device
@@ -174,6 +200,8 @@ class RulesState:
         import torch
 
         self.generated += len(tokens)
+        if self.matcher is not None:
+            self.matcher.commit(tokens)
         if self._needs_counts:
             ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device)
             self.counts.index_add_(0, ids, torch.ones(len(tokens), device=self.device))
@@ -221,4 +249,13 @@ class RulesState:
             if masked:
                 eos = self._eos.to(device)
                 out[:masked, eos[eos < width]] = float("-inf")
+        if self.matcher is not None:
+            allowed = self.matcher.allowed(tokens, offset, k, width, device)
+            out.masked_fill_(~allowed, float("-inf"))
+            # A draft whose head was cut to its likeliest tokens (``--draft-vocab``) may have no logit for any token
+            # the format allows (the end-of-sequence token, say): it draws among them uniformly. (A target's logits
+            # are finite: its rows always keep one.)
+            stuck = ~torch.isfinite(out).any(dim=-1)
+            if bool(stuck.any()):
+                out[stuck] = torch.zeros_like(out[stuck]).masked_fill_(~allowed[stuck], float("-inf"))
         return out

@@ -20,6 +20,7 @@ from specdec.sampling_params import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from specdec.logits_rules import RulesState
+    from specdec.output_format import FormatMatcher
 
 
 class Cache(Protocol):
@@ -67,8 +68,11 @@ class TargetSide(ABC):
         """The request's random generator (``DraftAsk.generator``, the acceptance rule's draws)."""
 
     @abstractmethod
-    def rules_state(self, rules: LogitsRules, prompt_ids: list[int], eos_ids: frozenset[int]) -> RulesState:
-        """The counts of a request whose logit rules are active (``LogitsRules.active``)."""
+    def rules_state(
+        self, rules: LogitsRules, prompt_ids: list[int], eos_ids: frozenset[int], matcher: FormatMatcher | None = None
+    ) -> RulesState:
+        """The counts of a request whose logit rules are active (``LogitsRules.active``); ``matcher``: its output
+        format's (``Engine.formats``), when its rules have one."""
 
     @abstractmethod
     def prefill(self, prompt_ids: list[int], defer: bool = False, reuse: bool = True) -> tuple[Cache, int]:

@@ -14,6 +14,7 @@ import torch
 
 from specdec.drafters.base import Draft
 from specdec.logits_rules import LogitsRules, RulesState
+from specdec.output_format import FormatMatcher
 from specdec.records import Verdict
 from specdec.runtime.base import KVCache, ModelRunner, eos_ids_of
 from specdec.runtime.prefix_cache import BLOCK
@@ -39,8 +40,10 @@ class ModelTarget(TargetSide):
     def generator(self, params: SamplingParams) -> torch.Generator:
         return params.generator(self.runner.device)
 
-    def rules_state(self, rules: LogitsRules, prompt_ids: list[int], eos_ids: frozenset[int]) -> RulesState:
-        return RulesState(rules, prompt_ids, self.vocab_size, eos_ids, self.runner.device)
+    def rules_state(
+        self, rules: LogitsRules, prompt_ids: list[int], eos_ids: frozenset[int], matcher: FormatMatcher | None = None
+    ) -> RulesState:
+        return RulesState(rules, prompt_ids, self.vocab_size, eos_ids, self.runner.device, matcher)
 
     def prefill(self, prompt_ids: list[int], defer: bool = False, reuse: bool = True) -> tuple[Cache, int]:
         cache = self.runner.new_cache()

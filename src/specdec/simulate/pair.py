@@ -30,6 +30,7 @@ from typing import Any, cast
 from specdec.drafters.base import Draft, DraftAsk, Drafter, Pick, lockstep
 from specdec.errors import InvalidRequestError
 from specdec.logits_rules import LogitsRules, RulesState
+from specdec.output_format import FormatMatcher
 from specdec.records import Verdict, correction_kind
 from specdec.sampling_params import SamplingParams, TokenLogprob
 from specdec.simulate.costs import CostModel
@@ -146,7 +147,9 @@ class SimTarget(TargetSide):
             raise InvalidRequestError("the simulator verifies greedy requests only", "temperature")
         return None  # the drafts' draws come from each request's acceptance stream (``World.accept_stream``)
 
-    def rules_state(self, rules: LogitsRules, prompt_ids: list[int], eos_ids: frozenset[int]) -> RulesState:
+    def rules_state(
+        self, rules: LogitsRules, prompt_ids: list[int], eos_ids: frozenset[int], matcher: FormatMatcher | None = None
+    ) -> RulesState:
         raise InvalidRequestError("the simulator has no logits for logit rules to act on", "logit_bias")
 
     def prefill(self, prompt_ids: list[int], defer: bool = False, reuse: bool = True) -> tuple[SimCache, int]:
