@@ -30,7 +30,7 @@ from specdec.errors import InvalidRequestError, UnsupportedError
 
 if TYPE_CHECKING:
     import torch
-    from llguidance import JsonCompileOptions
+    from llguidance._lib import JsonCompileOptions
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "grammar")
 # JSON laid out as ``json.dumps`` writes it (", " and ": ", no other whitespace): a model free to put whitespace
