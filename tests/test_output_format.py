@@ -209,3 +209,145 @@ def test_the_default_pair_fills_a_schema(default_pair: tuple[Path, Path]) -> Non
     assert fast.stats.accepted > 0
     sampled = engine.generate(prompt, max_new_tokens=40, temperature=1.0, seed=3, response_format=FORMATS["choice"])
     assert sampled.finish_reason == "stop" and sampled.text in FORMATS["choice"]["choice"]
+
+
+# -- the server ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def app_engine(tiny_models: dict[str, Path]) -> Engine:
+    return specdec.load(tiny_models["llama"], tiny_models["draft"])
+
+
+def test_the_server_answers_in_the_format(app_engine: Engine) -> None:
+    """``response_format`` on chat (rendered with the server's template) and on completions, and vLLM's
+    ``structured_outputs``, streamed or not: each answer is the engine's greedy output under that format."""
+    from specdec.server.app import create_app
+    from specdec.server.settings import ServerSettings
+    from test_server_app import CHAT_TEMPLATE, run
+
+    engine = app_engine
+    app = create_app(engine, ServerSettings(model_name="tiny", chat_template=CHAT_TEMPLATE))
+    chat = {
+        "messages": [{"role": "user", "content": "a thing, as JSON"}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "response_format": FORMATS["json_schema"],
+    }
+    plain = {"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0}
+    bodies = {
+        "chat": ("/v1/chat/completions", chat),
+        "completion, regex": ("/v1/completions", {**plain, "response_format": FORMATS["regex"]}),
+        "completion, structured_outputs choice": (
+            "/v1/completions",
+            {**plain, "structured_outputs": {"choice": FORMATS["choice"]["choice"]}},
+        ),
+        "completion, structured_outputs json": (
+            "/v1/completions",
+            {**plain, "max_tokens": 40, "structured_outputs": {"json": SCHEMA}},
+        ),
+        "completion, streamed grammar": (
+            "/v1/completions",
+            {**plain, "response_format": FORMATS["grammar"], "stream": True},
+        ),
+    }
+
+    async def ask(client: Any) -> dict[str, Any]:
+        return {name: await client.post(path, json=body) for name, (path, body) in bodies.items()}
+
+    answers = run(app, ask)
+    chat_ids = engine.tokenizer("[user] a thing, as JSON\n[assistant] ", add_special_tokens=False)["input_ids"]
+    expected = {
+        "chat": engine.generate(chat_ids, max_new_tokens=40, response_format=FORMATS["json_schema"]),
+        "completion, regex": engine.generate(PROMPTS[0], max_new_tokens=24, response_format=FORMATS["regex"]),
+        "completion, structured_outputs choice": engine.generate(
+            PROMPTS[0], max_new_tokens=24, response_format=FORMATS["choice"]
+        ),
+        "completion, structured_outputs json": engine.generate(
+            PROMPTS[0], max_new_tokens=40, response_format=FORMATS["json_schema"]
+        ),
+        "completion, streamed grammar": engine.generate(
+            PROMPTS[0], max_new_tokens=24, response_format=FORMATS["grammar"]
+        ),
+    }
+    for name, r in answers.items():
+        assert r.status_code == 200, (name, r.text)
+        want = expected[name]
+        if name == "chat":
+            got, finish = r.json()["choices"][0]["message"]["content"], r.json()["choices"][0]["finish_reason"]
+        elif "streamed" in name:
+            events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            got = "".join(e["choices"][0]["text"] for e in events)
+            finish = next(e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"])
+        else:
+            got, finish = r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]
+        assert (got, finish) == (want.text, want.finish_reason), name
+    assert expected["chat"].finish_reason == "stop" and follows("json_schema", expected["chat"].text)
+
+
+BAD_FORMATS: list[tuple[dict[str, Any], str, str]] = [
+    ({"response_format": {"type": "yaml"}}, "response_format", 'unknown type "yaml"'),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "needs a json_schema object"),
+    ({"response_format": "json"}, "response_format", "valid dictionary"),
+    ({"response_format": {"type": "regex", "regex": "[a-z"}}, "response_format", "the regex does not compile"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {"yaml": "a"}}, "structured_outputs.yaml", "Extra inputs"),
+    (
+        {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+        "structured_outputs",
+        "both ask for a format",
+    ),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens", "cannot be combined"),
+]
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), BAD_FORMATS)
+def test_bad_formats_are_400_naming_the_field(
+    app_engine: Engine, extra: dict[str, Any], param: str, words: str
+) -> None:
+    from specdec.server.app import create_app
+    from specdec.server.settings import ServerSettings
+    from test_server_app import run
+
+    app = create_app(app_engine, ServerSettings(model_name="tiny"))
+    body = {"prompt": "x = ", "max_tokens": 4, **extra}
+    r = run(app, lambda c: c.post("/v1/completions", json=body))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_openai_client_against_a_served_model(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """A real server process and the OpenAI client: ``response_format`` with a JSON schema on chat, and
+    ``structured_outputs`` through ``extra_body`` on completions, answer what the engine gives in-process."""
+    openai = pytest.importorskip("openai")
+    from test_server import API_KEY, long_context, served, with_chat_template
+
+    target = long_context(with_chat_template(tiny_models["llama"], tmp_path / "llama"))
+    engine = specdec.load(target, tiny_models["draft"])
+    with served(target, tiny_models["draft"], tmp_path / "server.log", "--api-key", API_KEY) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "name and size"}]
+        reply = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=40,
+            temperature=0,
+            response_format=FORMATS["json_schema"],  # type: ignore[arg-type]
+        )
+        done = client.completions.create(
+            model=client.models.list().data[0].id,
+            prompt=PROMPTS[1],
+            max_tokens=24,
+            temperature=0,
+            extra_body={"structured_outputs": {"regex": FORMATS["regex"]["regex"]}},
+        )
+    ids = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    want = engine.generate(
+        engine.tokenizer(ids, add_special_tokens=False)["input_ids"],
+        max_new_tokens=40,
+        response_format=FORMATS["json_schema"],
+    )
+    assert reply.choices[0].message.content == want.text and reply.choices[0].finish_reason == want.finish_reason
+    assert want.finish_reason == "stop" and follows("json_schema", want.text)
+    assert done.choices[0].text == engine.generate(PROMPTS[1], max_new_tokens=24, response_format=FORMATS["regex"]).text

@@ -8,6 +8,7 @@ from typing import Any
 
 from specdec.engine import Engine, Generation
 from specdec.errors import ContextLengthError, InvalidRequestError
+from specdec.output_format import OutputFormat
 from specdec.server.errors import APIError
 from specdec.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
 
@@ -54,15 +55,46 @@ def check_supported(body: _Common) -> None:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
         _check_neutral(body)
+    output_format(body)  # a malformed format is refused before the request queues
+
+
+def output_format(body: _Common) -> OutputFormat | None:
+    """The request's output format: ``response_format`` (OpenAI's shape, and specdec's regex/choice/grammar types) or
+    vLLM's ``structured_outputs``; not both."""
+    if body.structured_outputs is not None:
+        if body.response_format not in (None, {"type": "text"}):
+            raise APIError(
+                400,
+                "response_format and structured_outputs both ask for a format: send one",
+                "structured_outputs",
+                "invalid_value",
+            )
+        so = body.structured_outputs
+        given = [name for name in ("json_", "regex", "choice", "grammar", "json_object") if getattr(so, name)]
+        if len(given) != 1:
+            raise APIError(
+                400,
+                "structured_outputs must set exactly one of json, regex, choice, grammar, json_object",
+                "structured_outputs",
+                "invalid_value",
+            )
+        kind = given[0]
+        if kind == "json_":
+            spec: dict[str, Any] = {"type": "json_schema", "json_schema": {"schema": so.json_}}
+        elif kind == "json_object":
+            spec = {"type": "json_object"}
+        else:
+            spec = {"type": kind, kind: getattr(so, kind)}
+        return OutputFormat.parse(spec, "structured_outputs")
+    return OutputFormat.parse(body.response_format)
 
 
 def _check_neutral(body: ChatCompletionRequest) -> None:
-    """OpenAI chat fields that change what is generated (structured output, tools, audio, web search): specdec
-    generates free text from the messages, so each is accepted only at a value that asks nothing else, and refused
+    """OpenAI chat fields that change what is generated (tools, audio, web search): specdec generates text from the
+    messages, so each is accepted only at a value that asks nothing else, and refused
     otherwise, naming the field."""
     no_tools = not body.tools and not body.functions
     neutral = {
-        "response_format": (body.response_format in (None, {"type": "text"}), "structured output"),
         "tools": (body.tools in (None, []), "tool calling"),
         "functions": (body.functions in (None, []), "function calling"),
         "tool_choice": (body.tool_choice in (None, "none") or (body.tool_choice == "auto" and no_tools), "tools"),
@@ -115,6 +147,7 @@ def engine_kwargs(body: _Common, request_id: str) -> dict[str, Any]:
         "logit_bias": {int(k): float(v) for k, v in (body.logit_bias or {}).items()},
         "min_tokens": body.min_tokens,
         "ignore_eos": body.ignore_eos,
+        "response_format": output_format(body),
         "logprobs": logprobs_wanted(body),
         "prediction": body.prediction.text() if body.prediction is not None else None,
         # echo with logprobs: the prompt's tokens scored too

@@ -65,6 +65,18 @@ class PredictionContent(BaseModel):
         return self.content
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's ``structured_outputs``: exactly one of its fields (``response_format`` says the same in OpenAI's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json", description="a JSON schema")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = Field(None, description="a Lark grammar")
+    json_object: StrictBool | None = Field(None, description="true: any JSON object")
+
+
 class _Common(BaseModel):
     """Fields shared by completions and chat completions."""
 
@@ -112,6 +124,15 @@ class _Common(BaseModel):
         False, description="extension: EOS does not end the request (generate to max_tokens or a stop string)"
     )
     speculative: SpeculativeOptions | None = None
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description='structured output: {"type": "text"} (free text), {"type": "json_object"}, {"type": '
+        '"json_schema", "json_schema": {"name": ..., "schema": {...}}}; extensions: {"type": "regex", "regex": ...}, '
+        '{"type": "choice", "choice": [...]}, {"type": "grammar", "grammar": LARK}',
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's extension, one of json, regex, choice, grammar, json_object (or response_format)"
+    )
     prediction: PredictionContent | None = Field(
         None,
         description="predicted output: steps draft from it where the output repeats it (verified like every draft: "
@@ -191,7 +212,6 @@ class ChatCompletionRequest(_Common):
     )
     # OpenAI fields that would change what is generated, which specdec does not implement: accepted only at their
     # neutral values (``requests.check_supported``), never silently ignored.
-    response_format: Any = Field(None, description='not supported: only null or {"type": "text"}')
     tools: Any = Field(None, description="not supported: only null or []")
     tool_choice: Any = Field(None, description='not supported: only null or "none" (or "auto" without tools)')
     functions: Any = Field(None, description="not supported: only null or []")
