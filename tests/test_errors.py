@@ -98,6 +98,10 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
         (["--tau", "-2"], "tau must be an integer >= 0"),
         (["--top-p", "2"], "top_p must be in (0, 1]"),
         (["--runtime", "hf", "--compile"], "--compile needs the native runtime"),
+        (["--regex", "[a-z"], "response_format: the regex does not compile"),
+        (["--json-schema", "schema.json"], "--json-schema: no such file: schema.json"),
+        (["--json-schema", "{type: object}"], "--json-schema: the value is not JSON"),
+        (["--json-object", "--min-tokens", "2"], "min_tokens cannot be combined with response_format"),
     ],
 )
 def test_cli_bad_arguments_one_line(tiny_models, extra, words):

@@ -351,3 +351,40 @@ def test_openai_client_against_a_served_model(tiny_models: dict[str, Path], tmp_
     assert reply.choices[0].message.content == want.text and reply.choices[0].finish_reason == want.finish_reason
     assert want.finish_reason == "stop" and follows("json_schema", want.text)
     assert done.choices[0].text == engine.generate(PROMPTS[1], max_new_tokens=24, response_format=FORMATS["regex"]).text
+
+
+def test_generate_on_the_command_line(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """``specdec generate --json-schema FILE`` (and ``--choice``, ``--grammar FILE``): the engine's output under the
+    format, and the trace records the format so the request can be replayed."""
+    import subprocess
+    import sys
+
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    grammar = tmp_path / "lines.lark"
+    grammar.write_text(FORMATS["grammar"]["grammar"])
+    engine = specdec.load(tiny_models["llama"], tiny_models["draft"], dtype="float32")
+    models = ["--target", str(tiny_models["llama"]), "--draft", str(tiny_models["draft"]), "--dtype", "float32"]
+    cases = {
+        "json_schema": ["--json-schema", str(schema)],
+        "choice": [arg for c in FORMATS["choice"]["choice"] for arg in ("--choice", c)],
+        "grammar": ["--grammar", str(grammar)],
+    }
+    for kind, flags in cases.items():
+        trace = tmp_path / f"{kind}.jsonl"
+        r = subprocess.run(
+            [sys.executable, "-m", "specdec.cli", "generate", PROMPTS[0], *models, "--max-new-tokens", "40", "--json"]
+            + ["--trace", str(trace), *flags],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr
+        want = engine.generate(PROMPTS[0], max_new_tokens=40, response_format=FORMATS[kind])
+        assert json.loads(r.stdout)["token_ids"] == want.token_ids, kind
+        records = [json.loads(line) for line in trace.read_text().splitlines()]
+        (summary,) = [rec for rec in records if rec["type"] == "request"]
+        recorded, asked = OutputFormat.parse(summary["settings"]["response_format"]), OutputFormat.parse(FORMATS[kind])
+        assert (
+            recorded is not None and asked is not None and (recorded.kind, recorded.value) == (asked.kind, asked.value)
+        )

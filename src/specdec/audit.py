@@ -383,7 +383,8 @@ def _target_probs(
     logits = _next_logits(engine, context)[None]
     if rules is not None and rules.active:
         start = len(context) if prompt_len is None else prompt_len
-        state = RulesState(rules, context[:start], logits.shape[-1], engine.eos_ids, logits.device)
+        matcher = engine.formats.matcher(rules.output_format) if rules.output_format is not None else None
+        state = RulesState(rules, context[:start], logits.shape[-1], engine.eos_ids, logits.device, matcher)
         state.commit(context[start:])
         logits = state.apply(logits)
     probs = logits_to_probs(logits, params)[0]  # [V]

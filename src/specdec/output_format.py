@@ -183,10 +183,8 @@ class Formats:
         grammar = fmt.grammar()
         matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            error = matcher.get_error().strip().splitlines()
-            raise InvalidRequestError(
-                f"{PARAM}: the {fmt.kind.replace('_', ' ')} does not compile: {' '.join(error[:3])}", PARAM
-            )
+            error = " ".join(line.strip() for line in matcher.get_error().splitlines()[:4] if line.strip())
+            raise InvalidRequestError(f"{PARAM}: the {fmt.kind.replace('_', ' ')} does not compile: {error}", PARAM)
         return FormatMatcher(matcher, tokenizer.vocab_size, self.eos_ids)
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from specdec.engine import Engine
+from specdec.errors import InvalidRequestError
 
 
 @dataclass
@@ -191,6 +193,50 @@ def logits_rule_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         min_tokens=args.min_tokens,
         ignore_eos=args.ignore_eos,
     )
+
+
+def add_format_args(g: argparse._ActionsContainer) -> None:
+    """The output's format (``specdec.output_format``): one of these flags."""
+    x = g.add_mutually_exclusive_group()
+    x.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    x.add_argument("--json-schema", metavar="FILE|JSON", help="the output is JSON of this schema (a file or the text)")
+    x.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+    x.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these texts (repeatable)")
+    x.add_argument("--grammar", metavar="FILE", type=Path, help="the output follows this Lark grammar")
+
+
+def format_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """``Engine.start``'s ``response_format`` from the flags ``add_format_args`` adds (absent: none)."""
+    spec: dict[str, Any] | None = None
+    if args.json_object:
+        spec = {"type": "json_object"}
+    elif args.json_schema is not None:
+        path = Path(args.json_schema).expanduser()
+        if not path.is_file() and path.suffix == ".json":
+            raise InvalidRequestError(f"--json-schema: no such file: {args.json_schema}", "json_schema")
+        text = _read_text(path, "--json-schema") if path.is_file() else args.json_schema
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as e:
+            where = str(path) if path.is_file() else "the value"
+            raise InvalidRequestError(
+                f"--json-schema: {where} is not JSON ({e}); give a schema file or the schema's text", "json_schema"
+            ) from e
+        spec = {"type": "json_schema", "json_schema": {"schema": schema}}
+    elif args.regex is not None:
+        spec = {"type": "regex", "regex": args.regex}
+    elif args.choice is not None:
+        spec = {"type": "choice", "choice": args.choice}
+    elif args.grammar is not None:
+        spec = {"type": "grammar", "grammar": _read_text(args.grammar, "--grammar")}
+    return {"response_format": spec} if spec is not None else {}
+
+
+def _read_text(path: Path, flag: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidRequestError(f"{flag} {path}: cannot read it: {e}", flag.lstrip("-").replace("-", "_")) from e
 
 
 def _logit_bias(value: str) -> tuple[int, float]:

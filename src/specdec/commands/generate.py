@@ -8,7 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from specdec.commands.common import ModelSettings, add_logits_rule_args, add_model_args, logits_rule_kwargs
+from specdec.commands.common import (
+    ModelSettings,
+    add_format_args,
+    add_logits_rule_args,
+    add_model_args,
+    format_kwargs,
+    logits_rule_kwargs,
+)
 from specdec.engine import Engine, Generation, Observer
 from specdec.errors import InvalidRequestError
 from specdec.viz import StepRenderer, Style, default_style
@@ -42,6 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "is what N=1 gives)",
     )
     add_logits_rule_args(g)
+    add_format_args(p.add_argument_group("output format (structured output; one of)"))
     g.add_argument(
         "--prediction",
         type=Path,
@@ -92,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidRequestError(
                 f"--prediction {args.prediction}: cannot read it as text: {e}", "prediction"
             ) from e
+    output_format = format_kwargs(args)  # files read and JSON parsed before the models load
     engine = ModelSettings.from_args(args).load()
     observers: list[Observer] = []
     if args.trace:
@@ -110,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
         stop=args.stop,
         max_verify_passes=args.max_verify_passes,
         **logits_rule_kwargs(args),
+        **output_format,
         logprobs=args.logprobs,
         prediction=prediction,
     )
