@@ -255,7 +255,7 @@ class RulesState:
             # A draft whose head was cut to its likeliest tokens (``--draft-vocab``) may have no logit for any token
             # the format allows (the end-of-sequence token, say): it draws among them uniformly. (A target's logits
             # are finite: its rows always keep one.)
-            stuck = ~torch.isfinite(out).any(dim=-1)
+            stuck = out.amax(dim=-1) == float("-inf")
             if bool(stuck.any()):
                 out[stuck] = torch.zeros_like(out[stuck]).masked_fill_(~allowed[stuck], float("-inf"))
         return out

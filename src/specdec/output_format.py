@@ -216,12 +216,13 @@ class FormatMatcher:
         """``[rows, width]`` bool: the tokens allowed at row ``i``, which continues ``output + tokens[:offset + i]``.
         A drafted token the format forbids, or an end-of-sequence token, makes the rows after it repeat its row's mask
         (they are never used: the token is rejected there, or the output ends with it)."""
+        import numpy as np
         import torch
 
         m = self._m
         ahead = self._before_eos(tokens[: offset + rows - 1])
         valid = m.validate_tokens(ahead) if ahead else 0  # the drafted prefix the format allows
-        bits = torch.empty(rows, self._words, dtype=torch.int32)
+        bits = np.empty((rows, self._words), dtype="<u4")  # token 32w + j: bit j of word w
         consumed, last = 0, -1
         for i in range(rows):
             state = min(offset + i, valid)  # past a forbidden token: the state before it (its row's mask again)
@@ -231,17 +232,17 @@ class FormatMatcher:
             if state > consumed and not m.consume_tokens(ahead[consumed:state]):
                 raise RuntimeError(f"the format refused tokens it validated: {m.get_error()}")
             consumed = last = state
-            m.unsafe_compute_mask_ptr(bits[i].data_ptr(), self._words * 4)
+            m.unsafe_compute_mask_ptr(bits[i].ctypes.data, self._words * 4)
         if consumed:
             m.rollback(consumed)
-        shifts = torch.arange(32, dtype=torch.int32)
-        mask = ((bits.unsqueeze(-1) >> shifts) & 1).bool().reshape(rows, -1)
-        out = torch.zeros(rows, width, dtype=torch.bool)
-        n = min(width, mask.shape[1])
-        out[:, :n] = mask[:, :n]
-        dead = ~out.any(dim=1)  # no token can continue the format here: the output ends
-        if bool(dead.any()):
+        mask = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little").view(np.bool_)
+        if mask.shape[1] < width:  # logits wider than the tokenizer's vocabulary: those ids are never text
+            mask = np.pad(mask, ((0, 0), (0, width - mask.shape[1])))
+        mask = mask[:, :width]
+        dead = ~mask.any(axis=1)  # no token can continue the format here: the output ends
+        if dead.any():
+            mask = mask.copy()
             for t in self._eos:
                 if t < width:
-                    out[dead, t] = True
-        return out.to(device)
+                    mask[dead, t] = True
+        return torch.from_numpy(np.ascontiguousarray(mask)).to(device)
