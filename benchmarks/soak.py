@@ -9,15 +9,15 @@ output, token by token.
 
 The requests (seeded by ``--seed``): completions (text, token ids, or a list of prompts) and, where the model has a
 chat template, chat completions; streamed or whole; ``n`` 1-3; greedy or sampled (seeded or not); stop strings;
-logprobs; penalties, ``logit_bias``, ``min_tokens``, ``ignore_eos``; a ``prediction``; ``speculative`` with a fixed
-τ (0 included), a policy, a verification budget, the step records. About one streamed request in ten hangs up after
-a few chunks, one whole request in twenty gives up after 50 ms.
+logprobs; penalties, ``logit_bias``, ``min_tokens``, ``ignore_eos``; a ``response_format``; a ``prediction``;
+``speculative`` with a fixed τ (0 included), a policy, a verification budget, the step records. About one streamed
+request in ten hangs up after a few chunks, one whole request in twenty gives up after 50 ms.
 
 What must hold (exit status 1 if anything does not; 2 for bad arguments or a server that cannot be reached):
 - no response is a 5xx; every 4xx carries an OpenAI-style error body (``error.message``, ``error.type``), and a 4xx
   that is not the model's missing chat template is reported (the requests are valid);
 - every 200 is well formed: whole responses with ``n`` choices (indices 0..n-1) and a finish reason each, usage that
-  adds up (with logprobs: one log probability per completion token); streams of JSON chunks ending in ``[DONE]``,
+  adds up (with logprobs: one log probability per completion token; a JSON format's finished output whole JSON); streams of JSON chunks ending in ``[DONE]``,
   one finish reason per choice, usage last where asked;
 - after the run the server is drained (``/health``: nothing running or waiting) and ``/metrics`` parses as Prometheus
   text;
@@ -48,6 +48,23 @@ from typing import Any
 import httpx
 
 STOPS: list[str | list[str]] = ["\n", ")", ":", ["\n\n", "return"]]
+FORMATS: list[dict[str, Any]] = [  # response_format values (about one request in ten asks for one)
+    {"type": "json_object"},
+    {
+        "type": "json_schema",
+        "json_schema": {
+            "name": "item",
+            "schema": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 16}, "size": {"type": "integer"}},
+                "required": ["name", "size"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {"type": "regex", "regex": "[a-z_]{1,12} = [0-9]{1,4}"},
+    {"type": "choice", "choice": ["return None", "pass", "raise ValueError"]},
+]
 FINISH = {"stop", "length", "verify_budget"}
 NO_TEMPLATE = "no chat template"
 RETRIES = 200  # tries of one request that meets a full queue (429)
@@ -131,6 +148,10 @@ def plan_request(
         body["logit_bias"] = {str(rng.randrange(vocab)): rng.choice([-100, 5])}
     if rng.random() < 0.05:
         body["min_tokens"] = rng.randint(1, body["max_tokens"])
+    if rng.random() < 0.1:  # an output format; it decides where the output ends (no min_tokens, no ignore_eos)
+        body["response_format"] = rng.choice(FORMATS)
+        body.pop("min_tokens", None)
+        body.pop("ignore_eos", None)
     if rng.random() < 0.15:  # a predicted output: some prompt's text (code repeats itself), whole or cut
         predicted = rng.choice(prompts)
         body["prediction"] = {"type": "content", "content": predicted[: rng.choice([40, 400, len(predicted)])]}
@@ -183,6 +204,15 @@ def check_whole(plan: Plan, obj: dict[str, Any]) -> str | None:
         counted = sum(len((c.get("logprobs") or {}).get("token_logprobs") or []) for c in choices)
         if counted != done:
             return f"{counted} token log probabilities for {done} completion tokens"
+    fmt = plan.body.get("response_format") or {}
+    if fmt.get("type", "").startswith("json") and "stop" not in plan.body:  # a finished output is whole JSON
+        for c in choices:
+            text = (c.get("message") or {}).get("content") if plan.path == "/v1/chat/completions" else c.get("text")
+            if c.get("finish_reason") == "stop":
+                try:
+                    json.loads(text)
+                except (TypeError, ValueError):
+                    return f"a finished {fmt['type']} output that is not JSON: {text!r:.100}"
     return None
 
 

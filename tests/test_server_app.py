@@ -165,8 +165,6 @@ BAD_CHATS: list[tuple[dict[str, Any], str | None, str]] = [
     *[
         ({"messages": [{"role": "user", "content": "hi"}], name: value}, name, "unsupported")
         for name, value in (
-            ("response_format", {"type": "json_object"}),
-            ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
             ("tools", [{"type": "function", "function": {"name": "f"}}]),
             ("tool_choice", "required"),
             ("tool_choice", {"type": "function", "function": {"name": "f"}}),
