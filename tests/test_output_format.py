@@ -285,6 +285,18 @@ def test_the_server_answers_in_the_format(app_engine: Engine) -> None:
     assert expected["chat"].finish_reason == "stop" and follows("json_schema", expected["chat"].text)
 
 
+def test_the_server_prepares_the_vocabulary_before_it_serves(tiny_models: dict[str, Path]) -> None:
+    """Not in the first formatted request's step, which every request in flight waits on."""
+    from specdec.server.app import create_app
+    from specdec.server.settings import ServerSettings
+
+    engine = specdec.load(tiny_models["llama"], tiny_models["draft"])
+    assert engine.formats._tokenizer is None
+    app = create_app(engine, ServerSettings(model_name="tiny"))
+    assert engine.formats._tokenizer is not None
+    app.state.scheduler.stop()
+
+
 BAD_FORMATS: list[tuple[dict[str, Any], str, str]] = [
     ({"response_format": {"type": "yaml"}}, "response_format", 'unknown type "yaml"'),
     ({"response_format": {"type": "json_schema"}}, "response_format", "needs a json_schema object"),

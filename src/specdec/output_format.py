@@ -174,6 +174,15 @@ class Formats:
                 raise UnsupportedError(f"structured output needs a fast tokenizer: {e}", PARAM) from e
         return self._tokenizer
 
+    def prepare(self) -> str | None:
+        """Prepare the vocabulary now (a server, before it serves: not on the first formatted request, in the step
+        every request shares). Returns why formats cannot be served on this model, or None."""
+        try:
+            self._llg_tokenizer()
+        except UnsupportedError as e:
+            return str(e)
+        return None
+
     def matcher(self, fmt: OutputFormat) -> FormatMatcher:
         """A fresh matcher of ``fmt`` at the start of an output; a grammar that does not compile is the request's
         error (``InvalidRequestError`` naming ``response_format``)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -42,6 +43,7 @@ from specdec.server.schemas import (
 )
 from specdec.server.settings import ServerSettings
 
+log = logging.getLogger("specdec.server")
 _API_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
 _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 429)}
 
@@ -51,6 +53,11 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     settings = settings or ServerSettings()
     if settings.chat_template is not None:
         check_chat_template(engine.tokenizer, settings.chat_template)
+    # The vocabulary prepared for output formats now, not by the first request that asks for one (in the worker's
+    # step, which every request in flight waits on: ~40 ms for 8k tokens, about a second for 128k).
+    why_not = engine.formats.prepare()
+    if why_not is not None:
+        log.warning("response_format will be refused: %s", why_not)
     scheduler = Scheduler(
         engine, max_active=settings.max_active, max_queue=settings.max_queue, max_batch=settings.max_batch
     )
