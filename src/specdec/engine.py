@@ -194,8 +194,9 @@ class Engine:
         with the same rules). ``response_format``: the format the output follows (``specdec.output_format``: an
         ``OutputFormat``, or OpenAI's ``{"type": "json_object"}`` / ``{"type": "json_schema", "json_schema": {...}}``,
         or ``{"type": "regex" | "choice" | "grammar", ...}``), enforced on target and draft at every position, so the
-        output is target-only decoding under the same format. ``logprobs=k``: each emitted token's log probability under the target's processed
-        distribution and its ``k`` most likely alternatives (``GenerationResult.logprobs``, ``StepEvent.logprobs``).
+        output is target-only decoding under the same format. ``logprobs=k``: each emitted token's log probability
+        under the target's processed distribution and its ``k`` most likely alternatives (``GenerationResult.logprobs``,
+        ``StepEvent.logprobs``).
         ``prediction``: text (or token ids) the output is expected to repeat much of (OpenAI's predicted outputs);
         steps draft from it where the output is found in it (``specdec.drafters.prediction``), with or without a
         drafter (not with ``tau=0``); the output is the same either way. ``prompt_logprobs=k``: each prompt token

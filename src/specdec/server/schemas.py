@@ -66,7 +66,8 @@ class PredictionContent(BaseModel):
 
 
 class StructuredOutputs(BaseModel):
-    """vLLM's ``structured_outputs``: exactly one of its fields (``response_format`` says the same in OpenAI's shape)."""
+    """vLLM's ``structured_outputs``: exactly one of its fields (``response_format`` asks the same in OpenAI's
+    shape)."""
 
     model_config = ConfigDict(extra="forbid")
 
