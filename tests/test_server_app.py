@@ -165,9 +165,6 @@ BAD_CHATS: list[tuple[dict[str, Any], str | None, str]] = [
     *[
         ({"messages": [{"role": "user", "content": "hi"}], name: value}, name, "unsupported")
         for name, value in (
-            ("tools", [{"type": "function", "function": {"name": "f"}}]),
-            ("tool_choice", "required"),
-            ("tool_choice", {"type": "function", "function": {"name": "f"}}),
             ("functions", [{"name": "f"}]),
             ("function_call", {"name": "f"}),
             ("modalities", ["text", "audio"]),
@@ -180,6 +177,13 @@ BAD_CHATS: list[tuple[dict[str, Any], str | None, str]] = [
         "functions",
         "unsupported",
     ),
+    # Tools: "auto" (the default with tools) needs a parser of the model's call syntax; a call without tools.
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+        "tool_choice",
+        "unsupported",
+    ),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice", "invalid_value"),
     # ... and accepted at their neutral values (on to the missing chat template).
     (
         {

@@ -42,6 +42,7 @@ from specdec.server.schemas import (
     _Common,
 )
 from specdec.server.settings import ServerSettings
+from specdec.server.tools import tool_plan
 
 log = logging.getLogger("specdec.server")
 _API_PATHS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
@@ -113,7 +114,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             request,
             body,
             chat_builder(body, rid, settings.chat_template),
-            Reply(f"chatcmpl-{rid}", _now(), settings.model_name, "chat", engine.tokenizer),
+            Reply(f"chatcmpl-{rid}", _now(), settings.model_name, "chat", engine.tokenizer, tools=tool_plan(body)),
             rid,
         )
 
@@ -317,16 +318,25 @@ class _Events:
         reply = self.reply
         if isinstance(msg, Step):
             lps = msg.event.logprobs
-            if msg.event.text or self.want_steps or lps:
+            # A reply that is to be tool calls is held back: its calls go out whole when it ends (as text if cut).
+            text = msg.event.text if reply.tools is None else None
+            if text or self.want_steps or lps:
                 extra = {"speculative": {"step": msg.detail}} if self.want_steps else None
                 logprobs = reply.logprobs(lps, self.offsets[msg.index])
                 if logprobs is not None and reply.kind == "completion":
                     self.offsets[msg.index] += sum(len(t) for t in logprobs["tokens"])
-                return [reply.chunk(msg.event.text, index=msg.index, extra=extra, logprobs=logprobs)]
+                return [reply.chunk(text, index=msg.index, extra=extra, logprobs=logprobs)]
         elif isinstance(msg, Done):
             self.results[msg.index] = msg.result
             extra = {"speculative": summary([msg.result])}
-            out = [reply.chunk(None, msg.result.finish_reason, index=msg.index, extra=extra)]
+            out = []
+            calls = reply.tool_calls(msg.result)
+            if calls is not None:
+                out.append(reply.chunk(None, "tool_calls", index=msg.index, extra=extra, tool_calls=calls))
+            else:
+                if reply.tools is not None and msg.result.text:  # held back, and not a whole call: its text
+                    out.append(reply.chunk(msg.result.text, index=msg.index))
+                out.append(reply.chunk(None, msg.result.finish_reason, index=msg.index, extra=extra))
             if len(self.results) == self.n:
                 self.ended = True
                 if self.include_usage:

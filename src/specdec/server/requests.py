@@ -10,7 +10,8 @@ from specdec.engine import Engine, Generation
 from specdec.errors import ContextLengthError, InvalidRequestError
 from specdec.output_format import OutputFormat
 from specdec.server.errors import APIError
-from specdec.server.schemas import ChatCompletionRequest, CompletionRequest, _Common
+from specdec.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Common
+from specdec.server.tools import template_tools, tool_plan
 
 # Engine argument names -> the request fields a client sent.
 _PARAMS = {
@@ -55,6 +56,7 @@ def check_supported(body: _Common) -> None:
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
         _check_neutral(body)
+        tool_plan(body)
     output_format(body)  # a malformed format is refused before the request queues
 
 
@@ -90,14 +92,12 @@ def output_format(body: _Common) -> OutputFormat | None:
 
 
 def _check_neutral(body: ChatCompletionRequest) -> None:
-    """OpenAI chat fields that change what is generated (tools, audio, web search): specdec generates text from the
-    messages, so each is accepted only at a value that asks nothing else, and refused
-    otherwise, naming the field."""
+    """OpenAI chat fields that change what is generated (legacy functions, audio, web search): specdec generates text
+    from the messages, so each is accepted only at a value that asks nothing else, and refused otherwise, naming the
+    field. (``tools`` and ``tool_choice``: ``specdec.server.tools``.)"""
     no_tools = not body.tools and not body.functions
     neutral = {
-        "tools": (body.tools in (None, []), "tool calling"),
-        "functions": (body.functions in (None, []), "function calling"),
-        "tool_choice": (body.tool_choice in (None, "none") or (body.tool_choice == "auto" and no_tools), "tools"),
+        "functions": (body.functions in (None, []), "function calling (use tools)"),
         "function_call": (
             body.function_call in (None, "none") or (body.function_call == "auto" and no_tools),
             "function calling",
@@ -147,7 +147,11 @@ def engine_kwargs(body: _Common, request_id: str) -> dict[str, Any]:
         "logit_bias": {int(k): float(v) for k, v in (body.logit_bias or {}).items()},
         "min_tokens": body.min_tokens,
         "ignore_eos": body.ignore_eos,
-        "response_format": output_format(body),
+        "response_format": (
+            plan.response_format()
+            if isinstance(body, ChatCompletionRequest) and (plan := tool_plan(body)) is not None
+            else output_format(body)
+        ),
         "logprobs": logprobs_wanted(body),
         "prediction": body.prediction.text() if body.prediction is not None else None,
         # echo with logprobs: the prompt's tokens scored too
@@ -187,12 +191,13 @@ def chat_builder(
     body: ChatCompletionRequest, request_id: str, template: str | None = None
 ) -> Callable[[Engine], list[Generation]]:
     """``template``: the server's chat template (``--chat-template``), else the tokenizer's."""
-    messages = [_message_dict(m.role, m.text(), m.name) for m in body.messages]
+    messages = [_message_dict(m) for m in body.messages]
+    tools = template_tools(body)
     kwargs = engine_kwargs(body, request_id)
     max_tokens = body.max_completion_tokens or body.max_tokens
 
     def build(engine: Engine) -> list[Generation]:
-        ids = render_chat(engine.tokenizer, messages, template)
+        ids = render_chat(engine.tokenizer, messages, template, tools)
         room = engine.max_context - len(ids)
         if room <= 0:
             raise ContextLengthError(
@@ -208,19 +213,32 @@ def has_chat_template(tokenizer: Any, template: str | None = None) -> bool:
     return bool(template or getattr(tokenizer, "chat_template", None))
 
 
-def chat_text(tokenizer: Any, messages: list[dict[str, str]], template: str | None = None) -> Any:
-    """The conversation as ``template`` (None: the tokenizer's) renders it for the assistant's reply: what every
-    chat request is rendered with, and what the start-up check renders (``check_chat_template``)."""
-    return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=True)
+def chat_text(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> Any:
+    """The conversation (and the tools offered, for templates that show them) as ``template`` (None: the tokenizer's)
+    renders it for the assistant's reply: what every chat request is rendered with, and what the start-up check
+    renders (``check_chat_template``)."""
+    return tokenizer.apply_chat_template(
+        messages, tools=tools, chat_template=template, tokenize=False, add_generation_prompt=True
+    )
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]], template: str | None = None) -> list[int]:
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     """Token ids of the conversation in ``template`` (Jinja text; None: the tokenizer's chat template), ready for
     the assistant's reply."""
     from jinja2 import TemplateError
 
     try:
-        text = chat_text(tokenizer, messages, template)
+        text = chat_text(tokenizer, messages, template, tools)
     except TemplateError as e:  # templates raise for conversations they do not accept
         raise APIError(
             400, f"the model's chat template rejected the messages: {e}", "messages", "invalid_messages"
@@ -231,11 +249,28 @@ def render_chat(tokenizer: Any, messages: list[dict[str, str]], template: str | 
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def _message_dict(role: str, content: str, name: str | None) -> dict[str, str]:
-    msg = {"role": role, "content": content}
-    if name:
-        msg["name"] = name
+def _message_dict(m: ChatMessage) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name:
+        msg["name"] = m.name
+    if m.tool_calls:  # an assistant's earlier calls, their arguments as templates read them (objects, not text)
+        msg["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+    if m.tool_call_id:
+        msg["tool_call_id"] = m.tool_call_id
     return msg
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("arguments", "{}"), (str, dict)):
+        return call
+    arguments = function.get("arguments", "{}")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return call  # not JSON: the template gets it as it came
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _start(
@@ -261,7 +296,11 @@ def read_chat_template(value: str) -> str:
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     path = Path(value).expanduser()
-    if path.is_file():
+    try:
+        is_file = path.is_file()
+    except OSError:  # not a possible file name (an inline template longer than a file name may be)
+        is_file = False
+    if is_file:
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:

@@ -14,6 +14,7 @@ from typing import Any, Literal, Protocol
 
 from specdec.engine import GenerationResult
 from specdec.sampling import TokenLogprob
+from specdec.server.tools import ToolPlan
 
 Kind = Literal["completion", "chat"]
 
@@ -39,6 +40,7 @@ class Reply:
     tokenizer: Any = None  # renders the tokens of log probabilities (needed only when a request asks for them)
     # Completions with ``echo``: each prompt's text, before its choices' own (None: a prompt of token ids, decoded)
     echo: list[str | None] | None = None
+    tools: ToolPlan | None = None  # a chat request whose reply is tool calls (``specdec.server.tools``)
     # A text chunk's bytes before and after its text, by choice index (``chunk``'s common case, made once).
     _around_text: dict[int, tuple[str, str]] = field(default_factory=dict, compare=False, repr=False)
 
@@ -85,7 +87,7 @@ class Reply:
         """The whole response: one choice per result (the request's n samples, in order)."""
         choices: list[dict[str, Any]] = []
         for index, result in enumerate(results):
-            reason = result.finish_reason
+            reason: str = result.finish_reason
             if self.kind == "completion":
                 echo = self.echo_text(index, len(results), result.prompt_ids)
                 choices.append(
@@ -97,10 +99,14 @@ class Reply:
                     }
                 )
             else:
+                message: dict[str, Any] = {"role": "assistant", "content": result.text}
+                calls = self.tool_calls(result)
+                if calls is not None:
+                    message, reason = {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
                 choices.append(
                     {
                         "index": index,
-                        "message": {"role": "assistant", "content": result.text},
+                        "message": message,
                         "logprobs": self.logprobs(result.logprobs),
                         "finish_reason": reason,
                     }
@@ -114,6 +120,12 @@ class Reply:
             "usage": usage(prompt_tokens, results),
             "speculative": summary(results, steps),
         }
+
+    def tool_calls(self, result: GenerationResult) -> list[dict[str, Any]] | None:
+        """A finished reply of a tool-calling request as its calls; None otherwise (text)."""
+        if self.tools is None or result.finish_reason != "stop":
+            return None
+        return self.tools.calls(result.text)
 
     def echo_text(self, index: int, choices: int, prompt_ids: list[int]) -> str | None:
         """The text choice ``index`` of ``choices`` echoes (None without ``echo``): its prompt as sent, or the text of
@@ -132,9 +144,12 @@ class Reply:
         role: bool = False,
         extra: dict[str, Any] | None = None,
         logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> bytes:
         """One SSE event for choice ``index``. ``text=None``: a chunk with no text (the closing chunk of a chat
-        stream)."""
+        stream). ``tool_calls``: a chat delta's calls (each whole, with its ``index``)."""
+        if tool_calls is not None:
+            return self._chunk_event(text, index, finish_reason, role, extra, logprobs, tool_calls).encode()
         if text is not None and finish_reason is None and not role and extra is None and logprobs is None:
             # The event of most steps: the same bytes as below, the rest of the event made once per choice (a server
             # at 16 clients sends ~3,000 of them a second from the event loop that shares the cores with the passes).
@@ -155,6 +170,7 @@ class Reply:
         role: bool = False,
         extra: dict[str, Any] | None = None,
         logprobs: dict[str, Any] | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> str:
         if self.kind == "completion":
             choice: dict[str, Any] = {
@@ -168,6 +184,8 @@ class Reply:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls is not None:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         body: dict[str, Any] = {

@@ -190,12 +190,35 @@ class CompletionRequest(_Common):
         return [p]  # type: ignore[list-item]
 
 
+class FunctionSpec(BaseModel):
+    name: Annotated[StrictStr, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")]
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments (absent: none)")
+    strict: StrictBool | None = Field(None, description="accepted; the arguments always follow the schema")
+
+
+class ToolSpec(BaseModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[ContentPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="an assistant's earlier calls (for the template)")
+    tool_call_id: StrictStr | None = Field(None, description="a tool message's call (for the template)")
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -211,13 +234,20 @@ class ChatCompletionRequest(_Common):
     top_logprobs: StrictInt | None = Field(
         None, ge=0, le=20, description="with logprobs: the N most likely alternatives at each position"
     )
+    tools: list[ToolSpec] | None = Field(None, description="functions the model may call (rendered by the template)")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description='"required" or a named function: the reply is tool calls, their arguments held to the schemas by '
+        'structured output; "none": text; "auto" (the default with tools) is refused: it needs a parser of the '
+        "model's own tool-call syntax",
+    )
     # OpenAI fields that would change what is generated, which specdec does not implement: accepted only at their
     # neutral values (``requests.check_supported``), never silently ignored.
-    tools: Any = Field(None, description="not supported: only null or []")
-    tool_choice: Any = Field(None, description='not supported: only null or "none" (or "auto" without tools)')
     functions: Any = Field(None, description="not supported: only null or []")
     function_call: Any = Field(None, description='not supported: only null or "none" (or "auto" without functions)')
-    parallel_tool_calls: StrictBool | None = Field(None, description="accepted; there are no tools to call")
+    parallel_tool_calls: StrictBool | None = Field(
+        None, description='false: "required" makes exactly one call (default: one or more)'
+    )
     modalities: Any = Field(None, description='not supported: only null or ["text"]')
     audio: Any = Field(None, description="not supported: only null")
     web_search_options: Any = Field(None, description="not supported: only null")
@@ -256,7 +286,7 @@ class SpeculativeSummary(BaseModel):
     )
 
 
-FinishReason = Literal["stop", "length", "verify_budget"]
+FinishReason = Literal["stop", "length", "verify_budget", "tool_calls"]
 
 
 class CompletionLogprobs(BaseModel):
@@ -287,9 +317,21 @@ class CompletionChoice(BaseModel):
     finish_reason: FinishReason | None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="null when the reply is tool calls")
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
