@@ -400,3 +400,23 @@ def test_generate_on_the_command_line(tiny_models: dict[str, Path], tmp_path: Pa
         assert (
             recorded is not None and asked is not None and (recorded.kind, recorded.value) == (asked.kind, asked.value)
         )
+
+
+def test_audit_checks_outputs_under_a_format(tiny_models: dict[str, Path], tmp_path: Path) -> None:
+    """``specdec audit --regex``: greedy outputs against target-only under the format, and the law of sampled ones
+    against the target's masked distribution (chi-square at the audit's 1e-3: false-failure rate ≤ 1e-3)."""
+    import subprocess
+    import sys
+
+    models = ["--target", str(tiny_models["llama"]), "--draft", str(tiny_models["draft"]), "--dtype", "float32"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    fmt = ["--regex", FORMATS["regex"]["regex"], "--prompts", str(prompts), "--max-new-tokens", "24"]
+    for extra in (["--samples", "3"], ["--temperature", "1", "--samples", "2", "--runs", "200"]):
+        r = subprocess.run(
+            [sys.executable, "-m", "specdec.cli", "audit", *models, *fmt, *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0 and r.stdout.startswith("PASS"), r.stdout + r.stderr

@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdec.bench.prompts import FILE_HELP as PROMPT_FILE_HELP
-from specdec.commands.common import ModelSettings, add_logits_rule_args, add_model_args, logits_rule_kwargs
+from specdec.commands.common import (
+    ModelSettings,
+    add_format_args,
+    add_logits_rule_args,
+    add_model_args,
+    format_kwargs,
+    logits_rule_kwargs,
+)
 from specdec.errors import InvalidRequestError, SpecdecError
 
 if TYPE_CHECKING:
@@ -38,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_model_args(p)
     add_logits_rule_args(p.add_argument_group("logits rules of every replayed request (a trace's carry their own)"))
+    add_format_args(p.add_argument_group("output format of every request (a trace's carry their own)"))
     src = p.add_mutually_exclusive_group()
     src.add_argument(
         "--prompts",
@@ -94,6 +102,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
+    output_format = format_kwargs(args).get("response_format")  # files read before the models load
     engine = ModelSettings.from_args(args).load()
     from specdec.audit import audit_greedy, audit_sampling
     from specdec.engine import DEFAULT_PREFILL_IN_STEP
@@ -104,8 +113,10 @@ def run(args: argparse.Namespace) -> int:
     replay = _prompts(args, engine)
     prompts, recorded, rules = replay.prompts, replay.recorded, replay.rules
     from specdec.logits_rules import LogitsRules
+    from specdec.output_format import OutputFormat
 
-    asked = LogitsRules(**logits_rule_kwargs(args)).settings()  # the rules' flags given, as a request summary says
+    # the rules' flags given, as a request summary says
+    asked = LogitsRules(**logits_rule_kwargs(args), output_format=OutputFormat.parse(output_format)).settings()
     if asked and rules is not None:
         raise InvalidRequestError(
             f"--{next(iter(asked)).replace('_', '-')}: a greedy --trace audit replays each request with the rules it "
