@@ -9,9 +9,10 @@ output, token by token.
 
 The requests (seeded by ``--seed``): completions (text, token ids, or a list of prompts) and, where the model has a
 chat template, chat completions; streamed or whole; ``n`` 1-3; greedy or sampled (seeded or not); stop strings;
-logprobs; penalties, ``logit_bias``, ``min_tokens``, ``ignore_eos``; a ``response_format``; a ``prediction``;
-``speculative`` with a fixed τ (0 included), a policy, a verification budget, the step records. About one streamed
-request in ten hangs up after a few chunks, one whole request in twenty gives up after 50 ms.
+logprobs; penalties, ``logit_bias``, ``min_tokens``, ``ignore_eos``; a ``response_format``; tools (chat: a named
+function or "required"); a ``prediction``; ``speculative`` with a fixed τ (0 included), a policy, a verification
+budget, the step records. About one streamed request in ten hangs up after a few chunks, one whole request in twenty
+gives up after 50 ms.
 
 What must hold (exit status 1 if anything does not; 2 for bad arguments or a server that cannot be reached):
 - no response is a 5xx; every 4xx carries an OpenAI-style error body (``error.message``, ``error.type``), and a 4xx
@@ -65,7 +66,22 @@ FORMATS: list[dict[str, Any]] = [  # response_format values (about one request i
     {"type": "regex", "regex": "[a-z_]{1,12} = [0-9]{1,4}"},
     {"type": "choice", "choice": ["return None", "pass", "raise ValueError"]},
 ]
-FINISH = {"stop", "length", "verify_budget"}
+FINISH = {"stop", "length", "verify_budget", "tool_calls"}
+TOOLS = [  # chat requests with tools name one of them or ask for a call (tool_choice "required")
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {
+                "type": "object",
+                "properties": {"key": {"type": "string", "maxLength": 12}, "limit": {"type": "integer"}},
+                "required": ["key"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "now"}},
+]
 NO_TEMPLATE = "no chat template"
 RETRIES = 200  # tries of one request that meets a full queue (429)
 
@@ -152,6 +168,12 @@ def plan_request(
         body["response_format"] = rng.choice(FORMATS)
         body.pop("min_tokens", None)
         body.pop("ignore_eos", None)
+    if path == "/v1/chat/completions" and rng.random() < 0.15:  # tool calls, held to their schemas
+        for name in ("response_format", "min_tokens", "ignore_eos"):  # a call's format ends the reply
+            body.pop(name, None)
+        body["tools"] = TOOLS
+        body["tool_choice"] = rng.choice(["required", {"type": "function", "function": {"name": "lookup"}}])
+        body["parallel_tool_calls"] = False
     if rng.random() < 0.15:  # a predicted output: some prompt's text (code repeats itself), whole or cut
         predicted = rng.choice(prompts)
         body["prediction"] = {"type": "content", "content": predicted[: rng.choice([40, 400, len(predicted)])]}
@@ -204,6 +226,18 @@ def check_whole(plan: Plan, obj: dict[str, Any]) -> str | None:
         counted = sum(len((c.get("logprobs") or {}).get("token_logprobs") or []) for c in choices)
         if counted != done:
             return f"{counted} token log probabilities for {done} completion tokens"
+    for c in choices:
+        if c.get("finish_reason") == "tool_calls":
+            calls = (c.get("message") or {}).get("tool_calls") or []
+            if not calls or (c.get("message") or {}).get("content") is not None:
+                return f"finish_reason tool_calls without calls, or with text: {c.get('message')!r:.200}"
+            for call in calls:
+                if call.get("function", {}).get("name") not in ("lookup", "now"):
+                    return f"a call of a function not offered: {call!r:.200}"
+                try:
+                    json.loads(call["function"]["arguments"])
+                except (KeyError, TypeError, ValueError):
+                    return f"a call whose arguments are not JSON: {call!r:.200}"
     fmt = plan.body.get("response_format") or {}
     if fmt.get("type", "").startswith("json") and "stop" not in plan.body:  # a finished output is whole JSON
         for c in choices:

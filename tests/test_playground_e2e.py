@@ -203,6 +203,36 @@ def test_playground_penalties_and_logprobs(server: str, page: tuple[Any, list[st
     assert errors == []
 
 
+def test_playground_output_format(server: str, page: tuple[Any, list[str]]) -> None:
+    """A JSON schema typed into the output format section reaches the request: the output is the API's under it."""
+    import json
+
+    pg, errors = page
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"]}
+    pg.click("summary:has-text('Output format')")
+    pg.select_option("#format-kind", "json_schema")
+    pg.fill("#format-value", "{not json")
+    pg.focus("#prompt")
+    pg.keyboard.press("Control+Enter")
+    assert "the schema is not JSON" in pg.text_content("#error")
+    pg.fill("#format-value", json.dumps(schema))
+    pg.focus("#prompt")
+    pg.keyboard.press("Control+Enter")
+    pg.wait_for_selector("body[data-state=done]", timeout=90_000)
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "speculative": {"policy": "fixed", "tau": TAU},
+        "response_format": {"type": "json_schema", "json_schema": {"name": "playground", "schema": schema}},
+    }
+    api = httpx.post(f"{server}/v1/completions", json=body, timeout=120).json()
+    assert api["choices"][0]["text"].startswith('{"name": "')
+    assert pg.text_content("#output-text") == api["choices"][0]["text"]
+    pg.select_option("#format-kind", "text")
+    assert errors == []
+
+
 def test_playground_narrow_and_errors(page: tuple[Any, list[str]]) -> None:
     """At phone width nothing scrolls sideways; a bad field gets a message naming it, and no request is sent."""
     pg, errors = page

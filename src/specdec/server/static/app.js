@@ -72,6 +72,8 @@
     ui.error.hidden = false;
     if (field) {
       field.setAttribute("aria-invalid", "true");
+      const section = field.closest("details");
+      if (section) section.open = true;  // a field in a closed section: show it
       field.focus();
     }
   }
@@ -79,7 +81,9 @@
   function clearError() {
     ui.error.hidden = true;
     ui.error.textContent = "";
-    for (const f of [ui.prompt, ui.tau, ui.temperature, ui.maxTokens, ui.n]) f.removeAttribute("aria-invalid");
+    for (const f of [ui.prompt, ui.tau, ui.temperature, ui.maxTokens, ui.n, $("format-value")]) {
+      f.removeAttribute("aria-invalid");
+    }
   }
 
   async function errorMessage(response) {
@@ -167,8 +171,37 @@
     }
     if ($("ignore-eos").checked) body.ignore_eos = true;
     if ($("want-logprobs").checked) body.logprobs = 3;
+    const format = readFormat();
+    if (format === null) return null;
+    if (format) body.response_format = format;
     if (ui.model.value) body.model = ui.model.value;
     return body;
+  }
+
+  // The output format (response_format): undefined for free text, null after showing an error.
+  function readFormat() {
+    const kind = $("format-kind").value;
+    const field = $("format-value");
+    const value = field.value;
+    if (kind === "text") return undefined;
+    if (kind === "json_object") return { type: "json_object" };
+    if (kind === "json_schema") {
+      let schema;
+      try {
+        schema = JSON.parse(value);
+      } catch (e) {
+        showError(`the schema is not JSON: ${e.message}`, field);
+        return null;
+      }
+      return { type: "json_schema", json_schema: { name: "playground", schema } };
+    }
+    if (kind === "regex") {
+      if (!value.trim()) { showError("write the regular expression", field); return null; }
+      return { type: "regex", regex: value };
+    }
+    const choices = value.split("\n").filter((c) => c !== "");
+    if (!choices.length) { showError("write the choices, one a line", field); return null; }
+    return { type: "choice", choice: choices };
   }
 
   async function start() {
