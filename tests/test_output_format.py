@@ -65,7 +65,7 @@ def test_openai_shapes_parse_and_round_trip_through_the_records() -> None:
         fmt = OutputFormat.parse(spec)
         assert fmt is not None and fmt.kind == kind
         assert OutputFormat.parse(fmt.settings()) == fmt
-        rules = LogitsRules.checked(output_format=spec, vocab_size=100, max_new_tokens=10)
+        rules = LogitsRules.checked(response_format=spec, vocab_size=100, max_new_tokens=10)
         assert rules.active
         # a trace's settings give back the request's format (audit replays it)
         assert (

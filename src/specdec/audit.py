@@ -362,9 +362,7 @@ def audit_sampling(
                     groups.setdefault(s[0], []).append(s[1])
             planned += [(i, 2, ids + [y1], toks) for y1, toks in groups.items() if len(toks) >= MIN_GROUP]
     threshold = alpha / max(1, len(planned))
-    # ``rules`` are Engine.start's arguments; LogitsRules names the format ``output_format``
-    named = {("output_format" if k == "response_format" else k): v for k, v in rules.items()}
-    checked = LogitsRules.checked(**named, vocab_size=engine.side.vocab_size, max_new_tokens=limit)
+    checked = LogitsRules.checked(**rules, vocab_size=engine.side.vocab_size, max_new_tokens=limit)
     prompt_lens = {i: len(ids) for i, ids, _ in raw}
     for i, pos, context, toks in planned:
         probs = _target_probs(engine, context, params, eos, checked, prompt_lens[i])

@@ -225,7 +225,7 @@ class Engine:
             logit_bias=logit_bias,
             min_tokens=min_tokens,
             ignore_eos=ignore_eos,
-            output_format=response_format,
+            response_format=response_format,
             vocab_size=self.side.vocab_size,
             max_new_tokens=max_new_tokens,
         )

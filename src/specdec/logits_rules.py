@@ -54,11 +54,12 @@ class LogitsRules:
         logit_bias: Mapping[int, float] | None = None,
         min_tokens: int = 0,
         ignore_eos: bool = False,
-        output_format: OutputFormat | Mapping[str, Any] | None = None,
+        response_format: OutputFormat | Mapping[str, Any] | None = None,
         vocab_size: int,
         max_new_tokens: int,
     ) -> LogitsRules:
-        """The rules of a request, each value checked (``InvalidRequestError`` naming the field)."""
+        """The rules of a request, each value checked (``InvalidRequestError`` naming the field); the arguments are
+        named as ``Engine.start`` names them (``rules_from_settings`` gives them back so)."""
         for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
             if not _is_number(value) or not -2.0 <= value <= 2.0:
                 raise InvalidRequestError(f"{name} must be a number in [-2, 2], got {value!r}", name)
@@ -88,7 +89,7 @@ class LogitsRules:
             )
         if not isinstance(ignore_eos, bool):
             raise InvalidRequestError(f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos")
-        fmt = OutputFormat.parse(output_format)
+        fmt = OutputFormat.parse(response_format)
         if fmt is not None:  # the format ends the output (only EOS allowed once it is complete)
             for name, value in (("min_tokens", min_tokens), ("ignore_eos", ignore_eos)):
                 if value:
