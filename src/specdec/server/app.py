@@ -110,11 +110,12 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
                 "no_chat_template",
             )
         rid = uuid.uuid4().hex[:24]
+        plan = tool_plan(body)  # the reply is tool calls: generated under their schema, answered as calls
         return await api.serve(
             request,
             body,
-            chat_builder(body, rid, settings.chat_template),
-            Reply(f"chatcmpl-{rid}", _now(), settings.model_name, "chat", engine.tokenizer, tools=tool_plan(body)),
+            chat_builder(body, rid, settings.chat_template, plan),
+            Reply(f"chatcmpl-{rid}", _now(), settings.model_name, "chat", engine.tokenizer, tools=plan),
             rid,
         )
 

@@ -11,7 +11,7 @@ from specdec.errors import ContextLengthError, InvalidRequestError
 from specdec.output_format import OutputFormat
 from specdec.server.errors import APIError
 from specdec.server.schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, _Common
-from specdec.server.tools import template_tools, tool_plan
+from specdec.server.tools import ToolPlan, template_tools, tool_plan
 
 # Engine argument names -> the request fields a client sent.
 _PARAMS = {
@@ -127,8 +127,9 @@ def logprobs_wanted(body: _Common) -> int | None:
     return None
 
 
-def engine_kwargs(body: _Common, request_id: str) -> dict[str, Any]:
-    """Sampling, stop and speculation settings for ``Engine.start`` (max_new_tokens is added later)."""
+def engine_kwargs(body: _Common, request_id: str, fmt: OutputFormat | dict[str, Any] | None) -> dict[str, Any]:
+    """Sampling, stop and speculation settings for ``Engine.start`` (max_new_tokens is added later); ``fmt``: the
+    output's format (the request's own, or its tool calls')."""
     spec = body.speculative
     return {
         "temperature": float(body.temperature),
@@ -147,11 +148,7 @@ def engine_kwargs(body: _Common, request_id: str) -> dict[str, Any]:
         "logit_bias": {int(k): float(v) for k, v in (body.logit_bias or {}).items()},
         "min_tokens": body.min_tokens,
         "ignore_eos": body.ignore_eos,
-        "response_format": (
-            plan.response_format()
-            if isinstance(body, ChatCompletionRequest) and (plan := tool_plan(body)) is not None
-            else output_format(body)
-        ),
+        "response_format": fmt,
         "logprobs": logprobs_wanted(body),
         "prediction": body.prediction.text() if body.prediction is not None else None,
         # echo with logprobs: the prompt's tokens scored too
@@ -166,7 +163,7 @@ def choices(body: _Common) -> int:
 
 def completion_builder(body: CompletionRequest, request_id: str) -> Callable[[Engine], list[Generation]]:
     prompts = body.prompts()
-    kwargs = engine_kwargs(body, request_id)
+    kwargs = engine_kwargs(body, request_id, output_format(body))
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
 
     def build(engine: Engine) -> list[Generation]:
@@ -188,12 +185,13 @@ def completion_builder(body: CompletionRequest, request_id: str) -> Callable[[En
 
 
 def chat_builder(
-    body: ChatCompletionRequest, request_id: str, template: str | None = None
+    body: ChatCompletionRequest, request_id: str, template: str | None = None, plan: ToolPlan | None = None
 ) -> Callable[[Engine], list[Generation]]:
-    """``template``: the server's chat template (``--chat-template``), else the tokenizer's."""
+    """``template``: the server's chat template (``--chat-template``), else the tokenizer's; ``plan``: the request's
+    ``tool_plan`` (its reply is tool calls), whose schema is then the output's format."""
     messages = [_message_dict(m) for m in body.messages]
     tools = template_tools(body)
-    kwargs = engine_kwargs(body, request_id)
+    kwargs = engine_kwargs(body, request_id, plan.response_format() if plan is not None else output_format(body))
     max_tokens = body.max_completion_tokens or body.max_tokens
 
     def build(engine: Engine) -> list[Generation]:
