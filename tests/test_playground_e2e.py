@@ -119,12 +119,14 @@ def page(server: str) -> Iterator[tuple[Any, list[str]]]:
             browser.close()
 
 
-def _greedy_api(server: str) -> dict[str, Any]:
+def _greedy_api(server: str, **fields: Any) -> dict[str, Any]:
+    """The API's answer to the request the playground sends by default (greedy, fixed τ), with ``fields`` added."""
     body = {
         "prompt": PROMPT,
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
         "speculative": {"policy": "fixed", "tau": TAU},
+        **fields,
     }
     r = httpx.post(f"{server}/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
@@ -180,17 +182,7 @@ def test_playground_penalties_and_logprobs(server: str, page: tuple[Any, list[st
     pg.focus("#prompt")
     pg.keyboard.press("Control+Enter")
     pg.wait_for_selector("body[data-state=done]", timeout=90_000)
-    body = {
-        "prompt": PROMPT,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "speculative": {"policy": "fixed", "tau": TAU},
-        "presence_penalty": 1.5,
-        "repetition_penalty": 1.3,
-        "ignore_eos": True,
-        "logprobs": 3,
-    }
-    api = httpx.post(f"{server}/v1/completions", json=body, timeout=120).json()
+    api = _greedy_api(server, presence_penalty=1.5, repetition_penalty=1.3, ignore_eos=True, logprobs=3)
     assert api["choices"][0]["text"] != _greedy_api(server)["choices"][0]["text"]  # the penalties took effect
     assert pg.text_content("#output-text") == api["choices"][0]["text"]
     lps = api["choices"][0]["logprobs"]["token_logprobs"]
@@ -219,14 +211,9 @@ def test_playground_output_format(server: str, page: tuple[Any, list[str]]) -> N
     pg.focus("#prompt")
     pg.keyboard.press("Control+Enter")
     pg.wait_for_selector("body[data-state=done]", timeout=90_000)
-    body = {
-        "prompt": PROMPT,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "speculative": {"policy": "fixed", "tau": TAU},
-        "response_format": {"type": "json_schema", "json_schema": {"name": "playground", "schema": schema}},
-    }
-    api = httpx.post(f"{server}/v1/completions", json=body, timeout=120).json()
+    api = _greedy_api(
+        server, response_format={"type": "json_schema", "json_schema": {"name": "playground", "schema": schema}}
+    )
     assert api["choices"][0]["text"].startswith('{"name": "')
     assert pg.text_content("#output-text") == api["choices"][0]["text"]
     pg.select_option("#format-kind", "text")
