@@ -180,7 +180,7 @@ def main() -> None:
     rounds, min_seconds, mib = (2, 0.01, 64) if args.quick else (args.rounds, 0.05, 512)
     dtype = DTYPES[args.dtype]
     threads = max(1, torch.get_num_threads())
-    kind = "bf16dot" if dtype == torch.bfloat16 and nk.kernel_isa() == "avx512bf16" else "fp32"
+    kind = {"avx512bf16": "bf16dot", "amx": "amx"}.get(nk.kernel_isa(), "fp32") if dtype == torch.bfloat16 else "fp32"
     elem = torch.tensor([], dtype=dtype).element_size()
 
     def limits() -> tuple[float, float]:

@@ -159,6 +159,30 @@ def test_status_names_the_instruction_set(monkeypatch: pytest.MonkeyPatch, tmp_p
         nk._load.cache_clear()
 
 
+def test_the_build_is_the_best_the_cpu_and_os_allow_and_only_a_downgrade_is_forced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    amx = avx512 | {"amx_tile", "amx_bf16"}
+    cases = [  # CPU flags, OS grants the tiles, SPECDEC_CPU_KERNEL_ISA -> build
+        ({"avx2", "fma", "f16c"}, True, "", "avx2"),
+        ({"avx2", "fma", "f16c"}, True, "amx", "avx2"),  # no upgrade
+        (avx512, True, "", "avx512bf16"),
+        (avx512, True, "amx", "avx512bf16"),
+        (avx512, True, "avx2", "avx2"),
+        (amx, True, "", "amx"),
+        (amx, False, "", "avx512bf16"),  # the OS refuses the tile state (kernel < 5.16, some hypervisors)
+        (amx, True, "avx512bf16", "avx512bf16"),
+        (amx, True, " AVX2 ", "avx2"),
+        (amx, True, "bogus", "amx"),
+    ]
+    for flags, granted, asked, want in cases:
+        monkeypatch.setattr(nk, "cpu_flags", lambda flags=flags: frozenset(flags))
+        monkeypatch.setattr(nk, "amx_permitted", lambda granted=granted: granted)
+        monkeypatch.setenv(nk.ISA_SWITCH, asked)
+        assert nk.kernel_isa() == want, (sorted(flags), granted, asked)
+
+
 def test_tuning_flags_turn_the_bf16_prefetch_off_on_zen4_only() -> None:
     off = ["-DBF16DP_PREFETCH=0"]
     assert nk.tuning_flags("avx512bf16", "AuthenticAMD", 25) == off  # Zen 4 (family 25 with AVX512-BF16)
@@ -170,13 +194,19 @@ def test_tuning_flags_turn_the_bf16_prefetch_off_on_zen4_only() -> None:
     assert nk.tuning_flags("avx2", "GenuineIntel", 6, env="0") == []
 
 
-@pytest.mark.skipif(nk.kernel_isa() != "avx512bf16", reason="bf16 dot-product tiles are built only on AVX512-BF16 CPUs")
+def builds_up_to(isa: str) -> bool:
+    """Whether this CPU can run the kernel build ``isa`` (a downgrade from its best is forced by ISA_SWITCH)."""
+    return nk.ISA_ORDER.index(nk.kernel_isa()) >= nk.ISA_ORDER.index(isa)
+
+
+@pytest.mark.skipif(not builds_up_to("avx512bf16"), reason="bf16 dot-product tiles are built only on AVX512-BF16 CPUs")
 def test_the_prefetch_setting_never_changes_a_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Builds with and without the bf16 tiles' prefetch (SPECDEC_CPU_KERNEL_PREFETCH): prefill and verify blocks of
     1..16 rows (every tile height, two row groups) give the same logits bit for bit."""
     path = odd_checkpoint(tmp_path)
     runs = {}
     for setting in ("1", "0"):
+        monkeypatch.setenv(nk.ISA_SWITCH, "avx512bf16")  # the AMX build has no bf16 dot-product tiles
         monkeypatch.setenv(nk.PREFETCH_SWITCH, setting)
         monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / f"cache{setting}"))
         nk._load.cache_clear()
@@ -267,18 +297,19 @@ def test_many_query_heads_per_kv_head_and_tiny_heads(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # The products: one arithmetic for every row count (row independence), on each instruction set.
 
-ISAS = ["avx2", "avx512bf16"]
+ISAS = ["avx2", "avx512bf16", "amx"]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(params=ISAS)
 def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test body runs on the AVX2 build (forced) and on the AVX512-BF16 build where the CPU has it."""
+    """Each test body runs on the AVX2 build (forced), on the AVX512-BF16 build where the CPU has it (forced where the
+    CPU has AMX too) and on the AMX build where the CPU and the OS allow it."""
     name = str(request.param)
-    if name == "avx512bf16" and nk.kernel_isa() != "avx512bf16":
-        pytest.skip("this CPU lacks AVX512-BF16 (or SPECDEC_CPU_KERNEL_ISA=avx2 is set)")
-    if name == "avx2":
-        monkeypatch.setenv(nk.ISA_SWITCH, "avx2")
+    if not builds_up_to(name):
+        pytest.skip(f"this CPU cannot run the {name} build (or {nk.ISA_SWITCH} stops below it)")
+    if name != nk.kernel_isa():
+        monkeypatch.setenv(nk.ISA_SWITCH, name)
     nk._load.cache_clear()
     assert nk.kernel_status().startswith(f"available ({name}")
     yield name
@@ -288,7 +319,7 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
 
 def reference(x: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, isa: str) -> torch.Tensor:
     """x @ w.T in float64 from the values the kernel multiplies (bf16 dot products round x to bf16)."""
-    xr = x.to(torch.bfloat16) if dtype == torch.bfloat16 and isa == "avx512bf16" else x
+    xr = x.to(torch.bfloat16) if dtype == torch.bfloat16 and isa != "avx2" else x
     return xr.double() @ w.to(dtype).double().T
 
 
@@ -297,9 +328,10 @@ def test_product_rows_are_independent_of_the_row_count(isa: str, dtype: torch.dt
     """Every row count 1..70 (every tile row tail, several row groups), rows in any order, 1..3 threads: a row's
     output is the same bit for bit; shapes cover every output-panel tail (m mod 16), reduction tails (odd n,
     n below a vector), panel-group tails (grouped layouts: 7, 13 and 31 panels, a thread with no group) and
-    row groups re-reading L2 blocks of panels (481 x 2049: blocks of 12 panels, of one group in a grouped layout)."""
+    row groups re-reading L2 blocks of panels (481 x 2049: blocks of 12 panels, of one group in a grouped layout);
+    AMX: reductions of whole 16-pair steps only (96), steps and pairs after them (72, 100, 2049), none (1, 17)."""
     gen = torch.Generator().manual_seed(11)
-    for m, n in [(97, 72), (16, 17), (33, 1), (200, 100), (5, 257), (481, 2049)]:
+    for m, n in [(97, 72), (16, 17), (33, 1), (200, 100), (5, 257), (70, 96), (481, 2049)]:
         w = torch.randn(m, n, generator=gen)
         b = torch.randn(m, generator=gen)
         x = torch.randn(70, n, generator=gen)
@@ -506,7 +538,7 @@ def test_attention_tiles_are_row_independent_and_match_transformers(
 def test_fp32_attention_is_the_same_on_both_builds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """In fp32 the AVX2 and the AVX512 builds run the same arithmetic (every score and value sum one chain in
     position order, whatever the vector width): a GQA model's logits are equal bit for bit."""
-    if nk.kernel_isa() != "avx512bf16":
+    if not builds_up_to("avx512bf16"):
         pytest.skip("this CPU lacks AVX512-BF16: only one build to compare")
     path = gqa_checkpoint(tmp_path)
     ids = torch.randint(0, 97, (50,), generator=torch.Generator().manual_seed(19))

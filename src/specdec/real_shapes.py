@@ -233,8 +233,9 @@ def read_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> float:
 
 def fma_peak(threads: int, kind: str = "fp32", seconds: float = 0.2, reps: int = 5) -> float:
     """Floating-point operations per second of the products' instruction in registers: ``"fp32"`` (FMA at the
-    build's vector width) or ``"bf16dot"`` (VDPBF16PS, AVX512-BF16 builds only). Best of ``reps``."""
-    kinds = {"fp32": 0, "bf16dot": 1}
+    build's vector width), ``"bf16dot"`` (VDPBF16PS, AVX512-BF16 and AMX builds) or ``"amx"`` (TDPBF16PS on the tile
+    unit, AMX builds only). Best of ``reps``."""
+    kinds = {"fp32": 0, "bf16dot": 1, "amx": 2}
     if kind not in kinds:
         raise ValueError(f"kind must be one of {', '.join(kinds)}, got {kind!r}")
     lib = _kernel()

@@ -38,7 +38,7 @@ from specdec.runtime.native_weights import ModelWeights
 from specdec.runtime.pages import arena_for
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 13
+ABI_VERSION = 14
 # sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 # -ffp-contract=off: a multiply followed by an add stays two roundings wherever it is inlined (GCC fuses them into
@@ -47,7 +47,12 @@ PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj
 CXX_FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-fopenmp", "-ffp-contract=off"]
 # On CPUs with AVX512-BF16, bf16 weights multiply activations rounded to bf16 (VDPBF16PS); elsewhere,
 # or with SPECDEC_CPU_KERNEL_ISA=avx2, everything runs in fp32 arithmetic on AVX2.
-ISA_FLAGS = {"avx2": [], "avx512bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-DSD_AVX512BF16=1"]}
+# On CPUs with AMX (Sapphire Rapids and later, where the OS grants the tile state), bf16 weights multiply on the tile
+# unit instead (TDPBF16PS, 16 rows x 16 outputs x 32 products per instruction); fp32/fp16/int8 weights as avx512bf16.
+_AVX512BF16 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-DSD_AVX512BF16=1"]
+ISA_FLAGS = {"avx2": [], "avx512bf16": _AVX512BF16, "amx": [*_AVX512BF16, "-mamx-tile", "-mamx-bf16", "-DSD_AMX=1"]}
+# The builds from the least to the most capable; SPECDEC_CPU_KERNEL_ISA names one to stop at (a downgrade only).
+ISA_ORDER = ("avx2", "avx512bf16", "amx")
 ISA_SWITCH = "SPECDEC_CPU_KERNEL_ISA"
 # int8: per-output-channel symmetric int8 with fp32 scales (for draft models: see quantize_int8).
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
@@ -217,12 +222,34 @@ def _cpu_ok() -> str | None:
 
 
 def kernel_isa() -> str:
-    """``"avx512bf16"`` where the CPU has AVX512-BF16 (bf16 dot products) unless ``SPECDEC_CPU_KERNEL_ISA=avx2``,
-    else ``"avx2"``."""
-    has = cpu_flags() >= {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
-    if os.environ.get(ISA_SWITCH, "").strip().lower() == "avx2":  # only a downgrade can be forced
-        return "avx2"
-    return "avx512bf16" if has else "avx2"
+    """The kernel build for this CPU: ``"amx"`` where it has AMX-BF16 tiles and the OS grants their state,
+    ``"avx512bf16"`` where it has AVX512-BF16 (bf16 dot products), else ``"avx2"``. ``SPECDEC_CPU_KERNEL_ISA=avx2``
+    or ``=avx512bf16`` stops at that build where the CPU could do more (only a downgrade can be forced)."""
+    flags = cpu_flags()
+    best = "avx2"
+    if flags >= {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}:
+        best = "avx512bf16"
+        if flags >= {"amx_tile", "amx_bf16"} and amx_permitted():
+            best = "amx"
+    asked = os.environ.get(ISA_SWITCH, "").strip().lower()
+    if asked in ISA_ORDER and ISA_ORDER.index(asked) < ISA_ORDER.index(best):
+        return asked
+    return best
+
+
+@functools.cache
+def amx_permitted() -> bool:
+    """Whether Linux grants this process the AMX tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)``, asked
+    once per process; kernels before 5.16 and some hypervisors refuse it). A process using the tiles without it
+    faults, so the AMX build is chosen only after this succeeds."""
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+        return int(libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 PREFETCH_SWITCH = "SPECDEC_CPU_KERNEL_PREFETCH"
@@ -319,6 +346,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.sd_panel_group.restype = ctypes.c_int
     lib.sd_panel_group.argtypes = [ctypes.c_int64]
     lib.sd_key_block.restype = ctypes.c_int
+    lib.sd_amx.restype = ctypes.c_int
     lib.sd_matmul.restype = ctypes.c_int
     lib.sd_matmul.argtypes = [ctypes.c_int64, *[ctypes.c_void_p] * 4, *[ctypes.c_int64] * 4, ctypes.c_void_p]
     lib.sd_matmul.argtypes += [ctypes.c_int64, ctypes.c_int64]
@@ -378,6 +406,8 @@ def kernel_status() -> str:
         return why or "unavailable"
     if not lib.sd_bf16_dot():
         return "available (avx2)"
+    if lib.sd_amx():
+        return "available (amx)"
     return (
         "available (avx512bf16)" if lib.sd_bf16dp_prefetch() else "available (avx512bf16; bf16 tiles without prefetch)"
     )

@@ -34,6 +34,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#ifdef SD_AMX
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <type_traits>
 #include <vector>
@@ -77,11 +81,20 @@ struct SdModel {
     int64_t stream;
 };
 
-extern "C" int sd_abi_version(void) { return 13; }
+extern "C" int sd_abi_version(void) { return 14; }
 
 // Which products this build uses for bf16 weights: 1 = AVX512-BF16 dot products, 0 = AVX2 fp32.
 extern "C" int sd_bf16_dot(void) {
 #ifdef SD_AVX512BF16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+// Whether this build multiplies bf16 weights on AMX tiles (1; Sapphire Rapids and later) or not (0).
+extern "C" int sd_amx(void) {
+#ifdef SD_AMX
     return 1;
 #else
     return 0;
@@ -537,6 +550,129 @@ static void to_bf16_rows(const float* X, int64_t ldx, uint16_t* Xb, int64_t k, i
 }
 #endif
 
+#ifdef SD_AMX
+// CPUs with AMX (Intel Sapphire Rapids and later): bf16 weights times activations rounded to bf16 on the tile unit,
+// TDPBF16PS: a 16-row x 16-output tile of fp32 sums, each of 32 bf16 products per instruction (16 column pairs), 16x
+// the products of a VDPBF16PS. The weights are read in the grouped pair layout of the AVX512-BF16 build as they are:
+// for one panel of a group, 16 consecutive column pairs are 16 rows of 64 bytes (16 outputs x a pair), 256 bytes
+// apart, which is the tile unit's operand layout for B. A tile computes rows t0..t0+R (R <= 16) x a group's 4 panels.
+//
+// Row independence: a tile's row of sums is a function of its row of activations and the weights only (the unit
+// computes each row of C from the same row of A); each output is one chain: from 0, one TDPBF16PS per 16 column
+// pairs in order, then the pairs left over (n/2 mod 16) one VDPBF16PS each in order, then an odd last column as
+// tile_bf16dp does, then + b (+ Y). The number of rows R in the tile's configuration does not enter a row's sums, so a
+// row's result is the same bit for bit for every row count and thread count, as on the other builds. (It is not the
+// AVX512-BF16 build's result: the unit rounds inside a 16-pair step differently from 16 chained VDPBF16PS; a
+// process uses one build, and traces record it.)
+//
+// Tiles: 0-3 the sums of the group's 4 panels (R x 16 fp32), 4 the activations (R x 32 bf16), 5 and 6 the weights
+// of panels 0/2 and 1/3 (16 pairs x 16 outputs), so a weight load need not wait for the product before it.
+struct AmxConfig {
+    uint8_t palette, start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Asks the OS for the tile state (Linux's ARCH_REQ_XCOMP_PERM for XTILEDATA); 0 when granted. The loader calls it
+// before choosing this build; a process that lacks the permission faults on the first tile instruction.
+extern "C" int sd_amx_permit(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
+
+static inline void amx_configure(int rows) {
+    AmxConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 5; i++) c.rows[i] = (uint8_t)rows, c.colsb[i] = 64;
+    for (int i = 5; i < 7; i++) c.rows[i] = 16, c.colsb[i] = 64;
+    _tile_loadconfig(&c);
+}
+
+// Rows t0..t0+R of Xb (bf16, stride ldxb elements) x the group of 4 panels at Wg (grouped pair layout, n inputs)
+// into outputs r0..r0+64 of o. The tiles must be configured for R rows (amx_configure).
+static inline void tile_amx(const uint16_t* Xb, int64_t ldxb, const uint16_t* Wg, int64_t n, int64_t R,
+                            const OutSpec& o, int64_t t0, int64_t r0) {
+    const int64_t pairs = n >> 1, steps = pairs >> 4, G = BF16_GROUP, pair_elems = G * 2 * PANEL;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < steps; s++) {
+        const uint16_t* w = Wg + s * 16 * pair_elems;
+        _tile_loadd(4, Xb + s * 32, ldxb * 2);
+        _tile_loadd(5, w, pair_elems * 2);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, w + 2 * PANEL, pair_elems * 2);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, w + 4 * PANEL, pair_elems * 2);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, w + 6 * PANEL, pair_elems * 2);
+        _tile_dpbf16ps(3, 4, 6);
+    }
+    alignas(64) float buf[16 * G * PANEL];
+    const int64_t ld = G * PANEL;
+    _tile_stored(0, buf, ld * 4);
+    _tile_stored(1, buf + PANEL, ld * 4);
+    _tile_stored(2, buf + 2 * PANEL, ld * 4);
+    _tile_stored(3, buf + 3 * PANEL, ld * 4);
+    if ((steps << 4) < pairs || (n & 1)) {  // the pairs after the last whole step, then an odd last column
+        for (int64_t t = 0; t < R; t++) {
+            const uint16_t* x = Xb + t * ldxb;
+            for (int64_t p = 0; p < G; p++) {
+                __m512 acc = _mm512_load_ps(buf + t * ld + p * PANEL);
+                for (int64_t c2 = steps << 4; c2 < pairs; c2++) {
+                    uint32_t xx;
+                    memcpy(&xx, x + 2 * c2, 4);
+                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)xx),
+                                           (__m512bh)_mm512_loadu_si512(Wg + c2 * pair_elems + p * 2 * PANEL));
+                }
+                if (n & 1)
+                    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32((int)(uint32_t)x[n - 1]),
+                                           (__m512bh)_mm512_loadu_si512(Wg + pairs * pair_elems + p * 2 * PANEL));
+                _mm512_store_ps(buf + t * ld + p * PANEL, acc);
+            }
+        }
+    }
+    if (r0 + ld <= o.m) {
+        for (int64_t t = 0; t < R; t++)
+            for (int64_t p = 0; p < G; p++) emit_vec(_mm512_load_ps(buf + t * ld + p * PANEL), o, t0 + t, r0 + p * PANEL);
+    } else {
+        emit_tail(buf, R, ld, o, t0, r0);
+    }
+}
+
+#ifndef AMX_L2_BLOCK
+#define AMX_L2_BLOCK (512 * 1024)  // bytes of weight groups re-read from L2 by each row group after the first
+#endif
+
+// The AMX product's loop: this thread's contiguous, balanced share of the panel groups; rows in balanced row groups
+// of at most 16 (sizes differ by <= 1), each re-reading blocks of about AMX_L2_BLOCK bytes of weights from L2 after
+// the first. Called inside the parallel region by the whole team; ends with the team's barrier.
+static void products_amx(const uint16_t* xb, int64_t n, const uint16_t* Wp, const OutSpec& o, int64_t k, int64_t m) {
+    const int64_t G = BF16_GROUP, np = (m + PANEL - 1) / PANEL, ng = (np + G - 1) / G;
+    const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t g0 = ng * me / nth, g1 = ng * (me + 1) / nth;
+    const int64_t group_elems = G * ((n + 1) & ~(int64_t)1) * PANEL;
+    const int64_t row_groups = (k + 15) / 16;
+    int64_t block = g1 - g0;
+    if (row_groups > 1) {
+        block = AMX_L2_BLOCK / (group_elems * 2);
+        if (block < 1) block = 1;
+    }
+    int64_t configured = -1;  // the rows the tiles are configured for (configured on every call: other code on this
+                              // thread, oneDNN's in torch among it, may have configured them otherwise since)
+    for (int64_t q0 = g0; q0 < g1; q0 += block) {
+        const int64_t q1 = q0 + block < g1 ? q0 + block : g1;
+        for (int64_t g = 0, t0 = 0; g < row_groups; g++) {
+            const int64_t rows = k / row_groups + (g < k % row_groups ? 1 : 0);
+            if (rows != configured) amx_configure((int)rows), configured = rows;
+            for (int64_t q = q0; q < q1; q++) tile_amx(xb + t0 * n, n, Wp + q * group_elems, n, rows, o, t0, q * G * PANEL);
+            t0 += rows;
+        }
+    }
+#pragma omp barrier
+}
+#endif
+
 // Which layout the kernel reads for a weight type (for native_kernel.pack_weight): 2 = bf16 column pairs
 // (Wp[p][c/2][j][c%2]), 1 = single columns (Wp[p][c][j]); the panel width is sd_panel_width().
 extern "C" int sd_weight_pairs(int64_t wtype) {
@@ -572,6 +708,11 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
         const int64_t ps = ((n + 1) & ~(int64_t)1) * PANEL;  // elements per panel
         const int64_t G = BF16_GROUP;
         const OutSpec o = {NULL, b, Y, ldy, m, accumulate};
+#ifdef SD_AMX
+        (void)stream;
+        products_amx(xb, n, Wp, o, k, m);
+        return;
+#endif
         auto tile = [&](auto R, auto P, int64_t t0, int64_t p) {  // p..p+P in one group (products keeps them so)
             const uint16_t* at = Wp + (p - p % G) * ps + (p % G) * (2 * PANEL);
             tile_bf16dp<decltype(R)::value, decltype(P)::value>(xb + t0 * n, n, at, 2 * PANEL, G * 2 * PANEL, n, o, t0,
@@ -652,7 +793,35 @@ extern "C" double sd_read_bytes(const void* buf, int64_t bytes, int64_t threads)
 extern "C" double sd_fma_peak(int64_t iters, int64_t threads, int64_t kind) {
 #ifndef SD_AVX512BF16
     if (kind != 0) return -1.0;
+#elif !defined(SD_AMX)
+    if (kind != 0 && kind != 1) return -1.0;
 #else
+    if (kind == 2) {  // TDPBF16PS: 16 x 16 outputs x 32 products, on four independent sum tiles
+        int64_t team = 1;
+#pragma omp parallel num_threads((int)threads)
+        {
+#pragma omp single
+            team = omp_get_num_threads();
+            alignas(64) static const uint16_t zeros[16 * 32] = {0};
+            alignas(64) float out[16 * 16];
+            amx_configure(16);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_loadd(4, zeros, 64);
+            _tile_loadd(5, zeros, 64);
+            _tile_loadd(6, zeros, 64);
+            for (int64_t it = 0; it < iters; it++) {
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_dpbf16ps(3, 4, 6);
+            }
+            _tile_stored(0, out, 64);
+        }
+        return 2.0 * 16.0 * 16.0 * 32.0 * 4.0 * (double)iters * (double)team;
+    }
     if (kind != 0 && kind != 1) return -1.0;
 #endif
     volatile float sink = 0.0f;
