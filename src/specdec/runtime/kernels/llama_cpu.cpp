@@ -34,10 +34,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#ifdef SD_AMX
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include <type_traits>
 #include <vector>
@@ -574,10 +570,8 @@ struct AmxConfig {
     uint8_t rows[16];
 };
 
-// Asks the OS for the tile state (Linux's ARCH_REQ_XCOMP_PERM for XTILEDATA); 0 when granted. The loader calls it
-// before choosing this build; a process that lacks the permission faults on the first tile instruction.
-extern "C" int sd_amx_permit(void) { return syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 0 : -1; }
-
+// The process must hold the tile state (Linux's ARCH_REQ_XCOMP_PERM for XTILEDATA) before the first tile instruction,
+// or it faults: the loader asks for it before choosing this build (native_kernel.amx_permitted).
 static inline void amx_configure(int rows) {
     AmxConfig c;
     memset(&c, 0, sizeof c);
@@ -709,16 +703,16 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
         const int64_t G = BF16_GROUP;
         const OutSpec o = {NULL, b, Y, ldy, m, accumulate};
 #ifdef SD_AMX
-        (void)stream;
+        (void)stream, (void)ps, (void)G;
         products_amx(xb, n, Wp, o, k, m);
-        return;
-#endif
+#else
         auto tile = [&](auto R, auto P, int64_t t0, int64_t p) {  // p..p+P in one group (products keeps them so)
             const uint16_t* at = Wp + (p - p % G) * ps + (p % G) * (2 * PANEL);
             tile_bf16dp<decltype(R)::value, decltype(P)::value>(xb + t0 * n, n, at, 2 * PANEL, G * 2 * PANEL, n, o, t0,
                                                                  p * PANEL);
         };
         products<false, BF16_GROUP>(k, m, ps * 2, stream, tile);
+#endif
         return;
     }
 #else
