@@ -563,6 +563,9 @@ static void to_bf16_rows(const float* X, int64_t ldx, uint16_t* Xb, int64_t k, i
 //
 // Tiles: 0-3 the sums of the group's 4 panels (R x 16 fp32), 4 the activations (R x 32 bf16), 5 and 6 the weights
 // of panels 0/2 and 1/3 (16 pairs x 16 outputs), so a weight load need not wait for the product before it.
+#ifndef AMX_PREFETCH
+#define AMX_PREFETCH 8
+#endif
 struct AmxConfig {
     uint8_t palette, start_row;
     uint8_t reserved[14];
@@ -592,6 +595,11 @@ static inline void tile_amx(const uint16_t* Xb, int64_t ldxb, const uint16_t* Wg
     _tile_zero(3);
     for (int64_t s = 0; s < steps; s++) {
         const uint16_t* w = Wg + s * 16 * pair_elems;
+        if (AMX_PREFETCH > 0) {  // the step AMX_PREFETCH ahead into L2 (4 KB; past the group: the next one's, or nothing)
+            const char* ahead = (const char*)(w + AMX_PREFETCH * 16 * pair_elems);
+#pragma GCC unroll 64
+            for (int l = 0; l < 64; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
+        }
         _tile_loadd(4, Xb + s * 32, ldxb * 2);
         _tile_loadd(5, w, pair_elems * 2);
         _tile_dpbf16ps(0, 4, 5);
