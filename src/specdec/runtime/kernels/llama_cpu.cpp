@@ -710,13 +710,13 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
     if (wtype == WT_BF16) {
         to_bf16_rows(X, ldx, xb, k, n);  // ends with the team's barrier: every row is ready
         const uint16_t* Wp = (const uint16_t*)W;
-        const int64_t ps = ((n + 1) & ~(int64_t)1) * PANEL;  // elements per panel
-        const int64_t G = BF16_GROUP;
         const OutSpec o = {NULL, b, Y, ldy, m, accumulate};
 #ifdef SD_AMX
-        (void)stream, (void)ps, (void)G;
+        (void)stream;
         products_amx(xb, n, Wp, o, k, m);
 #else
+        const int64_t ps = ((n + 1) & ~(int64_t)1) * PANEL;  // elements per panel
+        const int64_t G = BF16_GROUP;
         auto tile = [&](auto R, auto P, int64_t t0, int64_t p) {  // p..p+P in one group (products keeps them so)
             const uint16_t* at = Wp + (p - p % G) * ps + (p % G) * (2 * PANEL);
             tile_bf16dp<decltype(R)::value, decltype(P)::value>(xb + t0 * n, n, at, 2 * PANEL, G * 2 * PANEL, n, o, t0,
@@ -798,9 +798,8 @@ extern "C" double sd_read_bytes(const void* buf, int64_t bytes, int64_t threads)
 extern "C" double sd_fma_peak(int64_t iters, int64_t threads, int64_t kind) {
 #ifndef SD_AVX512BF16
     if (kind != 0) return -1.0;
-#elif !defined(SD_AMX)
-    if (kind != 0 && kind != 1) return -1.0;
 #else
+#ifdef SD_AMX
     if (kind == 2) {  // TDPBF16PS: 16 x 16 outputs x 32 products, on four independent sum tiles
         int64_t team = 1;
 #pragma omp parallel num_threads((int)threads)
@@ -827,6 +826,7 @@ extern "C" double sd_fma_peak(int64_t iters, int64_t threads, int64_t kind) {
         }
         return 2.0 * 16.0 * 16.0 * 32.0 * 4.0 * (double)iters * (double)team;
     }
+#endif
     if (kind != 0 && kind != 1) return -1.0;
 #endif
     volatile float sink = 0.0f;
