@@ -8,6 +8,7 @@ sequences, one row each, every sequence with its own cache of ``--context`` toke
     python benchmarks/kernel_ab.py --baseline /path/to/other/checkout --shapes default qwen2.5-0.5b --ks 1 2 4 6 8 16
     python benchmarks/kernel_ab.py --baseline ../main --ks 64 128 --context 16   # prefill-sized blocks
     python benchmarks/kernel_ab.py --baseline ../main --batch --ks 1 4 16 --context 300  # k sequences, a row each
+    python benchmarks/kernel_ab.py --baseline ../main --batch --rows 3 --ks 16  # 16 sequences' verify blocks of 3
 
 Shapes: ``default`` (the shipped target), ``draft`` (the shipped draft) or a name of ``specdec.real_shapes.SHAPES``.
 Besides the ratio of the medians, each round's B/A (A and B alternate within a round) is reported as a median and
@@ -80,11 +81,14 @@ def runner_with(fused_cls: Any, path: Path, dtype: torch.dtype, kv_dtype: str) -
         native.FusedLlama = saved
 
 
-def run_pass(runner: Any, caches: list[Any], rows: list[int], k: int, batch: bool, context: int) -> torch.Tensor:
-    """One pass of k rows: a block in ``caches[0]``, or (``batch``) a row in each of ``caches[:k]``; every cache is
-    then cropped back to ``context`` tokens."""
+def run_pass(
+    runner: Any, caches: list[Any], rows: list[int], k: int, batch: bool, context: int, per: int = 1
+) -> torch.Tensor:
+    """One pass of k rows: a block in ``caches[0]``, or (``batch``) a block of ``per`` rows in each of ``caches[:k]``
+    (k x per rows); every cache is then cropped back to ``context`` tokens."""
     if batch:
-        out = runner.forward_blocks([([t], c) for t, c in zip(rows[:k], caches)], [1] * k)
+        blocks = [(rows[i * per : (i + 1) * per], c) for i, c in enumerate(caches[:k])]
+        out = runner.forward_blocks(blocks, [per] * k)
     else:
         out = runner.forward_blocks([(rows[:k], caches[0])], [k])
     for c in caches[: k if batch else 1]:
@@ -104,6 +108,7 @@ def main() -> None:
     ap.add_argument("--min-seconds", type=float, default=0.05)
     ap.add_argument("--threads", type=int, default=0, help="kernel threads (default: torch's)")
     ap.add_argument("--batch", action="store_true", help="k sequences of one row each, not a block of k rows")
+    ap.add_argument("--rows", type=int, default=1, help="with --batch: rows per sequence (a verify block each)")
     args = ap.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -127,7 +132,7 @@ def main() -> None:
         }
         gen = torch.Generator().manual_seed(0)
         k_max = max(args.ks)
-        rows = torch.randint(0, 8192, (k_max,), generator=gen).tolist()
+        rows = torch.randint(0, 8192, (k_max * args.rows,), generator=gen).tolist()
         # One sequence (blocks), or one per row (--batch), each holding its own prompt of --context tokens.
         prompts = [torch.randint(0, 8192, (args.context,), generator=gen) for _ in range(k_max if args.batch else 1)]
         caches: dict[str, list[Any]] = {}
@@ -137,7 +142,7 @@ def main() -> None:
                 r.forward(prompt, cache, last_only=True)
 
         def call(name: str, k: int) -> torch.Tensor:
-            return run_pass(runners[name], caches[name], rows, k, args.batch, args.context)  # noqa: B023 - used at once
+            return run_pass(runners[name], caches[name], rows, k, args.batch, args.context, args.rows)  # noqa: B023
 
         # Same logits? (A and B round differently; report the largest relative difference at k = max.)
         outs = {name: call(name, k_max) for name in runners}

@@ -294,6 +294,39 @@ def test_many_query_heads_per_kv_head_and_tiny_heads(tmp_path: Path) -> None:
     assert torch.equal(kernel.forward(ids[25:33], cache), singles[25:33])
 
 
+def test_units_of_seven_and_eight_queries_and_sharp_softmax(tmp_path: Path) -> None:
+    """head_dim 64 with 4 query heads per KV head: a block of 2 rows is one attention unit of 8 queries (the value sums
+    in 32-column chunks on AVX512 builds), 3 rows two units of 6, 7 rows four of 7; several sequences' blocks in one
+    pass make units of their own. Weights x8 make the softmax sharp, so most weights fall below the kernel's floor
+    (2^-64 of the largest, set to 0). Every row's logits equal its one-token pass bit for bit, in blocks and in a batch
+    of sequences, and the prefill matches transformers."""
+    from specdec.runtime.hf import HFRunner
+
+    path = odd_checkpoint(tmp_path, heads=8, kv_heads=2, hidden=512, name="g4")
+    ids = torch.randint(0, 97, (48,), generator=torch.Generator().manual_seed(10))
+    kernel = NativeRunner.from_pretrained(path, dtype=torch.bfloat16, kernel=True)
+    hf = HFRunner.from_pretrained(path, dtype=torch.float32)
+    fp32 = NativeRunner.from_pretrained(path, dtype=torch.float32, kernel=True)
+    got, want = prefill(fp32, ids), hf.forward(ids, hf.new_cache())
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+    steps = kernel.new_cache()
+    singles = torch.cat([kernel.forward(ids[i : i + 1], steps) for i in range(48)])
+    for lo, k in ((20, 2), (22, 3), (25, 7), (32, 8)):
+        cache = kernel.new_cache()
+        kernel.forward(ids[:lo], cache)
+        assert torch.equal(kernel.forward(ids[lo : lo + k], cache), singles[lo : lo + k]), (lo, k)
+    # Three sequences at different lengths, blocks of 2, 4 and 1 rows, in one pass.
+    caches, blocks, keep, want_rows = [], [], [], []
+    for lo, k in ((10, 2), (30, 4), (40, 1)):
+        cache = kernel.new_cache()
+        kernel.forward(ids[:lo], cache)
+        caches.append(cache)
+        blocks.append((ids[lo : lo + k].tolist(), cache))
+        keep.append(k)
+        want_rows.append(singles[lo : lo + k])
+    assert torch.equal(kernel.forward_blocks(blocks, keep), torch.cat(want_rows))
+
+
 # ---------------------------------------------------------------------------------------------
 # The products: one arithmetic for every row count (row independence), on each instruction set.
 

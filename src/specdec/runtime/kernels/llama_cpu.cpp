@@ -934,7 +934,10 @@ static void silu_mul(const float* g, const float* u, float* out, int64_t n) {
 enum { KBLOCK = 16 };
 extern "C" int sd_key_block(void) { return KBLOCK; }
 #ifdef SD_AVX512BF16
-enum { ATT_QMAX = 6, ATT_BLOCKS_MAX = 4 };  // up to 6 queries x 64 keys: 24 accumulators
+// Up to 8 queries scored together (a unit: the G query heads of a key/value head over a sequence's rows, so a block
+// of 4 rows at G = 2 or one row at G = 7-8 reads its keys and values once), x 64 keys (24 accumulators) for up to 6
+// queries, x 48 keys for 7-8.
+enum { ATT_QMAX = 8, ATT_BLOCKS_MAX = 4 };
 #else
 enum { ATT_QMAX = 3, ATT_BLOCKS_MAX = 2 };  // up to 3 queries x 32 keys: 12 accumulators
 #endif
@@ -1038,12 +1041,19 @@ static inline __attribute__((always_inline)) void score_tile(const float* const*
 // Blocks b0..b1 of Q queries' scores, ATT_BLOCKS_MAX blocks at a time. While they score: `vals` (the value rows of
 // their positions, from the head's first, Vh; NULL: not fetched) and `next` (bytes fetched in proportion, the rest
 // with the last tile).
+// Key blocks scored at a time by Q queries: at most 24 accumulators (AVX512) / 12 (AVX2).
+template <int Q>
+static constexpr int blocks_max() {
+    return Q * ATT_BLOCKS_MAX * (KBLOCK / VLANES) <= 24 ? ATT_BLOCKS_MAX : 24 / (Q * (KBLOCK / VLANES));
+}
+
 template <class KV, int Q>
 static void score_blocks(const float* const* qs, int64_t hd, const typename KV::T* Kh, const typename KV::T* vals,
                          const AttAhead& next, int64_t b0, int64_t b1, float* sc, int64_t ss) {
     const int64_t span = KBLOCK * hd * (int64_t)sizeof(typename KV::T);  // a block's bytes (keys or value rows)
     for (int64_t b = b0; b <= b1;) {
-        const int64_t nb = b1 - b + 1 < ATT_BLOCKS_MAX ? b1 - b + 1 : ATT_BLOCKS_MAX;
+        constexpr int NBMAX = blocks_max<Q>();
+        const int64_t nb = b1 - b + 1 < NBMAX ? b1 - b + 1 : NBMAX;
         const typename KV::T* Kb = Kh + b * hd * KBLOCK;
         const AttAhead a1 = in_parts(vals ? (const char*)(vals + b * KBLOCK * hd) : NULL, nb * span, hd);
         const int64_t from = (b - b0) * span, to = b + nb > b1 ? next.bytes : from + nb * span;
@@ -1053,9 +1063,9 @@ static void score_blocks(const float* const* qs, int64_t hd, const typename KV::
             case 1: score_tile<KV, Q, 1>(qs, hd, Kb, out, ss, a1, a2); break;
             case 2: score_tile<KV, Q, 2>(qs, hd, Kb, out, ss, a1, a2); break;
             default:
-                if constexpr (ATT_BLOCKS_MAX >= 3) {
+                if constexpr (NBMAX >= 3) {
                     if (nb == 3) score_tile<KV, Q, 3>(qs, hd, Kb, out, ss, a1, a2);
-                    else score_tile<KV, Q, ATT_BLOCKS_MAX>(qs, hd, Kb, out, ss, a1, a2);
+                    else score_tile<KV, Q, NBMAX>(qs, hd, Kb, out, ss, a1, a2);
                 }
                 break;
         }
@@ -1063,7 +1073,22 @@ static void score_blocks(const float* const* qs, int64_t hd, const typename KV::
     }
 }
 
-// A query's n scores, in position order, replaced by exp(score - max) in place; returns 1 / their sum.
+// Softmax weights below 2^-64 (a score more than 64 ln 2 below the query's max) are 0. Left as they were (down to
+// 2^-126 at the exp's clamp), a weight times a value made a subnormal product, and the multiply-adds of the value
+// sums took a microcode assist on each (Intel; no flush-to-zero in this kernel): the attention of 16 sequences x 3
+// rows of the default target at 100 tokens of context ran 1.6-1.8x as long (an Emerald Rapids) as with such weights
+// 0. A weight that small moves no sum of the value rows by a bit: the largest weight is 1, so a term below 2^-64 of
+// it is far below half an ulp of the sum. NaN scores keep exp's NaN.
+static const float SOFTMAX_FLOOR = -44.3614195558365f;  // -64 ln 2
+static inline __m256 softmax_exp8(__m256 x) {
+    const __m256 floor = _mm256_set1_ps(SOFTMAX_FLOOR);
+    const __m256 keep = _mm256_cmp_ps(x, floor, _CMP_NLT_UQ);  // x >= the floor, or NaN
+    return _mm256_and_ps(exp8(_mm256_max_ps(floor, x)), keep);  // (max(floor, NaN) is the NaN)
+}
+static inline float softmax_exp1(float x) { return x < SOFTMAX_FLOOR ? 0.0f : exp1(x); }
+
+// A query's n scores, in position order, replaced by exp(score - max) in place (0 below SOFTMAX_FLOOR); returns 1 /
+// their sum.
 static float softmax_weights(float* scores, int64_t n) {
     // The max (exact in any order): 8 lanes, then the lanes; NaN scores are passed over as a scalar max would.
     __m256 m = _mm256_set1_ps(-INFINITY);
@@ -1079,13 +1104,13 @@ static float softmax_weights(float* scores, int64_t n) {
     __m256 acc = _mm256_setzero_ps();
     int64_t j = 0;
     for (; j + 8 <= n; j += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), m8));
+        const __m256 e = softmax_exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), m8));
         _mm256_storeu_ps(scores + j, e);
         acc = _mm256_add_ps(acc, e);
     }
     float sum = hsum8(acc);
     for (; j < n; j++) {
-        scores[j] = exp1(scores[j] - mx);
+        scores[j] = softmax_exp1(scores[j] - mx);
         sum += scores[j];
     }
     return 1.0f / sum;
@@ -1128,8 +1153,9 @@ static void weighted_values(const float* w, int64_t n, const typename KV::T* V, 
 }
 
 // weighted_values for Q queries over positions from the same first one (query i's n[i] weights at w + i * ss, its
-// output at out[i]): on AVX512 builds their first 64-column chunks share each value row's loads over the positions
-// every query attends to (4 x 16 lanes per query, the same chains as above), and each query's chains then go on
+// output at out[i]): on AVX512 builds their 64-column chunks (32 for 7-8 queries) share each value row's loads over
+// the positions every query attends to (4 or 2 x 16 lanes per query, the same chains as above), and each query's
+// chains then go on
 // alone over its further positions; the rest, and AVX2 builds, one query at a time.
 template <class KV, int Q>
 static void weighted_values_q(const float* w, int64_t ss, const int64_t* n, const typename KV::T* V, int64_t hd,
@@ -1138,25 +1164,29 @@ static void weighted_values_q(const float* w, int64_t ss, const int64_t* n, cons
 #ifdef SD_AVX512BF16
     int64_t shared = n[0];
     for (int i = 1; i < Q; i++) shared = n[i] < shared ? n[i] : shared;
-    for (; c0 + 64 <= hd; c0 += 64) {
-        __m512 o[Q][4];
+    // Columns in chunks of 16 U: 4 vectors a query for up to 6 queries, 2 for 7-8 (at most 24 accumulators).
+    constexpr int U = Q <= 6 ? 4 : 2;
+    for (; c0 + 16 * U <= hd; c0 += 16 * U) {
+        __m512 o[Q][U];
 #pragma GCC unroll 32
-        for (int i = 0; i < Q * 4; i++) o[i / 4][i % 4] = _mm512_setzero_ps();
+        for (int i = 0; i < Q * U; i++) o[i / U][i % U] = _mm512_setzero_ps();
         const AttAhead parts = in_parts(ahead.p, ahead.bytes, shared);
         for (int64_t jj = 0; jj < shared; jj++) {
             fetch_ahead(parts, jj);
             const typename KV::T* v = V + jj * hd + c0;
-            __m512 v0 = KV::loadv(v), v1 = KV::loadv(v + 16), v2 = KV::loadv(v + 32), v3 = KV::loadv(v + 48);
-            // Held in registers: left to itself the compiler folds the loads into each query's multiply-adds, and
-            // the value rows (from L2) are then read Q times.
-            __asm__("" : "+v"(v0), "+v"(v1), "+v"(v2), "+v"(v3));
+            __m512 vv[U];
+#pragma GCC unroll 4
+            for (int u = 0; u < U; u++) {
+                vv[u] = KV::loadv(v + 16 * u);
+                // Held in registers: left to itself the compiler folds the loads into each query's multiply-adds,
+                // and the value rows (from L2) are then read Q times.
+                __asm__("" : "+v"(vv[u]));
+            }
 #pragma GCC unroll 8
             for (int i = 0; i < Q; i++) {
                 const __m512 sj = _mm512_set1_ps(w[i * ss + jj]);
-                o[i][0] = _mm512_fmadd_ps(sj, v0, o[i][0]);
-                o[i][1] = _mm512_fmadd_ps(sj, v1, o[i][1]);
-                o[i][2] = _mm512_fmadd_ps(sj, v2, o[i][2]);
-                o[i][3] = _mm512_fmadd_ps(sj, v3, o[i][3]);
+#pragma GCC unroll 4
+                for (int u = 0; u < U; u++) o[i][u] = _mm512_fmadd_ps(sj, vv[u], o[i][u]);
             }
         }
 #pragma GCC unroll 8
@@ -1164,13 +1194,11 @@ static void weighted_values_q(const float* w, int64_t ss, const int64_t* n, cons
             for (int64_t jj = shared; jj < n[i]; jj++) {  // the query's own further positions: its chains go on
                 const typename KV::T* v = V + jj * hd + c0;
                 const __m512 sj = _mm512_set1_ps(w[i * ss + jj]);
-                o[i][0] = _mm512_fmadd_ps(sj, KV::loadv(v), o[i][0]);
-                o[i][1] = _mm512_fmadd_ps(sj, KV::loadv(v + 16), o[i][1]);
-                o[i][2] = _mm512_fmadd_ps(sj, KV::loadv(v + 32), o[i][2]);
-                o[i][3] = _mm512_fmadd_ps(sj, KV::loadv(v + 48), o[i][3]);
+#pragma GCC unroll 4
+                for (int u = 0; u < U; u++) o[i][u] = _mm512_fmadd_ps(sj, KV::loadv(v + 16 * u), o[i][u]);
             }
             const __m512 iv = _mm512_set1_ps(inv[i]);
-            for (int u = 0; u < 4; u++) _mm512_storeu_ps(out[i] + c0 + 16 * u, _mm512_mul_ps(o[i][u], iv));
+            for (int u = 0; u < U; u++) _mm512_storeu_ps(out[i] + c0 + 16 * u, _mm512_mul_ps(o[i][u], iv));
         }
         ahead.p = NULL;
     }
@@ -1207,11 +1235,13 @@ static void attend(const float* const* qs, int Q, const typename KV::T* Kh, cons
         case 1: attend_q<KV, 1>(qs, Kh, Vh, lo, hi, hd, sc, ss, out, next); break;
         case 2: attend_q<KV, 2>(qs, Kh, Vh, lo, hi, hd, sc, ss, out, next); break;
         default:
-            if constexpr (ATT_QMAX >= 6) {
+            if constexpr (ATT_QMAX >= 8) {
                 if (Q == 3) attend_q<KV, 3>(qs, Kh, Vh, lo, hi, hd, sc, ss, out, next);
                 else if (Q == 4) attend_q<KV, 4>(qs, Kh, Vh, lo, hi, hd, sc, ss, out, next);
                 else if (Q == 5) attend_q<KV, 5>(qs, Kh, Vh, lo, hi, hd, sc, ss, out, next);
-                else attend_q<KV, 6>(qs, Kh, Vh, lo, hi, hd, sc, ss, out, next);
+                else if (Q == 6) attend_q<KV, 6>(qs, Kh, Vh, lo, hi, hd, sc, ss, out, next);
+                else if (Q == 7) attend_q<KV, 7>(qs, Kh, Vh, lo, hi, hd, sc, ss, out, next);
+                else attend_q<KV, 8>(qs, Kh, Vh, lo, hi, hd, sc, ss, out, next);
             } else {
                 attend_q<KV, 3>(qs, Kh, Vh, lo, hi, hd, sc, ss, out, next);
             }
