@@ -718,7 +718,7 @@ def test_the_kernels_argmax_is_torchs() -> None:
     """Every row's first index of its maximum, as torch.argmax: ties (the first wins), a maximum in the tail beyond
     the last 8-lane stride, rows of -inf, +inf, widths below a stride; rows holding a NaN are torch's answer too."""
     gen = torch.Generator().manual_seed(41)
-    for v in (1, 5, 8, 97, 8192):
+    for v in (1, 5, 8, 40, 71, 97, 8192):
         x = torch.randn(40, v, generator=gen)
         x[1] = float("-inf")
         x[2, : min(v, 3)] = 7.0  # ties: the first

@@ -1468,8 +1468,25 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
 extern "C" void sd_argmax_rows(const float* x, int64_t n, int64_t V, int64_t* out) {
     for (int64_t r = 0; r < n; r++) {
         const float* l = x + r * V;
+        // Four running maxima (max is exact in any order; one chain was bound by its latency: ~7 us a row of 8,192
+        // logits, 0.3 ms a step's 48 rows).
         __m256 m8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
+        __m256 ma = m8, mb = m8, mc = m8, na = nan8, nb = nan8, nc = nan8;
         int64_t i = 0;
+        for (; i + 32 <= V; i += 32) {
+            const __m256 v0 = _mm256_loadu_ps(l + i), v1 = _mm256_loadu_ps(l + i + 8);
+            const __m256 v2 = _mm256_loadu_ps(l + i + 16), v3 = _mm256_loadu_ps(l + i + 24);
+            nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v0, v0, _CMP_UNORD_Q));
+            na = _mm256_or_ps(na, _mm256_cmp_ps(v1, v1, _CMP_UNORD_Q));
+            nb = _mm256_or_ps(nb, _mm256_cmp_ps(v2, v2, _CMP_UNORD_Q));
+            nc = _mm256_or_ps(nc, _mm256_cmp_ps(v3, v3, _CMP_UNORD_Q));
+            m8 = _mm256_max_ps(m8, v0);
+            ma = _mm256_max_ps(ma, v1);
+            mb = _mm256_max_ps(mb, v2);
+            mc = _mm256_max_ps(mc, v3);
+        }
+        m8 = _mm256_max_ps(_mm256_max_ps(m8, ma), _mm256_max_ps(mb, mc));
+        nan8 = _mm256_or_ps(_mm256_or_ps(nan8, na), _mm256_or_ps(nb, nc));
         for (; i + 8 <= V; i += 8) {
             const __m256 v = _mm256_loadu_ps(l + i);
             nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
