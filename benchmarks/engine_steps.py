@@ -8,8 +8,8 @@ the engine's Python: planning, drafting's and verification's bookkeeping, commit
 the policy's learning. A pass streams the weights through every cache, so that Python runs on cold caches, several
 times slower than a micro-benchmark of it shows; this measures it where it runs.
 
-Reports per sequences and policy: output tokens/s, ms per step, of which in the kernel's calls and in the rest
-(median of the rounds), and the rest per sequence-step. ``--by-depth`` adds the steps of every round by their depth
+Reports per sequences and policy: output tokens/s, ms per step, of which in the kernel's calls (the target's passes
++ the draft model's forwards) and in the rest (median of the rounds), and the rest per sequence-step. ``--by-depth`` adds the steps of every round by their depth
 (the deepest draft of the step; "+p": prompt rows in the pass): a policy's steps beside a fixed τ's at the same depth
 tell what it loses by its choices (tokens a step, kernel time) from what it loses by its own work (the rest).
 
@@ -42,19 +42,22 @@ from specdec.policy import make_policy  # noqa: E402
 
 
 class NativeClock:
-    """Seconds spent inside the kernel's native calls of the runners given (their ``_fused`` library handles are
-    wrapped: each call timed where Python hands over to the library)."""
+    """Seconds spent inside the kernel's native calls of the runners given by name (their ``_fused`` library handles
+    are wrapped: each call timed where Python hands over to the library): in all (``seconds``) and by runner
+    (``by_runner``: the target's passes apart from the draft model's forwards and catch-up)."""
 
     CALLS = ("sd_forward_rows", "sd_draft_greedy")
 
-    def __init__(self, *runners: Any) -> None:
+    def __init__(self, **runners: Any) -> None:
         self.seconds = 0.0
-        for runner in runners:
+        self.by_runner: dict[str, float] = {}
+        for name, runner in runners.items():
             fused = getattr(runner, "_fused", None)
             if fused is not None:
-                fused._lib = self._wrapped(fused._lib)
+                self.by_runner[name] = 0.0
+                fused._lib = self._wrapped(fused._lib, name)
 
-    def _wrapped(self, lib: Any) -> Any:
+    def _wrapped(self, lib: Any, runner: str) -> Any:
         clock = self
 
         class Timed:
@@ -70,7 +73,9 @@ class NativeClock:
                 try:
                     return _native(*args)
                 finally:
-                    clock.seconds += time.perf_counter() - t0
+                    dt = time.perf_counter() - t0
+                    clock.seconds += dt
+                    clock.by_runner[runner] += dt
 
             setattr(timed, name, call)
         return timed
@@ -85,6 +90,7 @@ def run(engine: Engine, clock: NativeClock, policy: str, sequences: int, request
     started, steps, tokens = sequences, 0, 0
     depths: dict[str, list[float]] = {}  # depth -> [steps, tokens, seconds, kernel seconds]
     native0, t0 = clock.seconds, time.perf_counter()
+    split0 = dict(clock.by_runner)
     while active:
         n0, s0 = clock.seconds, time.perf_counter()
         events = engine.step(active)
@@ -108,6 +114,8 @@ def run(engine: Engine, clock: NativeClock, policy: str, sequences: int, request
         "native_ms_per_step": 1e3 * native / steps,
         "rest_ms_per_step": 1e3 * (wall - native) / steps,
         "rest_us_per_sequence_step": 1e6 * (wall - native) / steps / sequences,
+        # the kernel's time by runner: the target's passes, the draft model's forwards (and its catch-up)
+        **{f"{name}_ms_per_step": 1e3 * (t - split0[name]) / steps for name, t in clock.by_runner.items()},
         "steps": steps,
         "by_depth": depths,
     }
@@ -129,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--policies: {e}")
     engine = specdec.load()
     engine.prefill_in_step = 256  # the batching server's: prompts come in with their first step
-    clock = NativeClock(engine.target, getattr(engine.drafter, "runner", None))
+    clock = NativeClock(target=engine.target, draft=getattr(engine.drafter, "runner", None))
     rows: list[dict[str, Any]] = []
     for n in args.sequences:
         requests = args.requests or max(8, 4 * n)
@@ -147,12 +155,17 @@ def main(argv: list[str] | None = None) -> int:
                 for depth, sums in x["by_depth"].items():
                     depths[depth] = [a + b for a, b in zip(depths.get(depth, [0, 0, 0.0, 0.0]), sums)]
             rows.append({"sequences": n, "policy": policy, **med, "by_depth": depths, "rounds": runs[policy]})
-    print("| sequences | policy | tok/s | ms/step | kernel ms/step | rest ms/step | rest µs per sequence-step |")
+    print(
+        "| sequences | policy | tok/s | ms/step | kernel ms/step (target + draft) | rest ms/step "
+        "| rest µs per sequence-step |"
+    )
     print("|---|---|---|---|---|---|---|")
     for row in rows:
+        split = f" ({row.get('target_ms_per_step', 0.0):.3f} + {row.get('draft_ms_per_step', 0.0):.3f})"
         print(
             f"| {row['sequences']} | {row['policy']} | {row['tokens_per_s']:.0f} | {row['ms_per_step']:.3f} | "
-            f"{row['native_ms_per_step']:.3f} | {row['rest_ms_per_step']:.3f} | {row['rest_us_per_sequence_step']:.1f} |"
+            f"{row['native_ms_per_step']:.3f}{split} | {row['rest_ms_per_step']:.3f} | "
+            f"{row['rest_us_per_sequence_step']:.1f} |"
         )
     if args.by_depth:
         print("\n| sequences | policy | depth | steps | tokens a step | ms a step | kernel ms | rest ms | tokens/ms |")

@@ -31,6 +31,12 @@ def test_the_engine_steps_benchmark_splits_each_step(tmp_path: Path) -> None:
         assert r["tokens_per_s"] > 0
         assert 0 < r["native_ms_per_step"] < r["ms_per_step"]
         assert abs(r["native_ms_per_step"] + r["rest_ms_per_step"] - r["ms_per_step"]) < 1e-6
+        # the kernel's time by runner: every target pass is the target's; plain steps run no draft forward
+        assert r["target_ms_per_step"] > 0
+    for r in rows:
+        (run,) = r["rounds"]  # one round: its split adds up to its kernel time exactly
+        assert run["target_ms_per_step"] + run["draft_ms_per_step"] == pytest.approx(run["native_ms_per_step"])
+        assert (run["draft_ms_per_step"] > 0) == (r["policy"] == "adaptive"), r["policy"]
     assert "| 3 | adaptive |" in proc.stdout
     # Every step that made tokens is in one depth's row: the depths' tokens add up to the run's (one round), their
     # seconds to the steps' share of it.
