@@ -9,9 +9,10 @@ the policy's learning. A pass streams the weights through every cache, so that P
 times slower than a micro-benchmark of it shows; this measures it where it runs.
 
 Reports per sequences and policy: output tokens/s, ms per step, of which in the kernel's calls (the target's passes
-+ the draft model's forwards) and in the rest (median of the rounds), and the rest per sequence-step. ``--by-depth`` adds the steps of every round by their depth
-(the deepest draft of the step; "+p": prompt rows in the pass): a policy's steps beside a fixed τ's at the same depth
-tell what it loses by its choices (tokens a step, kernel time) from what it loses by its own work (the rest).
++ the draft model's forwards) and in the rest (median of the rounds), and the rest per sequence-step. ``--by-depth``
+adds the steps of every round by their depth (the deepest draft of the step; "+p": prompt rows in the pass): a
+policy's steps beside a fixed τ's at the same depth tell what it loses by its choices (tokens a step, kernel time)
+from what it loses by its own work (the rest).
 
     python benchmarks/engine_steps.py                                   # 1 and 16 sequences, plain, tau=2, adaptive
     python benchmarks/engine_steps.py --sequences 16 --policies fixed:tau=2 adaptive --rounds 5 --json steps.json

@@ -1038,21 +1038,22 @@ static inline __attribute__((always_inline)) void score_tile(const float* const*
     for (int i = 0; i < Q * NV; i++) vstore(sc + (i / NV) * ss + (i % NV) * VLANES, acc[i / NV][i % NV]);
 }
 
-// Blocks b0..b1 of Q queries' scores, ATT_BLOCKS_MAX blocks at a time. While they score: `vals` (the value rows of
-// their positions, from the head's first, Vh; NULL: not fetched) and `next` (bytes fetched in proportion, the rest
-// with the last tile).
-// Key blocks scored at a time by Q queries: at most 24 accumulators (AVX512) / 12 (AVX2).
+// Key blocks scored at a time by Q queries: ATT_BLOCKS_MAX while that is at most 24 accumulators, fewer beyond (7-8
+// queries on AVX512: 3). (AVX2's ATT_QMAX and ATT_BLOCKS_MAX keep it to 12.)
 template <int Q>
 static constexpr int blocks_max() {
     return Q * ATT_BLOCKS_MAX * (KBLOCK / VLANES) <= 24 ? ATT_BLOCKS_MAX : 24 / (Q * (KBLOCK / VLANES));
 }
 
+// Blocks b0..b1 of Q queries' scores, blocks_max<Q>() blocks at a time. While they score: `vals` (the value rows of
+// their positions, from the head's first, Vh; NULL: not fetched) and `next` (bytes fetched in proportion, the rest
+// with the last tile).
 template <class KV, int Q>
 static void score_blocks(const float* const* qs, int64_t hd, const typename KV::T* Kh, const typename KV::T* vals,
                          const AttAhead& next, int64_t b0, int64_t b1, float* sc, int64_t ss) {
     const int64_t span = KBLOCK * hd * (int64_t)sizeof(typename KV::T);  // a block's bytes (keys or value rows)
+    constexpr int NBMAX = blocks_max<Q>();
     for (int64_t b = b0; b <= b1;) {
-        constexpr int NBMAX = blocks_max<Q>();
         const int64_t nb = b1 - b + 1 < NBMAX ? b1 - b + 1 : NBMAX;
         const typename KV::T* Kb = Kh + b * hd * KBLOCK;
         const AttAhead a1 = in_parts(vals ? (const char*)(vals + b * KBLOCK * hd) : NULL, nb * span, hd);
@@ -1076,8 +1077,8 @@ static void score_blocks(const float* const* qs, int64_t hd, const typename KV::
 // Softmax weights below 2^-64 (a score more than 64 ln 2 below the query's max) are 0. Left as they were (down to
 // 2^-126 at the exp's clamp), a weight times a value made a subnormal product, and the multiply-adds of the value
 // sums took a microcode assist on each (Intel; no flush-to-zero in this kernel): the attention of 16 sequences x 3
-// rows of the default target at 100 tokens of context ran 1.6-1.8x as long (an Emerald Rapids) as with such weights
-// 0. A weight that small moves no sum of the value rows by a bit: the largest weight is 1, so a term below 2^-64 of
+// rows of the default target, after real prompts and 64 generated tokens, ran 1.5-1.6x as long (an Emerald Rapids,
+// alternating processes) as with such weights 0. A weight that small moves no sum of the value rows by a bit: the largest weight is 1, so a term below 2^-64 of
 // it is far below half an ulp of the sum. NaN scores keep exp's NaN.
 static const float SOFTMAX_FLOOR = -44.3614195558365f;  // -64 ln 2
 static inline __m256 softmax_exp8(__m256 x) {
@@ -1155,8 +1156,7 @@ static void weighted_values(const float* w, int64_t n, const typename KV::T* V, 
 // weighted_values for Q queries over positions from the same first one (query i's n[i] weights at w + i * ss, its
 // output at out[i]): on AVX512 builds their 64-column chunks (32 for 7-8 queries) share each value row's loads over
 // the positions every query attends to (4 or 2 x 16 lanes per query, the same chains as above), and each query's
-// chains then go on
-// alone over its further positions; the rest, and AVX2 builds, one query at a time.
+// chains then go on alone over its further positions; the rest, and AVX2 builds, one query at a time.
 template <class KV, int Q>
 static void weighted_values_q(const float* w, int64_t ss, const int64_t* n, const typename KV::T* V, int64_t hd,
                               const float* inv, float* const* out, AttAhead ahead) {
@@ -1470,23 +1470,20 @@ extern "C" void sd_argmax_rows(const float* x, int64_t n, int64_t V, int64_t* ou
         const float* l = x + r * V;
         // Four running maxima (max is exact in any order; one chain was bound by its latency: ~7 us a row of 8,192
         // logits, 0.3 ms a step's 48 rows).
-        __m256 m8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
-        __m256 ma = m8, mb = m8, mc = m8, na = nan8, nb = nan8, nc = nan8;
+        __m256 m4[4], nan4[4];
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; u++) m4[u] = _mm256_set1_ps(-INFINITY), nan4[u] = _mm256_setzero_ps();
         int64_t i = 0;
         for (; i + 32 <= V; i += 32) {
-            const __m256 v0 = _mm256_loadu_ps(l + i), v1 = _mm256_loadu_ps(l + i + 8);
-            const __m256 v2 = _mm256_loadu_ps(l + i + 16), v3 = _mm256_loadu_ps(l + i + 24);
-            nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v0, v0, _CMP_UNORD_Q));
-            na = _mm256_or_ps(na, _mm256_cmp_ps(v1, v1, _CMP_UNORD_Q));
-            nb = _mm256_or_ps(nb, _mm256_cmp_ps(v2, v2, _CMP_UNORD_Q));
-            nc = _mm256_or_ps(nc, _mm256_cmp_ps(v3, v3, _CMP_UNORD_Q));
-            m8 = _mm256_max_ps(m8, v0);
-            ma = _mm256_max_ps(ma, v1);
-            mb = _mm256_max_ps(mb, v2);
-            mc = _mm256_max_ps(mc, v3);
+#pragma GCC unroll 4
+            for (int u = 0; u < 4; u++) {
+                const __m256 v = _mm256_loadu_ps(l + i + 8 * u);
+                nan4[u] = _mm256_or_ps(nan4[u], _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                m4[u] = _mm256_max_ps(m4[u], v);
+            }
         }
-        m8 = _mm256_max_ps(_mm256_max_ps(m8, ma), _mm256_max_ps(mb, mc));
-        nan8 = _mm256_or_ps(_mm256_or_ps(nan8, na), _mm256_or_ps(nb, nc));
+        __m256 m8 = _mm256_max_ps(_mm256_max_ps(m4[0], m4[1]), _mm256_max_ps(m4[2], m4[3]));
+        __m256 nan8 = _mm256_or_ps(_mm256_or_ps(nan4[0], nan4[1]), _mm256_or_ps(nan4[2], nan4[3]));
         for (; i + 8 <= V; i += 8) {
             const __m256 v = _mm256_loadu_ps(l + i);
             nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
