@@ -6,6 +6,7 @@ every checkpoint family on both back ends.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -716,19 +717,25 @@ def test_cli_takes_the_cache_type_and_refuses_a_bad_one_in_one_line(tiny_models:
 
 def test_the_kernels_argmax_is_torchs() -> None:
     """Every row's first index of its maximum, as torch.argmax: ties (the first wins), a maximum in the tail beyond
-    the last 8-lane stride, rows of -inf, +inf, widths below a stride; rows holding a NaN are torch's answer too."""
+    the last 8-lane stride, rows of -inf, +inf, widths below a stride; rows holding a NaN are torch's answer too. On one
+    thread and on two (from 8 rows the rows are shared among the pass's threads), and below 8 rows (one thread)."""
     gen = torch.Generator().manual_seed(41)
-    for v in (1, 5, 8, 40, 71, 97, 8192):
-        x = torch.randn(40, v, generator=gen)
-        x[1] = float("-inf")
-        x[2, : min(v, 3)] = 7.0  # ties: the first
-        x[3, -1] = 50.0  # in the tail
-        x[4, v // 2] = float("inf")
-        x[5, v - 1] = float("nan")
-        x[6] = torch.round(x[6])  # many ties
-        x[7, 0] = float("nan")
-        x[7, -1] = 99.0
-        assert nk.argmax_rows(x) == x.argmax(dim=-1).tolist(), v
+    before = torch.get_num_threads()
+    try:
+        for threads, v, rows in itertools.product((1, 2), (1, 5, 8, 40, 71, 97, 8192), (40, 8, 7)):
+            torch.set_num_threads(threads)
+            x = torch.randn(rows, v, generator=gen)
+            x[1] = float("-inf")
+            x[2, : min(v, 3)] = 7.0  # ties: the first
+            x[3, -1] = 50.0  # in the tail
+            x[4, v // 2] = float("inf")
+            x[5, v - 1] = float("nan")
+            x[6] = torch.round(x[6])  # many ties
+            x[rows - 1, 0] = float("nan")
+            x[rows - 1, -1] = 99.0
+            assert nk.argmax_rows(x) == x.argmax(dim=-1).tolist(), (threads, v, rows)
+    finally:
+        torch.set_num_threads(before)
     wide = torch.randn(6, 300, generator=gen)
     assert nk.argmax_rows(wide[:, :100]) == wide[:, :100].argmax(dim=-1).tolist()  # not contiguous: torch
     assert nk.argmax_rows(torch.empty(0, 8)) == []

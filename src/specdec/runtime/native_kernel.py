@@ -352,7 +352,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.sd_matmul.argtypes += [ctypes.c_int64, ctypes.c_int64]
     lib.sd_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     lib.sd_argmax_rows.restype = None
-    lib.sd_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.sd_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     lib.sd_draft_greedy.restype = ctypes.c_int
     # model, n, ids, off, pos0, kv, tau, max_tau, rules, vocab_used, tokens, tops, drafted, fed, logits, scratch, threads
     lib.sd_draft_greedy.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 5, ctypes.c_int64]
@@ -386,7 +386,7 @@ def kernel_argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> list[int]:
     the checks: each torch call costs microseconds on the caches a pass has just flushed."""
     n, v = logits.shape
     out = array.array("q", bytes(8 * n))
-    lib.sd_argmax_rows(logits.data_ptr(), n, v, out.buffer_info()[0])
+    lib.sd_argmax_rows(logits.data_ptr(), n, v, out.buffer_info()[0], pass_threads())
     best = out.tolist()
     for r, b in enumerate(best):
         if b < 0:  # a NaN in the row: torch's answer

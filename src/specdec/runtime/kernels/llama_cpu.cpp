@@ -1462,10 +1462,14 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
 // ---------------------------------------------------------------------------------------------
 // Greedy verification: the argmax of every row of a pass
 
+#ifndef ARGMAX_ROWS_PARALLEL
+#define ARGMAX_ROWS_PARALLEL 8  // rows from which the argmax runs on every thread (fewer: not worth the team's wake-up)
+#endif
 // out[r] = the argmax of row r of x [n][V]: the first index holding the row's maximum (torch's rule), or -1 for a
 // row holding a NaN (the caller decides those as torch would). The maximum in 8-lane strides, then its first index
 // 8 lanes at a time: a pass's rows in tens of microseconds, where torch's argmax took ~7 us per row of 8192.
-extern "C" void sd_argmax_rows(const float* x, int64_t n, int64_t V, int64_t* out) {
+extern "C" void sd_argmax_rows(const float* x, int64_t n, int64_t V, int64_t* out, int64_t threads) {
+#pragma omp parallel for num_threads((int)threads) schedule(static) if (threads > 1 && n >= ARGMAX_ROWS_PARALLEL)
     for (int64_t r = 0; r < n; r++) {
         const float* l = x + r * V;
         // Four running maxima (max is exact in any order; one chain was bound by its latency: ~7 us a row of 8,192
