@@ -734,6 +734,46 @@ def test_a_batch_plan_prices_its_steps_with_what_they_measured_beyond_the_curves
     assert "tokens in 14.00 ms predicted (step bias +6.00 ms)" in plan[0].reason
 
 
+def test_a_request_joining_a_replayed_batch_plan_gets_a_plan_of_its_own() -> None:
+    """A batch plan is replayed for the steps after it; a request that joins meanwhile runs at the batch's depth with a
+    plan of its own (its expected tokens by τ), as each request the plan made was given: its outcomes are tested
+    against that plan's rates, and a step holding it is measured against the plans' predicted tokens (the depth
+    calibration), where without a plan its expected tokens were unknown and the step was left out."""
+    ctxs = [ctx_for(f"s{i}", 0, 0, 0) for i in range(16)]
+    policy = primed_for_batch(ctxs)
+    first = policy.plan(ctxs)
+    depth = max(d.tau for d in first)
+    late = ctx_for("late", 0, 0, 0)
+    policy.begin(late)
+    batch = [ctx_for(f"s{i}", 1, 2, 1) for i in range(1, 16)] + [late]
+    replayed = policy.plan(batch)  # s0 left, "late" joined: the plan replayed
+    assert "joined, at its depth" in replayed[-1].reason and replayed[-1].tau == depth
+    joined = policy._requests["late"]
+    assert joined.plan is not None and len(joined.plan.emitted) > depth
+    assert joined.predicted_latency is not None
+    records = [
+        replace(
+            record_for(ctx.request_id, 1, depth, depth),
+            draft_time=1e-3 * depth,
+            verify_time=5e-3,
+            other_time=1e-3,
+            batch_size=16,
+            rows=16 * (depth + 1),
+            drafting=16,
+            draft_passes=depth,
+        )
+        for ctx in batch
+    ]
+    steps_before = sum(e[4] for e in policy.depth_calibration._sums.values())
+    policy.observe_step(records)
+    policy.learn()
+    # The step was measured against the plans' tokens: the joined request's plan among them.
+    assert sum(e[4] for e in policy.depth_calibration._sums.values()) > steps_before
+    assert policy.depth_calibration._sums[depth][1] == pytest.approx(
+        sum(policy._requests[ctx.request_id].plan.emitted[depth] for ctx in batch)
+    )
+
+
 def test_depth_calibration_weighs_what_each_depths_steps_measured_against_their_predictions() -> None:
     """Ratios of sums (not a mean of per-step ratios, which leans against the depths whose tokens spread most), each
     depth's shrunk toward the pool of every depth run by ``prior`` steps (the pool toward 1), decayed per step, an

@@ -578,8 +578,16 @@ class AdaptivePolicy(Policy):
             if min(self.max_tau, ctx.max_tau) and _budget_binds(ctx):
                 d = self.next_tau(ctx)
             elif d is None:
+                # A request that joined since the plan: the batch's depth, and a plan of its own (its expected
+                # tokens by τ) as the batch plan gives each of its requests. Its outcomes are then tested against
+                # that plan's rates, derived once (without a plan each outcome derived them afresh: at 16 sequences a
+                # third of the records), and its steps' tokens against the plan's (without one, a step holding such a
+                # request was left out of the depth calibration).
                 req.steps += 1
-                req.plan = None
+                k = min(self.max_tau, self._batch_depth + DEPTH_PATIENCE + 1, ctx.max_tau)
+                req.plan = self._plan(req, k) if k > 0 else None
+                if req.plan is not None:
+                    _predict_latency(req, req.plan, ctx)
                 d = Decision(min(self._batch_depth, self.max_tau, ctx.max_tau), f"batch of {n}: joined, at its depth")
             else:
                 req.steps += 1
