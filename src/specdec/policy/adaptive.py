@@ -443,10 +443,7 @@ class AdaptivePolicy(Policy):
         caps: list[int] = []
         floors: list[int] = []
         gains: list[list[float]] = []
-        # A plan moves the depth a few positions deeper at most: depths beyond the last plan's + DEPTH_PATIENCE + 1
-        # are not priced (the search asks DEPTH_MARGIN more of each further position, and every depth priced costs a
-        # pass over the requests).
-        horizon = min(self.max_tau, self._batch_depth + DEPTH_PATIENCE + 1)
+        horizon = self._batch_horizon()
         for ctx in ctxs:
             req = self._request(ctx)
             k = min(horizon, ctx.max_tau)
@@ -456,12 +453,10 @@ class AdaptivePolicy(Policy):
                 own.append(mine)
             else:
                 req.steps += 1
-                req.plan = self._plan(req, k) if k else None
+                self._plan_in_batch(req, ctx, k)
                 req.budget_bound = False
                 cap, floor = k, 0
                 own.append(None)
-                if req.plan is not None:
-                    _predict_latency(req, req.plan, ctx)
             g = req.plan.emitted if req.plan is not None else [1.0]
             # Expected tokens of τ beyond the plan's horizon (a stop rule's cap): the plan's last increment, flat.
             gains.append(g + [g[-1]] * (cap + 1 - len(g)))
@@ -567,6 +562,19 @@ class AdaptivePolicy(Policy):
         self._reuse_until = self._batch_steps + (REPLAN_EVERY - 1 if reuse else 0)
         return out
 
+    def _batch_horizon(self) -> int:
+        """The deepest τ a batch plan prices. A plan moves the depth a few positions deeper at most: depths beyond the
+        last plan's + DEPTH_PATIENCE + 1 are not priced (the search asks DEPTH_MARGIN more of each further position,
+        and every depth priced costs a pass over the requests)."""
+        return min(self.max_tau, self._batch_depth + DEPTH_PATIENCE + 1)
+
+    def _plan_in_batch(self, req: _Request, ctx: StepContext, k: int) -> None:
+        """A request's own plan in a batch (its expected tokens by τ up to ``k``; none at 0), which also predicts its
+        latency at its first plan: made for each request a batch plan prices, and for each that joins it later."""
+        req.plan = self._plan(req, k) if k > 0 else None
+        if req.plan is not None:
+            _predict_latency(req, req.plan, ctx)
+
     def _replay(self, ctxs: Sequence[StepContext], n: int) -> list[Decision]:
         """The last batch plan again: each request its decision (clamped to its room), a request that joined
         since the batch's depth without a stop rule, a budget-bound one its own decision afresh."""
@@ -584,10 +592,7 @@ class AdaptivePolicy(Policy):
                 # third of the records), and its steps' tokens against the plan's (without one, a step holding such a
                 # request was left out of the depth calibration).
                 req.steps += 1
-                k = min(self.max_tau, self._batch_depth + DEPTH_PATIENCE + 1, ctx.max_tau)
-                req.plan = self._plan(req, k) if k > 0 else None
-                if req.plan is not None:
-                    _predict_latency(req, req.plan, ctx)
+                self._plan_in_batch(req, ctx, min(self._batch_horizon(), ctx.max_tau))
                 d = Decision(min(self._batch_depth, self.max_tau, ctx.max_tau), f"batch of {n}: joined, at its depth")
             else:
                 req.steps += 1

@@ -1078,8 +1078,8 @@ static void score_blocks(const float* const* qs, int64_t hd, const typename KV::
 // 2^-126 at the exp's clamp), a weight times a value made a subnormal product, and the multiply-adds of the value
 // sums took a microcode assist on each (Intel; no flush-to-zero in this kernel): the attention of 16 sequences x 3
 // rows of the default target, after real prompts and 64 generated tokens, ran 1.5-1.6x as long (an Emerald Rapids,
-// alternating processes) as with such weights 0. A weight that small moves no sum of the value rows by a bit: the largest weight is 1, so a term below 2^-64 of
-// it is far below half an ulp of the sum. NaN scores keep exp's NaN.
+// alternating processes) as with such weights 0. A weight that small moves no sum of the value rows by a bit: the
+// largest weight is 1, so a term below 2^-64 of it is far below half an ulp of the sum. NaN scores keep exp's NaN.
 static const float SOFTMAX_FLOOR = -44.3614195558365f;  // -64 ln 2
 static inline __m256 softmax_exp8(__m256 x) {
     const __m256 floor = _mm256_set1_ps(SOFTMAX_FLOOR);
