@@ -55,7 +55,10 @@ ARM_SETTLED_GAP = 0.04  # the stop rule this much ahead in goodput: settled
 ARM_CHECK_EVERY_SETTLED = 32  # steps: then one in 32 goes without the rule
 GAIN_PER_TOKEN = 0.02  # budget-limited: an extra draft token must add this many expected tokens
 REPLAN_EVERY = 8  # batch steps a batch plan serves (see ``plan``)
-REPLAN_MIN = 4  # sequences: smaller batches plan every step
+# Sequences from which a batch replays its plan (a single request plans every step, ``next_tau``). At 2-3 sequences a
+# fresh plan every step cost ~0.4-0.6 ms of a 4-6 ms step (in process, an Emerald Rapids, session 48: the policy
+# 0.74-0.91x the best fixed tau at 2-3 sequences with 4, 0.94-1.00x with 2).
+REPLAN_MIN = 2
 # A deeper batch depth must predict this much more goodput per position beyond the last plan's, a shallower one this
 # much once (``_search_depth``): the predictions move from plan to plan and err more the deeper they reach (acceptance
 # of rarely drafted positions, pass sizes never run, joins waiting on longer steps). In process, 4-32 sequences, the
