@@ -566,7 +566,10 @@ static void to_bf16_rows(const float* X, int64_t ldx, uint16_t* Xb, int64_t k, i
 #ifndef AMX_PREFETCH
 // Steps (4 KB each) a tile prefetches its weights ahead into L2. A tile load reads 16 lines 256 bytes apart, an order
 // the hardware prefetchers follow poorly: without it one-row passes of the Qwen2.5-0.5B body took 1.4x as long (an
-// Emerald Rapids, interleaved); 16 steps ahead measured the same as 8 (docs/runtime.md, "The AMX build").
+// Emerald Rapids, interleaved); 16 steps ahead measured the same as 8 (docs/runtime.md, "The AMX build"). Only the
+// first row group of a block of weights prefetches (`prefetch`): the others re-read the block from L2, where 64
+// prefetches a step only took load slots from the tile loads (16 sequences x 4 rows 0.89-0.91x the time without
+// them, a 64-row block 0.95x, 16 rows or fewer alike; an Emerald Rapids, interleaved, session 48).
 #define AMX_PREFETCH 8
 #endif
 struct AmxConfig {
@@ -588,9 +591,10 @@ static inline void amx_configure(int rows) {
 }
 
 // Rows t0..t0+R of Xb (bf16, stride ldxb elements) x the group of 4 panels at Wg (grouped pair layout, n inputs)
-// into outputs r0..r0+64 of o. The tiles must be configured for R rows (amx_configure).
+// into outputs r0..r0+64 of o. The tiles must be configured for R rows (amx_configure). `prefetch`: fetch the
+// weights AMX_PREFETCH steps ahead (they come from beyond L2).
 static inline void tile_amx(const uint16_t* Xb, int64_t ldxb, const uint16_t* Wg, int64_t n, int64_t R,
-                            const OutSpec& o, int64_t t0, int64_t r0) {
+                            const OutSpec& o, int64_t t0, int64_t r0, bool prefetch) {
     const int64_t pairs = n >> 1, steps = pairs >> 4, G = BF16_GROUP, pair_elems = G * 2 * PANEL;
     _tile_zero(0);
     _tile_zero(1);
@@ -598,7 +602,8 @@ static inline void tile_amx(const uint16_t* Xb, int64_t ldxb, const uint16_t* Wg
     _tile_zero(3);
     for (int64_t s = 0; s < steps; s++) {
         const uint16_t* w = Wg + s * 16 * pair_elems;
-        if (AMX_PREFETCH > 0) {  // the step AMX_PREFETCH ahead into L2 (4 KB; past the group: the next one's, or nothing)
+        if (AMX_PREFETCH > 0 && prefetch) {  // the step AMX_PREFETCH ahead into L2 (4 KB; past the group: the next
+                                             // one's, or nothing)
             const char* ahead = (const char*)(w + AMX_PREFETCH * 16 * pair_elems);
 #pragma GCC unroll 64
             for (int l = 0; l < 64; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
@@ -670,7 +675,8 @@ static void products_amx(const uint16_t* xb, int64_t n, const uint16_t* Wp, cons
         for (int64_t g = 0, t0 = 0; g < row_groups; g++) {
             const int64_t rows = k / row_groups + (g < k % row_groups ? 1 : 0);
             if (rows != configured) amx_configure((int)rows), configured = rows;
-            for (int64_t q = q0; q < q1; q++) tile_amx(xb + t0 * n, n, Wp + q * group_elems, n, rows, o, t0, q * G * PANEL);
+            for (int64_t q = q0; q < q1; q++)
+                tile_amx(xb + t0 * n, n, Wp + q * group_elems, n, rows, o, t0, q * G * PANEL, g == 0);
             t0 += rows;
         }
     }
