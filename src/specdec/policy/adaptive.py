@@ -473,13 +473,13 @@ class AdaptivePolicy(Policy):
             rows = other_rows + prompt_rows + sum(taus) + len(taus)
             got = sum(g[t] for g, t in zip(gains, taus))
             # the other sequences' rows make a token each at least
-            return got, price(rows, max(taus, default=0), len(taus) - taus.count(0), got + other_rows)
+            return got, price(rows, max(taus, default=0), len(taus) - taus.count(0))
 
         # The prompt rows' own seconds (what they add to a plain pass of the others' rows): in every depth's step.
         sunk = 0.0
         if prompt_rows:
             plain_rows = other_rows + len(ctxs)
-            sunk = max(0.0, price(plain_rows + prompt_rows, 0, 0, 0.0) - price(plain_rows, 0, 0, 0.0))
+            sunk = max(0.0, price(plain_rows + prompt_rows, 0, 0) - price(plain_rows, 0, 0))
 
         # Every depth up to the caps priced, then the search (``_search_depth``) from the depth the last plan chose.
         # Each step's price is raised by the step bias, what the batch's steps' drafts and passes have measured beyond
@@ -691,7 +691,7 @@ class AdaptivePolicy(Policy):
             else:
                 rest = steady.other_time - steady.policy_time + self._policy_time[0] / max(self._policy_time[1], 1e-9)
             made = tokens_made(records)
-            price = batch_costs.pricer(step.batch_size, self.costs)(step.rows, step.draft_passes, step.drafting, made)
+            price = batch_costs.pricer(step.batch_size, self.costs)(step.rows, step.draft_passes, step.drafting)
             self._learn_step(
                 step,
                 price,

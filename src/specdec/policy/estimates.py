@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.records import StepRecord, steady_rest, tokens_made
+from specdec.records import StepRecord, steady_rest
 
 
 def expected_emitted_all(rates: list[float]) -> list[float]:
@@ -528,18 +528,22 @@ EXCESS_WARM = 3.0  # steps' worth an ExcessFit needs before a batch plan prices 
 class ExcessFit:
     """Seconds a step measures beyond the shapes of its pass and draft measured apart from the steps
     (``BatchCosts.measured_passes`` and ``measured_lines``), as a line in two of the step's sizes, e(x1, x2) = a + b·x1
-    + c·x2: decayed least squares, b and c ridged toward 0 and kept at 0 or above (a machine's noise must not make a
-    size look cheaper the larger it is).
+    + c·x2 (the step's sequences and its shape in milliseconds): decayed least squares, b and c ridged toward 0 and
+    kept at 0 or above (a machine's noise must not make a size look cheaper the larger it is).
 
-    A server's steps cost more than their shapes measured quietly, and by about as much whatever the depth: its event
-    loop streams the last step's tokens while the pass and the draft run, and its rest between steps commits them (at
-    16 sequences on 2 cores, ~3.6 ms beyond a plain step's shapes, ~4 beyond a depth-2 step's and 5-6 beyond depths 3-5,
-    the draft's part landing on the pass when nothing drafts). Learnt as one excess over every step, the measured shapes
-    decide how the depths compare; learnt size by size (the curves), each size kept what it cost when last run, and
-    sizes not run again (a start's cold passes: 48 rows priced at 10.7 ms where they take 7.7) priced the shallow
-    depths out (``docs/policy.md``, session 33)."""
+    A server's steps cost more than their shapes measured quietly: its event loop streams the last step's tokens while
+    the pass and the draft run, and its rest between steps commits them (at 16 sequences on 2 cores, ~3.6 ms beyond a
+    plain step's shapes, ~4 beyond a depth-2 step's and 5-6 beyond depths 3-5, the draft's part landing on the pass
+    when nothing drafts). Learnt size by size (the curves), each size kept what it cost when last run, and sizes not
+    run again (a start's cold passes: 48 rows priced at 10.7 ms where they take 7.7) priced the shallow depths out
+    (``docs/policy.md``, session 33); learnt as one excess over every step, part of it grows with the step: traced
+    servers measured it at 3.25 ms beyond τ = 3's shapes and 5.2-7.4 beyond depths 7-8 (4 clients, session 47), ~7.3
+    beyond shapes of 6.5-7.8 ms and ~9 beyond shapes of ~13 ms (16 clients, session 48), so a constant fitted on the
+    deep steps a policy runs priced the shallow depths 30-40% too dear, and they were never run to correct it. Its
+    second size was the tokens a step makes (the rest commits and detokenises them): within a depth they move with
+    acceptance, not with the cost, and the fit found no slope there (``docs/policy.md``, session 48)."""
 
-    def __init__(self, decay: float = 0.98, ridge: tuple[float, float] = (4.0, 100.0)) -> None:
+    def __init__(self, decay: float = 0.98, ridge: tuple[float, float] = (4.0, 16.0)) -> None:
         self.decay, self.ridge = decay, ridge
         # decayed Σ of w, x1, x2, y, x1², x1·x2, x2², x1·y, x2·y
         self._sums = [0.0] * 9
@@ -691,7 +695,7 @@ class BatchCosts:
     # by rows, a target pass.
     measured_lines: dict[int, tuple[float, float]] = field(default_factory=dict)
     measured_passes: dict[int, float] = field(default_factory=dict)
-    # What the steps measure beyond those shapes, by sequences and tokens made (``ExcessFit``).
+    # What the steps measure beyond those shapes, by sequences and the shape's milliseconds (``ExcessFit``).
     excess: ExcessFit = field(default_factory=ExcessFit)
 
     def observe(self, record: StepRecord) -> None:
@@ -722,7 +726,7 @@ class BatchCosts:
         if self.shaped and steady is not None and steady_draft(step):
             shape = self.measured_shape(step.rows or step.tau + 1, passes, step.drafting)
             measured = step.draft_time + step.verify_time + steady.other_time
-            self.excess.observe(max(1, step.batch_size), tokens_made(records), measured - shape)
+            self.excess.observe(max(1, step.batch_size), shape * 1e3, measured - shape)
 
     @property
     def shaped(self) -> bool:
@@ -760,36 +764,34 @@ class BatchCosts:
         a, b = lines[lo], lines[hi]
         return max(a[0] + f * (b[0] - a[0]), 1e-9), max(a[1] + f * (b[1] - a[1]), 0.0)
 
-    def step_time(
-        self, rows: int, depth: int, drafting: int, sequences: int, solo: StepCosts, tokens: float = 0.0
-    ) -> float:
+    def step_time(self, rows: int, depth: int, drafting: int, sequences: int, solo: StepCosts) -> float:
         """Predicted seconds of a step with ``rows`` target rows over ``sequences`` sequences, ``depth`` lockstep
         draft forwards over ``drafting`` of them. What is not measured yet falls back on the solo costs, and
         where those are not measured either, on priors *relative to what is measured*: a pass's seconds
         from the solo line, a draft forward as ``prior_draft_frac`` of a one-row pass (the pass curve's
         floor once seen), 5% more per further sequence. (Mixing the solo priors' absolute seconds, a 1 s
         pass and a 0.1 s draft forward, with measured passes of milliseconds would price drafting out
-        for good: a policy that never drafts never measures a draft forward.) ``tokens``: what the step makes (its rest
-        grows with them, ``ExcessFit``)."""
-        return self.pricer(sequences, solo)(rows, depth, drafting, tokens)
+        for good: a policy that never drafts never measures a draft forward.)"""
+        return self.pricer(sequences, solo)(rows, depth, drafting)
 
     def rest(self, sequences: int, solo: StepCosts) -> float:
         """Predicted seconds of a step's rest (all but its draft and pass) over ``sequences`` sequences."""
         return self.other(sequences, (solo.other or 0.0) * sequences)
 
-    def pricer(self, sequences: int, solo: StepCosts) -> Callable[[int, int, int, float], float]:
-        """``step_time`` for one step's ``sequences``, as a function of (rows, depth, drafting, tokens): what does not
+    def pricer(self, sequences: int, solo: StepCosts) -> Callable[[int, int, int], float]:
+        """``step_time`` for one step's ``sequences``, as a function of (rows, depth, drafting): what does not
         depend on those is read once (a batch plan prices a dozen shapes of the same step).
 
         Where the shapes were measured apart from the steps (``prime``) and the steps have measured enough beyond
         them, a step is its pass's and its draft's measured shapes plus what the steps measure beyond those
-        (``excess``, by the step's sequences and tokens); otherwise its pass, draft and rest from the curves the
+        (``excess``, by the step's sequences and shape); otherwise its pass, draft and rest from the curves the
         steps taught, size by size."""
         if self.shaped and self.excess.weight >= EXCESS_WARM:
             excess = self.excess
 
-            def shaped(rows: int, depth: int, drafting: int, tokens: float = 0.0) -> float:
-                return max(self.measured_shape(rows, depth, drafting) + excess(sequences, tokens), 1e-9)
+            def shaped(rows: int, depth: int, drafting: int) -> float:
+                shape = self.measured_shape(rows, depth, drafting)
+                return max(shape + excess(sequences, shape * 1e3), 1e-9)
 
             return shaped
         v0, v1 = solo.line()
@@ -815,7 +817,7 @@ class BatchCosts:
             scale = per_forward * mean_depth / max(d0 + slope * (mean_depth - 1.0), 1e-12)
             return per_forward, scale * d0, scale * slope
 
-        def price(rows: int, depth: int, drafting: int, tokens: float = 0.0) -> float:
+        def price(rows: int, depth: int, drafting: int) -> float:
             step = self.verify(rows, v0 + v1 * (rows - 1)) + other
             if not depth:
                 return step
