@@ -517,6 +517,41 @@ def test_excess_fit_recovers_a_line_and_keeps_its_slopes_at_zero_or_above() -> N
     assert a == pytest.approx(mean, rel=1e-6)
 
 
+# Shapes measured apart from the steps, for the excess tests: a target pass by rows, a draft line by sequences.
+SHAPE_PASSES = {16: 2.5e-3, 32: 4.2e-3, 64: 8.0e-3, 128: 15.6e-3}
+SHAPE_LINES = {1: (0.2e-3, 0.05e-3), 16: (0.63e-3, 0.33e-3)}
+
+
+def shaped_policy() -> AdaptivePolicy:
+    policy = AdaptivePolicy()
+    policy.prime(MeasuredCosts(SHAPE_PASSES, {}, SHAPE_LINES))
+    return policy
+
+
+def shaped_step(
+    policy: AdaptivePolicy, i: int, depth: int, accepted: int, beyond: float, rest: float
+) -> list[StepRecord]:
+    """Step ``i`` of 16 sequences drafting ``depth`` tokens (``accepted`` of each kept): its draft as its measured line,
+    its pass its measured shape + ``beyond``, its rest ``rest``."""
+    batch = policy.batch_costs
+    rows = 16 * (depth + 1)
+    draft = SHAPE_LINES[16][0] + SHAPE_LINES[16][1] * (depth - 1)
+    return [
+        replace(
+            record_for(f"s{k}", i + 1, depth, accepted),
+            other_time=rest,
+            draft_time=draft,
+            verify_time=batch.measured_pass(rows) + beyond,
+            batch_size=16,
+            rows=rows,
+            drafting=16,
+            draft_passes=depth,
+            draft_fed=32,
+        )
+        for k in range(16)
+    ]
+
+
 def test_a_batch_plan_prices_a_depth_it_left_by_the_measured_shapes_plus_the_steps_excess() -> None:
     """Shapes measured apart from the steps (a pass by rows, a draft line by sequences). A server's first steps ran
     depth 2 (48 rows) cold, 7 ms beyond their shapes; it then ran depth 5 for 150 steps, 3 ms beyond them and a
@@ -524,40 +559,17 @@ def test_a_batch_plan_prices_a_depth_it_left_by_the_measured_shapes_plus_the_ste
     recent steps measure beyond theirs: 4.5 ms, whatever depth measured it."""
     from specdec.policy.estimates import EXCESS_WARM, StepCosts
 
-    passes = {16: 2.5e-3, 32: 4.2e-3, 64: 8.0e-3, 128: 15.6e-3}
-    lines = {1: (0.2e-3, 0.05e-3), 16: (0.63e-3, 0.33e-3)}
-    policy = AdaptivePolicy()
-    policy.prime(MeasuredCosts(passes, {}, lines))
+    policy = shaped_policy()
     batch = policy.batch_costs
     assert batch.shaped and batch.measured_pass(48) == pytest.approx(6.1e-3) and batch.measured_pass(96) == 11.8e-3
-
-    def step(depth: int, extra: float, i: int) -> list[StepRecord]:
-        rows = 16 * (depth + 1)
-        draft = lines[16][0] + lines[16][1] * (depth - 1)
-        records = []
-        for k in range(16):
-            record = replace(record_for(f"s{k}", i + 1, depth, depth - 1), other_time=1.5e-3)
-            records.append(
-                replace(
-                    record,
-                    draft_time=draft,
-                    verify_time=batch.measured_pass(rows) + extra,
-                    batch_size=16,
-                    rows=rows,
-                    drafting=16,
-                    draft_passes=depth,
-                    draft_fed=32,
-                )  # fmt: skip
-            )
-        return records
 
     # Before any step: the curves (primed with the same shapes; nothing measured beyond them yet).
     assert batch.pricer(16, StepCosts())(48, 2, 16) == pytest.approx(6.1e-3 + 0.96e-3, rel=0.05)
     for i in range(10):
-        batch.observe_step(step(2, 7e-3, i))
+        batch.observe_step(shaped_step(policy, i, 2, 1, 7e-3, 1.5e-3))
     assert batch.excess.weight >= EXCESS_WARM
     for i in range(150):
-        batch.observe_step(step(5, 3e-3, 10 + i))
+        batch.observe_step(shaped_step(policy, 10 + i, 5, 4, 3e-3, 1.5e-3))
     price = batch.pricer(16, StepCosts())
     shape2 = 6.1e-3 + 0.63e-3 + 0.33e-3
     assert price(48, 2, 16) == pytest.approx(shape2 + 4.5e-3, abs=0.1e-3)
@@ -575,10 +587,7 @@ def test_a_shallow_depth_is_priced_by_an_excess_that_grows_with_the_shape_not_by
     deep steps' excess carried to the shallow one. Seeded data, no noise: cannot flake."""
     from specdec.policy.estimates import StepCosts
 
-    passes = {16: 2.5e-3, 32: 4.2e-3, 64: 8.0e-3, 128: 15.6e-3}
-    lines = {1: (0.2e-3, 0.05e-3), 16: (0.63e-3, 0.33e-3)}
-    policy = AdaptivePolicy()
-    policy.prime(MeasuredCosts(passes, {}, lines))
+    policy = shaped_policy()
     batch = policy.batch_costs
 
     def shape(depth: int) -> float:
@@ -589,23 +598,7 @@ def test_a_shallow_depth_is_priced_by_an_excess_that_grows_with_the_shape_not_by
 
     for i in range(240):
         depth = 6 if i % 8 == 7 else 5
-        rows = 16 * (depth + 1)
-        draft = lines[16][0] + lines[16][1] * (depth - 1)
-        records = [
-            replace(
-                record_for(f"s{k}", i + 1, depth, 1),
-                other_time=1e-3,
-                draft_time=draft,
-                verify_time=batch.measured_pass(rows) + excess(depth) - 1e-3,
-                batch_size=16,
-                rows=rows,
-                drafting=16,
-                draft_passes=depth,
-                draft_fed=32,
-            )
-            for k in range(16)
-        ]
-        batch.observe_step(records)
+        batch.observe_step(shaped_step(policy, i, depth, 1, excess(depth) - 1e-3, 1e-3))
     price = batch.pricer(16, StepCosts())
     assert price(96, 5, 16) == pytest.approx(shape(5) + excess(5), abs=0.2e-3)
     truth2, level = shape(2) + excess(2), excess(5) - excess(2)  # what a level would overprice depth 2 by

@@ -523,6 +523,7 @@ class CurveEWMA:
 
 
 EXCESS_WARM = 3.0  # steps' worth an ExcessFit needs before a batch plan prices with it
+EXCESS_SHAPE_UNIT = 1e3  # an ExcessFit's second size, a step's shape, in milliseconds (its ridge is in ms²)
 
 
 class ExcessFit:
@@ -726,7 +727,7 @@ class BatchCosts:
         if self.shaped and steady is not None and steady_draft(step):
             shape = self.measured_shape(step.rows or step.tau + 1, passes, step.drafting)
             measured = step.draft_time + step.verify_time + steady.other_time
-            self.excess.observe(max(1, step.batch_size), shape * 1e3, measured - shape)
+            self.excess.observe(max(1, step.batch_size), shape * EXCESS_SHAPE_UNIT, measured - shape)
 
     @property
     def shaped(self) -> bool:
@@ -791,7 +792,7 @@ class BatchCosts:
 
             def shaped(rows: int, depth: int, drafting: int) -> float:
                 shape = self.measured_shape(rows, depth, drafting)
-                return max(shape + excess(sequences, shape * 1e3), 1e-9)
+                return max(shape + excess(sequences, shape * EXCESS_SHAPE_UNIT), 1e-9)
 
             return shaped
         v0, v1 = solo.line()
