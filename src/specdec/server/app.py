@@ -60,7 +60,11 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     if why_not is not None:
         log.warning("response_format will be refused: %s", why_not)
     scheduler = Scheduler(
-        engine, max_active=settings.max_active, max_queue=settings.max_queue, max_batch=settings.max_batch
+        engine,
+        max_active=settings.max_active,
+        max_queue=settings.max_queue,
+        max_batch=settings.max_batch,
+        write_wait=settings.write_wait_ms / 1e3,
     )
     engine.prefill_in_step = settings.prefill_tokens_in_step
     metrics = ServerMetrics(engine, scheduler)
@@ -147,6 +151,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             "costs": engine.costs_note,
             "prefill_in_step": engine.prefill_in_step,  # prompt tokens a batched step takes in, at most
             "stream_interval": settings.stream_interval,  # tokens a streamed choice gathers before its text is sent
+            "write_wait_ms": settings.write_wait_ms,  # the worker's wait for the event loop after a step, at most
             "runtime": getattr(engine.target, "backend", type(engine.target).__name__),
             # the KV caches' element type on the CPU kernel (kv_dtype): "bf16", "fp16", "fp32"; None elsewhere
             "kv_dtype": kv_dtype_of(engine.target),
