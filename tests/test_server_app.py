@@ -533,3 +533,39 @@ def test_a_list_of_prompts_gets_each_prompts_choices_in_turn(engine: Any) -> Non
     assert texts == [a["choices"][0]["text"] for a in alone]
     finished = [c["index"] for e in events for c in e["choices"] if c["finish_reason"]]
     assert sorted(finished) == [0, 1, 2]
+
+
+def test_a_fault_in_the_workers_own_round_fails_its_requests_and_the_server_goes_on(engine: Any) -> None:
+    """Something outside a request's own work fails in a round (here the metrics hook the worker calls after every
+    step): the requests of that round end with a 500 at once, not at their timeout, and the next request is served
+    by the same worker. Before, the worker thread ended and every request in flight hung."""
+    app = create_app(engine, ServerSettings(model_name="tiny", request_timeout=30))
+    scheduler = app.state.scheduler
+    observe, calls = scheduler.on_step, [0]
+
+    def faulty(sequences: int, rows: int) -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("metrics hook failed")
+        observe(sequences, rows)
+
+    scheduler.on_step = faulty
+    body = {"prompt": "def fibonacci(n):", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+    async def go(client: httpx.AsyncClient) -> tuple[httpx.Response, httpx.Response, dict[str, Any]]:
+        # Bounded: without the recovery the first request never ends (its worker is gone), and this fails here.
+        failed = await asyncio.wait_for(client.post("/v1/completions", json=body), 20)
+        served = await asyncio.wait_for(client.post("/v1/completions", json=body), 20)
+        return failed, served, (await client.get("/health")).json()
+
+    try:
+        failed, served, health = run(app, go)
+    finally:
+        engine.observers.clear()
+    assert failed.status_code == 500, failed.text
+    assert (
+        failed.json()["error"]["code"] == "internal_error"
+        and "metrics hook failed" in failed.json()["error"]["message"]
+    )
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 8
+    assert health["failed"] == 1 and health["completed"] == 1 and health["active"] == 0

@@ -232,11 +232,15 @@ class Scheduler:
                 while self._waiting and (running == 0 or running + self._waiting[0].n <= self.max_active):
                     admitted.append(self._waiting.popleft())
                     running += admitted[-1].n
-            for job in admitted:
-                self._admit(job)
-            batch = [job for job in self._next_batch() if self._still_wanted(job)]
-            if batch:
-                self._advance(batch)
+            batch: list[Job] = []
+            try:
+                for job in admitted:
+                    self._admit(job)
+                batch = [job for job in self._next_batch() if self._still_wanted(job)]
+                if batch:
+                    self._advance(batch)
+            except Exception as e:  # noqa: BLE001 - a fault of the worker's own (not a request's): fail, keep serving
+                self._recover(e, batch or admitted)
         # Shutting down: release everything still running or waiting.
         for job in list(self._active):
             self._end(job, Failed(_shutdown_error()))
@@ -245,6 +249,28 @@ class Scheduler:
         for job in waiting:
             self._count("failed", job)
             job.post(Failed(_shutdown_error()))
+
+    def _recover(self, error: Exception, jobs: list[Job]) -> None:
+        """A round failed outside what ``_admit`` and ``_advance`` answer for each request (the worker's own code, a
+        metrics hook): the jobs it was serving may be half-stepped, so they end with a 500 (their caches freed), and the
+        worker goes on with the others. Left to itself the thread ended, and every request in flight waited for its
+        timeout while /health said ok."""
+        log.exception("the scheduler's round failed; failing the requests it was serving", exc_info=error)
+        failure = Failed(
+            error
+            if isinstance(error, APIError)
+            else APIError(500, f"internal error: {type(error).__name__}: {error}", None, "internal_error")
+        )
+        for job in jobs:
+            if job.finished:
+                continue
+            try:
+                self._end(job, failure)
+            except Exception:  # noqa: BLE001 - what is left of the job must not stop the worker either
+                log.exception("could not end request %s", job.request_id)
+                with self._cond:
+                    if job in self._active:
+                        self._active.remove(job)
 
     def _admit(self, job: Job) -> None:
         if job.cancelled:
