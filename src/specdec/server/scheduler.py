@@ -457,8 +457,8 @@ def wait_written(outbox: list[tuple[Job, Message]], timeout: float) -> bool:
         if not jobs or jobs[-1] is not job:
             jobs.append(job)
     written = threading.Event()
-    left = [len(by_loop)]  # loops still writing (each loop's callbacks run on that loop: one decrement at a time
-    lock = threading.Lock()  # under the lock, for the loops of other threads)
+    left = [len(by_loop)]  # loops that have not taken their messages yet
+    lock = threading.Lock()  # loops on different threads may finish at once
     deadline = time.monotonic() + timeout
 
     def done_with_loop() -> None:
