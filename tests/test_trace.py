@@ -205,3 +205,19 @@ def test_generate_cli_writes_a_trace(tiny_models: dict[str, Path], tmp_path: Pat
     assert rc == 0
     (req,) = read_trace(path).requests
     assert req.summary is not None and sum(len(s.emitted) for s in req.steps) == req.summary.stats.new_tokens
+
+
+def test_a_step_line_holds_every_field_of_the_record_and_copies_its_lists() -> None:
+    """``StepRecord.to_json`` (a trace's step line) is the record's fields, as ``dataclasses.asdict`` gives them, plus
+    the line's type and version; its lists are the line's own (a line changed later does not change the record)."""
+    from dataclasses import asdict, fields
+
+    rec = _record("z", 2, tau=3, n=1)
+    rec.draft_token_probs, rec.draft_confidence, rec.tau_planned, rec.max_verify_passes = [0.5, 0.4, 0.3], [0.6], 4, 9
+    line = rec.to_json()
+    assert line == {**asdict(rec), "type": "step", "v": line["v"]}
+    assert set(line) == {f.name for f in fields(StepRecord)} | {"type", "v"}
+    line["emitted"].append(7)
+    line["accept_flags"][0] = False
+    assert rec.emitted == [10, 99] and rec.accept_flags == [True, False, False]
+    assert StepRecord.from_json(rec.to_json()) == rec

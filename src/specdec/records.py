@@ -107,7 +107,10 @@ class StepRecord:
         return (self.verify_time, self.draft_time, self.rows, self.batch_size)
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
+        # Its fields are numbers, strings and flat lists of them: a copy of each list, not ``asdict``'s deep copy of
+        # every value (~50 µs a record against ~5; a traced server writes one a sequence a step: at 16 sequences ~1 ms
+        # of every step went to the trace, most of it here).
+        d = {name: list(v) if isinstance(v := getattr(self, name), list) else v for name in _STEP_FIELDS}
         d["type"] = "step"
         d["v"] = TRACE_SCHEMA_VERSION
         return d
@@ -123,6 +126,9 @@ class StepRecord:
         greedy mode and q(ŷ) when sampling, the nearest figure they recorded."""
         conf = getattr(self, "draft_confidence", None)
         return list(conf) if conf else list(self.draft_token_probs)
+
+
+_STEP_FIELDS = tuple(f.name for f in fields(StepRecord))
 
 
 def steady_rest(records: Sequence[StepRecord]) -> StepRecord | None:
