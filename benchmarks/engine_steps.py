@@ -17,6 +17,7 @@ from what it loses by its own work (the rest).
     python benchmarks/engine_steps.py                                   # 1 and 16 sequences, plain, tau=2, adaptive
     python benchmarks/engine_steps.py --sequences 16 --policies fixed:tau=2 adaptive --rounds 5 --json steps.json
     python benchmarks/engine_steps.py --sequences 4 --policies fixed:tau=2 fixed:tau=3 adaptive --by-depth
+    python benchmarks/engine_steps.py --sequences 16 --policies fixed:tau=3 fixed:tau=3+trace   # what a trace costs
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,7 @@ import specdec  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
 from specdec.errors import InvalidRequestError  # noqa: E402
 from specdec.policy import make_policy  # noqa: E402
+from specdec.trace import JsonlTrace  # noqa: E402
 
 
 class NativeClock:
@@ -82,9 +85,20 @@ class NativeClock:
         return timed
 
 
+TRACED = "+trace"  # a policy named with this suffix runs with a JSONL trace observer (what tracing costs a step)
+
+
 def run(engine: Engine, clock: NativeClock, policy: str, sequences: int, requests: int) -> dict[str, Any]:
     """``requests`` requests through a closed loop of ``sequences``; the figures of the steps after the first
-    ``sequences`` requests have joined (a full batch from then on, until the source runs dry)."""
+    ``sequences`` requests have joined (a full batch from then on, until the source runs dry). A policy named
+    ``NAME+trace`` runs NAME with every step written to a JSONL trace (a temporary file)."""
+    if policy.endswith(TRACED):
+        with tempfile.TemporaryDirectory() as tmp, JsonlTrace(Path(tmp) / "steps.jsonl") as trace:
+            engine.observers.append(trace)
+            try:
+                return run(engine, clock, policy.removesuffix(TRACED), sequences, requests)
+            finally:
+                engine.observers.remove(trace)
     source = itertools.cycle(PROMPTS)
     start = lambda: engine.start(next(source), max_new_tokens=64, policy=policy)  # noqa: E731
     active = [start() for _ in range(sequences)]
@@ -128,7 +142,12 @@ def run(engine: Engine, clock: NativeClock, policy: str, sequences: int, request
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sequences", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--policies", nargs="+", default=["fixed:tau=0", "fixed:tau=2", "adaptive"])
+    p.add_argument(
+        "--policies",
+        nargs="+",
+        default=["fixed:tau=0", "fixed:tau=2", "adaptive"],
+        help="policies to compare (a policy named NAME+trace: NAME with every step written to a JSONL trace)",
+    )
     p.add_argument("--requests", type=int, default=0, help="requests per run (default: 4 x sequences, at least 8)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path, default=None)
@@ -136,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for policy in args.policies:
         try:
-            make_policy(policy)
+            make_policy(policy.removesuffix(TRACED))
         except InvalidRequestError as e:
             p.error(f"--policies: {e}")
     engine = specdec.load()
