@@ -406,8 +406,9 @@ def test_cli_refuses_bad_draft_threads(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_threads_setting() -> None:
-    from specdec.commands.serve import serve_threads, usable_cpus
+    from specdec.commands.serve import serve_threads
     from specdec.errors import InvalidRequestError
+    from specdec.runtime.cpu import usable_cpus
 
     assert serve_threads("auto") == usable_cpus()
     assert serve_threads("3") == 3

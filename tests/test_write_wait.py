@@ -151,12 +151,49 @@ def test_the_scheduler_starts_no_step_before_the_loop_took_the_last_ones(
         task.cancel()
 
 
-def test_the_setting_is_checked_and_shown() -> None:
-    from specdec.errors import InvalidRequestError
-    from specdec.server import ServerSettings
+def test_the_setting_is_checked_and_resolved(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, the wait is 3 ms where the passes run on the CPU on every CPU the process may use, and 0 where the event
+    loop has a core of its own or the passes run elsewhere; a value set is taken as it is."""
+    from types import SimpleNamespace
 
-    assert ServerSettings().write_wait_ms == 3.0 and ServerSettings(write_wait_ms=0).write_wait_ms == 0
+    from specdec.errors import InvalidRequestError
+    from specdec.runtime import cpu, native_kernel
+    from specdec.server import ServerSettings
+    from specdec.server.scheduler import write_wait_for
+
+    assert ServerSettings().write_wait_ms is None and ServerSettings(write_wait_ms=0).write_wait_ms == 0
     with pytest.raises(InvalidRequestError, match="write_wait_ms=-1"):
         ServerSettings(write_wait_ms=-1)
     with pytest.raises(ValueError, match="write_wait"):
         Scheduler(None, write_wait=-0.001)  # type: ignore[arg-type]
+
+    def engine(device: str) -> Any:
+        return SimpleNamespace(target=SimpleNamespace(runner=SimpleNamespace(device=device)))
+
+    monkeypatch.setattr(cpu, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(native_kernel, "pass_threads", lambda: 2)
+    assert write_wait_for(engine("cpu"), None) == pytest.approx(0.003)
+    assert write_wait_for(engine("cuda:0"), None) == 0.0
+    assert write_wait_for(engine("cpu"), 0) == 0.0 and write_wait_for(engine("cuda:0"), 5) == pytest.approx(0.005)
+    monkeypatch.setattr(cpu, "usable_cpus", lambda: 8)  # a core left for the event loop
+    assert write_wait_for(engine("cpu"), None) == 0.0
+
+
+def test_health_says_what_the_wait_is(tiny_models: dict[str, Path]) -> None:
+    import httpx
+
+    import specdec
+    from specdec.server import ServerSettings, create_app
+
+    engine = specdec.load(tiny_models["llama"], tiny_models["draft"])
+    for ms, shown in ((0.0, 0.0), (2.5, 2.5)):
+        app = create_app(engine, ServerSettings(model_name="tiny", write_wait_ms=ms))
+
+        async def health(app: Any = app) -> Any:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                return (await client.get("/health")).json()
+
+        try:
+            assert asyncio.run(health())["write_wait_ms"] == pytest.approx(shown)
+        finally:
+            app.state.scheduler.stop()

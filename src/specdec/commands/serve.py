@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from specdec.commands.common import ModelSettings, add_model_args
 from specdec.engine import Engine, Observer
 from specdec.errors import InvalidRequestError, ModelLoadError, UnsupportedError
+from specdec.runtime.cpu import usable_cpus
 from specdec.runtime.heap import frozen_heap
 
 if TYPE_CHECKING:
@@ -84,11 +85,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument(
         "--write-wait",
         type=float,
-        default=3.0,
+        default=None,
         metavar="MS",
         help="milliseconds the worker waits after a step, at most, for the event loop to write the step's output "
         "before the next step's passes, so the loop runs on a core no pass is using (steps that stream to two or "
-        "more requests; 0: no wait; default: 3)",
+        "more requests; 0: no wait; default: 3 where the passes run on the CPU on every CPU the process may use, "
+        "else 0)",
     )
     g.add_argument(
         "--request-timeout",
@@ -284,13 +286,6 @@ def replica_trace_path(path: str | Path, replica: str) -> Path:
     """Where one replica of ``specdec serve --ray --trace run.jsonl`` writes: ``run.<replica>.jsonl`` beside it."""
     p = Path(path)
     return p.with_name(f"{p.stem}.{replica}{p.suffix or '.jsonl'}")
-
-
-def usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not on Linux
-        return os.cpu_count() or 1
 
 
 def serve_threads(value: str) -> int:

@@ -12,6 +12,14 @@ OFF = ("0", "off", "false", "no")
 ON = ("1", "on", "true", "yes")
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity; every CPU where that cannot be read)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
 def switched_off(name: str) -> bool:
     """Whether the environment variable ``name`` turns its feature off (one of ``OFF``); unset is on."""
     return os.environ.get(name, "").strip().lower() in OFF

@@ -38,7 +38,7 @@ from specdec.server.errors import APIError, from_specdec
 log = logging.getLogger("specdec.server")
 
 # Seconds the worker waits after a step, at most, for the event loop to write the step's output (``wait_written``;
-# ``specdec serve --write-wait`` in ms).
+# ``specdec serve --write-wait`` in ms), where it waits at all (``write_wait_for``).
 DEFAULT_WRITE_WAIT = 0.003
 
 
@@ -480,6 +480,21 @@ def wait_written(outbox: list[tuple[Job, Message]], timeout: float) -> bool:
         except RuntimeError:  # the loop is closed: nothing will be written there
             done_with_loop()
     return written.wait(timeout)
+
+
+def write_wait_for(engine: Engine, ms: float | None) -> float:
+    """Seconds the worker waits for the event loop after a step: ``ms`` as set, else (None) DEFAULT_WRITE_WAIT where the
+    target's passes run on the CPU with a compute thread on every CPU the process may use, so the loop can only write
+    on a core a pass is using (the case ``wait_written`` is for), and 0 where it has a core of its own (fewer compute
+    threads than CPUs) or the passes run on an accelerator (waiting would only hold the next step back)."""
+    if ms is not None:
+        return ms / 1e3
+    from specdec.runtime.cpu import usable_cpus
+    from specdec.runtime.native_kernel import pass_threads
+
+    device = getattr(getattr(engine.target, "runner", None), "device", "cpu")
+    on_cpu = str(device).startswith("cpu")
+    return DEFAULT_WRITE_WAIT if on_cpu and pass_threads() >= usable_cpus() else 0.0
 
 
 def _put_all(items: list[tuple[Job, Message]]) -> None:
