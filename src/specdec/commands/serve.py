@@ -83,16 +83,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "stream (default: 1, every step's text as it is verified)",
     )
     g.add_argument(
-        "--write-wait",
-        type=float,
-        default=None,
-        metavar="MS",
-        help="milliseconds the worker waits after a step, at most, for the event loop to write the step's output "
-        "before the next step's passes, so the loop runs on a core no pass is using (steps that stream to two or "
-        "more requests; 0: no wait; default: 3 where the passes run on the CPU on every CPU the process may use, "
-        "else 0)",
-    )
-    g.add_argument(
         "--request-timeout",
         type=float,
         default=600.0,
@@ -205,7 +195,6 @@ def run(args: argparse.Namespace) -> int:
         prefill_in_step=args.prefill_in_step,
         request_timeout=args.request_timeout,
         stream_interval=args.stream_interval,
-        write_wait_ms=args.write_wait,
         max_body_bytes=args.max_body_bytes,
         # replicas (--ray) run elsewhere: a cost file by its absolute path
         costs=args.costs if args.costs in (None, "none") else str(Path(args.costs).expanduser().resolve()),

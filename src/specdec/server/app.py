@@ -29,7 +29,7 @@ from specdec.server.requests import (
     has_chat_template,
 )
 from specdec.server.responses import DONE, Reply, sse, summary
-from specdec.server.scheduler import Done, Failed, Job, Prompt, Scheduler, Started, Step, write_wait_for
+from specdec.server.scheduler import Done, Failed, Job, Prompt, Scheduler, Started, Step
 from specdec.server.schemas import (
     MAX_N,
     ChatCompletionRequest,
@@ -60,11 +60,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     if why_not is not None:
         log.warning("response_format will be refused: %s", why_not)
     scheduler = Scheduler(
-        engine,
-        max_active=settings.max_active,
-        max_queue=settings.max_queue,
-        max_batch=settings.max_batch,
-        write_wait=write_wait_for(engine, settings.write_wait_ms),
+        engine, max_active=settings.max_active, max_queue=settings.max_queue, max_batch=settings.max_batch
     )
     engine.prefill_in_step = settings.prefill_tokens_in_step
     metrics = ServerMetrics(engine, scheduler)
@@ -151,7 +147,6 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             "costs": engine.costs_note,
             "prefill_in_step": engine.prefill_in_step,  # prompt tokens a batched step takes in, at most
             "stream_interval": settings.stream_interval,  # tokens a streamed choice gathers before its text is sent
-            "write_wait_ms": scheduler.write_wait * 1e3,  # the worker's wait for the event loop after a step, at most
             "runtime": getattr(engine.target, "backend", type(engine.target).__name__),
             # the KV caches' element type on the CPU kernel (kv_dtype): "bf16", "fp16", "fp32"; None elsewhere
             "kv_dtype": kv_dtype_of(engine.target),

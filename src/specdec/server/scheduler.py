@@ -37,10 +37,6 @@ from specdec.server.errors import APIError, from_specdec
 
 log = logging.getLogger("specdec.server")
 
-# Seconds the worker waits after a step, at most, for the event loop to write the step's output (``wait_written``;
-# ``specdec serve --write-wait`` in ms), where it waits at all (``write_wait_for``).
-DEFAULT_WRITE_WAIT = 0.003
-
 
 @dataclass(frozen=True)
 class Prompt:
@@ -128,17 +124,14 @@ class Scheduler:
         max_queue: int = 64,
         max_batch: int = 16,
         on_step: Callable[[int, int], None] | None = None,
-        write_wait: float = DEFAULT_WRITE_WAIT,
     ) -> None:
-        if max_active < 1 or max_queue < 0 or max_batch < 1 or write_wait < 0:
-            raise ValueError("max_active and max_batch must be >= 1, max_queue and write_wait >= 0")
+        if max_active < 1 or max_queue < 0 or max_batch < 1:
+            raise ValueError("max_active and max_batch must be >= 1 and max_queue >= 0")
         self.engine = engine
         self.max_active = max_active
         self.max_queue = max_queue
         self.max_batch = max_batch
         self.on_step = on_step  # called with (sequences, target rows) of every batched step
-        # Seconds the worker waits after a step for the event loops to take its messages (wait_written), at most.
-        self.write_wait = write_wait
         self._turn = 0  # where the next round starts among the active jobs (rotation when they exceed max_batch)
         self._waiting: deque[Job] = deque()
         self._active: list[Job] = []
@@ -351,8 +344,6 @@ class Scheduler:
                 self._end(job, Failed(_as_api_error(e)))
             first += size
         post_all(outbox)
-        if self.write_wait > 0 and len({id(job) for job, _ in outbox}) > 1:
-            wait_written(outbox, self.write_wait)
 
     def _deliver(self, job: Job, events: list[StepEvent | None], outbox: list[tuple[Job, Message]]) -> None:
         finished: list[Done] = []
@@ -438,63 +429,6 @@ def post_all(outbox: list[tuple[Job, Message]]) -> None:
         except RuntimeError:  # the loop is closed: nobody is listening any more
             for job, _ in items:
                 job.cancelled = True
-
-
-def wait_written(outbox: list[tuple[Job, Message]], timeout: float) -> bool:
-    """Wait until the requests' event loops have taken every message of ``outbox`` from its queue (a streaming
-    response writes what it takes before it waits again), or ``timeout`` seconds. True when they have.
-
-    Why the worker waits: the server's event loop needs the GIL and a core, and the model's passes keep both cores
-    busy with one compute thread each. Posted and left alone, the loop writes a step's chunks while the next step's
-    passes run, and every time it takes a core from a compute thread the other thread waits for it at the pass's next
-    barrier: a millisecond taken costs the pass about two. Waiting here (the GIL free, this thread's core idle) the
-    loop writes on a core no pass is using, and handles what else came meanwhile (requests that want to join) before
-    the next step's admissions. Only for steps that post to two or more requests: one request's chunk is too little
-    work to be worth the round trip."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[Job]] = {}
-    for job, _ in outbox:
-        jobs = by_loop.setdefault(job.loop, [])
-        if not jobs or jobs[-1] is not job:
-            jobs.append(job)
-    written = threading.Event()
-    left = [len(by_loop)]  # loops that have not taken their messages yet
-    lock = threading.Lock()  # loops on different threads may finish at once
-    deadline = time.monotonic() + timeout
-
-    def done_with_loop() -> None:
-        with lock:
-            left[0] -= 1
-            if left[0] == 0:
-                written.set()
-
-    def check(loop: asyncio.AbstractEventLoop, jobs: list[Job]) -> None:
-        # Runs on the loop after the callbacks scheduled before it: the responses woken by the messages have run.
-        if any(not job.queue.empty() for job in jobs) and time.monotonic() < deadline:
-            loop.call_soon(check, loop, jobs)
-        else:
-            done_with_loop()
-
-    for loop, jobs in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(check, loop, jobs)
-        except RuntimeError:  # the loop is closed: nothing will be written there
-            done_with_loop()
-    return written.wait(timeout)
-
-
-def write_wait_for(engine: Engine, ms: float | None) -> float:
-    """Seconds the worker waits for the event loop after a step: ``ms`` as set, else (None) DEFAULT_WRITE_WAIT where the
-    target's passes run on the CPU with a compute thread on every CPU the process may use, so the loop can only write
-    on a core a pass is using (the case ``wait_written`` is for), and 0 where it has a core of its own (fewer compute
-    threads than CPUs) or the passes run on an accelerator (waiting would only hold the next step back)."""
-    if ms is not None:
-        return ms / 1e3
-    from specdec.runtime.cpu import usable_cpus
-    from specdec.runtime.native_kernel import pass_threads
-
-    device = getattr(getattr(engine.target, "runner", None), "device", "cpu")
-    on_cpu = str(device).startswith("cpu")
-    return DEFAULT_WRITE_WAIT if on_cpu and pass_threads() >= usable_cpus() else 0.0
 
 
 def _put_all(items: list[tuple[Job, Message]]) -> None:

@@ -25,11 +25,6 @@ class ServerSettings:
     # Tokens a streamed choice gathers before its text is sent (its first text and its last at once): fewer, larger
     # chunks for the event loop and the clients under load, against a smoother stream at 1.
     stream_interval: int = 1
-    # Milliseconds the worker waits after a step, at most, for the event loop to write the step's output before the
-    # next step's passes (scheduler.wait_written: the loop then writes on a core no pass is using); 0: it does not wait;
-    # None: 3 where the passes run on the CPU with a compute thread on every CPU the process may use (no core is left
-    # for the loop), else 0 (``write_wait_for``).
-    write_wait_ms: float | None = None
     max_body_bytes: int = 2 * 1024 * 1024
     static_dir: Path | None = field(default=STATIC_DIR)  # the web playground, served at / when present
     # Where the batch plans' pass costs start from (``tune.prime_for_serving``): None, a cost file measured on the served
@@ -49,7 +44,6 @@ class ServerSettings:
             "prefill_in_step": self.prefill_in_step is None or self.prefill_in_step >= 0,
             "request_timeout": self.request_timeout > 0,
             "stream_interval": self.stream_interval >= 1,
-            "write_wait_ms": self.write_wait_ms is None or 0 <= self.write_wait_ms <= 1000,
             "max_body_bytes": self.max_body_bytes > 0,
             "model_name": bool(self.model_name),
         }
