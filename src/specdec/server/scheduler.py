@@ -249,11 +249,7 @@ class Scheduler:
         worker goes on with the others. Left to itself the thread ended, and every request in flight waited for its
         timeout while /health said ok."""
         log.exception("the scheduler's round failed; failing the requests it was serving", exc_info=error)
-        failure = Failed(
-            error
-            if isinstance(error, APIError)
-            else APIError(500, f"internal error: {type(error).__name__}: {error}", None, "internal_error")
-        )
+        failure = Failed(error if isinstance(error, APIError) else _internal_error(error))
         for job in jobs:
             if job.finished:
                 continue
@@ -458,4 +454,8 @@ def _as_api_error(e: Exception) -> APIError:
     if isinstance(e, SpecdecError):
         return from_specdec(e)
     log.exception("request failed", exc_info=e)
+    return _internal_error(e)
+
+
+def _internal_error(e: Exception) -> APIError:
     return APIError(500, f"internal error: {type(e).__name__}: {e}", None, "internal_error")
