@@ -463,6 +463,15 @@ def test_pack_weight_layout() -> None:
     assert grouped[0, 1, 1, 0].tolist() == [w[1, 2], w[1, 3]] and grouped[1, 2, 0, 0].tolist() == [w[2, 4], 0.0]
     assert grouped[1, :, 1].abs().sum() == 0  # the padding panel
     assert torch.equal(nk.pack_weight(w, torch.float32, panel=2, pairs=1, group=1), single)
+    # A panel's two halves interleaved (the AVX2 build's bf16 layout): place 2i + h holds output (panel / 2) h + i.
+    w8 = torch.arange(6 * 3, dtype=torch.float32).view(6, 3)
+    halves = nk.pack_weight(w8, torch.float32, panel=4, pairs=1, halves=True)  # [panels, n, panel, 1], 6 -> 8 rows
+    assert halves.shape == (2, 3, 4, 1)
+    for c in range(3):
+        assert halves[0, c, :, 0].tolist() == [w8[0, c], w8[2, c], w8[1, c], w8[3, c]]
+        assert halves[1, c, :, 0].tolist() == [w8[4, c], 0.0, w8[5, c], 0.0]
+    with pytest.raises(ValueError, match="interleaved halves"):
+        nk.pack_weight(w8, torch.float32, panel=4, pairs=2, halves=True)
     with pytest.raises(ValueError, match="pack_weight needs"):
         nk.pack_weight(w, torch.float32, panel=16, pairs=3)
     with pytest.raises(ValueError, match="pack_weight needs"):

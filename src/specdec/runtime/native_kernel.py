@@ -38,7 +38,7 @@ from specdec.runtime.native_weights import ModelWeights
 from specdec.runtime.pages import arena_for
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 14
+ABI_VERSION = 15
 # sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 # -ffp-contract=off: a multiply followed by an add stays two roundings wherever it is inlined (GCC fuses them into
@@ -345,6 +345,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.sd_panel_width.restype = ctypes.c_int
     lib.sd_panel_group.restype = ctypes.c_int
     lib.sd_panel_group.argtypes = [ctypes.c_int64]
+    lib.sd_panel_halves.restype = ctypes.c_int
+    lib.sd_panel_halves.argtypes = [ctypes.c_int64]
     lib.sd_key_block.restype = ctypes.c_int
     lib.sd_amx.restype = ctypes.c_int
     lib.sd_matmul.restype = ctypes.c_int
@@ -413,7 +415,9 @@ def kernel_status() -> str:
     )
 
 
-def pack_weight(w: torch.Tensor, dtype: torch.dtype, panel: int, pairs: int, group: int = 1) -> torch.Tensor:
+def pack_weight(
+    w: torch.Tensor, dtype: torch.dtype, panel: int, pairs: int, group: int = 1, halves: bool = False
+) -> torch.Tensor:
     """``w`` ``[m, n]`` (outputs x inputs) in the kernel's panel layout, as ``dtype``.
 
     The outputs are cut into panels of ``panel`` (the last padded with zero rows); a panel stores its outputs
@@ -422,12 +426,18 @@ def pack_weight(w: torch.Tensor, dtype: torch.dtype, panel: int, pairs: int, gro
     ``group > 1`` (``sd_panel_group``): the panels in groups of ``group`` (their number padded with zero panels), a
     group's panels interleaved pair by pair, ``G[p // group][c // pairs][p % group][j][c % pairs]``: a tile of one
     group's panels reads one sequential stream.
+    ``halves`` (``sd_panel_halves``: bf16 on the AVX2 build): each panel's two halves of outputs interleaved, its
+    ``j``-th place holding output ``j // 2 + (panel // 2) * (j % 2)``, so one load widens to both halves in fp32.
     """
     if w.dim() != 2 or pairs not in (1, 2) or panel < 1 or group < 1:
         raise ValueError(f"pack_weight needs a matrix, pairs 1 or 2, a positive panel and group, got {tuple(w.shape)}")
+    if halves and (pairs != 1 or group != 1 or panel % 2):
+        raise ValueError("pack_weight: interleaved halves are for single columns, one panel a group, an even panel")
     m, n = (int(s) for s in w.shape)
     rows, cols = -(-m // (panel * group)) * panel * group, -(-n // pairs) * pairs
     w = torch.nn.functional.pad(w.to(dtype), (0, cols - n, 0, rows - m))
+    if halves:  # [p][h][i] -> [p][i][h]: place 2i + h holds output (panel / 2) h + i
+        w = w.view(rows // panel, 2, panel // 2, cols).transpose(1, 2).reshape(rows, cols)
     panels = w.view(rows // panel, panel, cols // pairs, pairs).transpose(1, 2)  # [p][c // pairs][j][c % pairs]
     if group == 1:
         return panels.contiguous()
@@ -471,11 +481,13 @@ class PanelLayout:
     panel: int
     pairs: int
     group: int
+    halves: bool = False
 
     @classmethod
     def of(cls, lib: ctypes.CDLL, dtype: torch.dtype) -> PanelLayout:
         wtype = WEIGHT_TYPES[dtype]
-        return cls(dtype, int(lib.sd_panel_width()), int(lib.sd_weight_pairs(wtype)), int(lib.sd_panel_group(wtype)))
+        pairs, group = int(lib.sd_weight_pairs(wtype)), int(lib.sd_panel_group(wtype))
+        return cls(dtype, int(lib.sd_panel_width()), pairs, group, bool(lib.sd_panel_halves(wtype)))
 
     def nbytes(self, m: int, n: int) -> int:
         """Bytes of ``pack`` of an ``[m, n]`` matrix, without packing it."""
@@ -484,7 +496,7 @@ class PanelLayout:
     def pack(self, w: torch.Tensor) -> torch.Tensor:
         if self.dtype == torch.int8:
             return pack_weight_int8(w, self.panel)
-        return pack_weight(w, self.dtype, self.panel, self.pairs, self.group)
+        return pack_weight(w, self.dtype, self.panel, self.pairs, self.group, self.halves)
 
 
 class PackedWeight:

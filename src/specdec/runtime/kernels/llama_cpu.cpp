@@ -77,7 +77,7 @@ struct SdModel {
     int64_t stream;
 };
 
-extern "C" int sd_abi_version(void) { return 14; }
+extern "C" int sd_abi_version(void) { return 15; }
 
 // Which products this build uses for bf16 weights: 1 = AVX512-BF16 dot products, 0 = AVX2 fp32.
 extern "C" int sd_bf16_dot(void) {
@@ -167,7 +167,11 @@ static inline float exp1(float x) {
 // Weight layout ("panels"), made once at load by native_kernel.pack_weight: the m outputs are cut into panels of
 // PANEL = 16 (the last one padded with zero rows), and a panel stores its 16 outputs interleaved along the
 // reduction dimension, so one vector load gives the 16 weights of one input column:
-//   fp32 arithmetic (fp32 and fp16 weights; bf16 weights on the AVX2 build):  Wp[p][c][j]      = W[16p + j][c]
+//   fp32 arithmetic (fp32 and fp16 weights):                                 Wp[p][c][j]      = W[16p + j][c]
+//   bf16 weights on the AVX2 build, a panel's two halves interleaved:         Wp[p][c][2i + h] = W[16p + 8h + i][c]
+//     (sd_panel_halves): one 32-byte load holds the 16 weights of a column, each 32-bit lane i the pair (output i,
+//     output 8 + i); a shift left by 16 widens the first half to fp32 exactly, masking the low 16 bits the second,
+//     where panel after panel took two zero-extending loads and two shifts (see BF16W::load_panel)
 //   bf16 dot products (bf16 weights on the AVX512-BF16 build):               Wp[p][c/2][j][c%2] = W[16p + j][c]
 //     (the reduction dimension padded to even with a zero column; a pair of columns is one VDPBF16PS lane),
 //     and its panels in groups of BF16_GROUP interleaved pair by pair: Wg[p/G][c/2][p%G][j][c%2] (sd_panel_group).
@@ -290,6 +294,16 @@ struct BF16W {
         return load8_bf16(p);
 #endif
     }
+#ifndef SD_AVX512BF16
+    // A panel's column in the AVX2 layout (halves interleaved, sd_panel_halves): outputs 0-7 and 8-15, each exactly
+    // the fp32 of its bf16 weight. One load, one shift and one mask where two zero-extending loads and two shifts went
+    // before: the shifts ran on the two ports the multiply-adds need, 2 of every 14 of their slots at 6 rows.
+    static inline void load_panel(const T* p, VF* w) {
+        const __m256i r = _mm256_loadu_si256((const __m256i*)p);
+        w[0] = _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
+        w[1] = _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xFFFF0000u)));
+    }
+#endif
 };
 struct I8W {  // int8, exact in fp32; the output's scale is applied to the finished sum
     typedef int8_t T;
@@ -311,6 +325,19 @@ struct F16W {
 #endif
     }
 };
+
+// One column of a panel (VPP vectors) widened to fp32, vector by vector; BF16W on the AVX2 build has a load of its own.
+template <class WT>
+static inline __attribute__((always_inline)) void load_panel(const typename WT::T* src, VF* w) {
+#pragma GCC unroll 2
+    for (int v = 0; v < VPP; v++) w[v] = WT::loadv(src + v * VLANES);
+}
+#ifndef SD_AVX512BF16
+template <>
+inline __attribute__((always_inline)) void load_panel<BF16W>(const uint16_t* src, VF* w) {
+    BF16W::load_panel(src, w);
+}
+#endif
 
 // Where a product's results go: Y[t][r] = acc + b[r], or Y[t][r] + (acc + b[r]) when accumulating; r < m. With
 // `scale` (int8 weights), acc is first multiplied by scale[r].
@@ -377,8 +404,7 @@ static inline __attribute__((always_inline)) void tile_f32(const float* X, int64
             if (PREFETCH_AHEAD > 0 && (sizeof(typename WT::T) == 4 || (c & 1) == 0))  // once per 64-byte line
                 _mm_prefetch((const char*)(src + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
             VF w[VPP];
-#pragma GCC unroll 2
-            for (int v = 0; v < VPP; v++) w[v] = WT::loadv(src + v * VLANES);
+            load_panel<WT>(src, w);
 #pragma GCC unroll 8
             for (int t = 0; t < R; t++) {
                 const VF x = vbcast(X + t * ldx + c);
@@ -695,6 +721,16 @@ extern "C" int sd_weight_pairs(int64_t wtype) {
 #endif
 }
 extern "C" int sd_panel_width(void) { return PANEL; }
+// Whether a weight type's panels hold their two halves interleaved (for native_kernel.pack_weight): 1 = bf16 weights on
+// the AVX2 build, Wp[p][c][2i + h] = W[16p + 8h + i][c] (BF16W::load_panel); 0 = the outputs in order.
+extern "C" int sd_panel_halves(int64_t wtype) {
+#ifdef SD_AVX512BF16
+    (void)wtype;
+    return 0;
+#else
+    return wtype == WT_BF16 ? 1 : 0;
+#endif
+}
 // Panels per group in a weight type's layout (for native_kernel.pack_weight): 1 = panel after panel (above); g > 1 =
 // the panels in groups of g, each group's panels interleaved pair by pair, Wg[p/g][c/2][p%g][j][c%2] (the number of
 // panels padded to a multiple of g with zero panels), so a tile of a group's panels reads one sequential stream.
