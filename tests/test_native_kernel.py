@@ -404,9 +404,13 @@ def test_a_model_streams_its_weights_where_they_outgrow_the_last_level_cache(
 ) -> None:
     """The rule, the switch (SPECDEC_CPU_KERNEL_STREAM) and a model run both ways: one-token passes, blocks and a
     prefill give the same logits bit for bit."""
-    assert nk.streams_weights(48 << 20, cache_bytes=32 << 20) and not nk.streams_weights(6 << 20, cache_bytes=32 << 20)
-    assert not nk.streams_weights(48 << 20, cache_bytes=0)  # unknown cache: the four-panel tiles
-    assert nk.streams_weights(1, "1", cache_bytes=32 << 20) and not nk.streams_weights(1 << 40, "off", cache_bytes=1)
+    amd = "AuthenticAMD"
+    assert nk.streams_weights(48 << 20, cache_bytes=32 << 20, vendor=amd)
+    assert not nk.streams_weights(6 << 20, cache_bytes=32 << 20, vendor=amd)
+    assert not nk.streams_weights(48 << 20, cache_bytes=0, vendor=amd)  # unknown cache: the four-panel tiles
+    assert not nk.streams_weights(48 << 20, cache_bytes=32 << 20, vendor="GenuineIntel")  # four streams read faster
+    assert nk.streams_weights(1, "1", cache_bytes=32 << 20, vendor="GenuineIntel")
+    assert not nk.streams_weights(1 << 40, "off", cache_bytes=1, vendor=amd)
     outs = {}
     for setting in ("0", "1"):
         monkeypatch.setenv(nk.STREAM_SWITCH, setting)

@@ -256,18 +256,25 @@ PREFETCH_SWITCH = "SPECDEC_CPU_KERNEL_PREFETCH"
 STREAM_SWITCH = "SPECDEC_CPU_KERNEL_STREAM"
 
 
-def streams_weights(weight_bytes: int, env: str | None = None, cache_bytes: int | None = None) -> bool:
-    """Whether a model's one-row products should read one panel at a time (``SdModel::stream``): where its products'
-    weights outgrow the last-level cache, every pass streams them from memory, and one sequential read per thread
-    kept up with a fast memory better than four side by side (Qwen2.5-0.5B body on a Zen 4, interleaved: 0.91x the
-    time with the memory at ~56 GB/s, alike at ~35); a model the cache holds (a draft) keeps the four chains, which
-    its one-row pass needs (1.33x the time with one). ``SPECDEC_CPU_KERNEL_STREAM=0`` / ``=1`` (``env``) decides on
-    any model. Speed only: results are the same bit for bit."""
+def streams_weights(
+    weight_bytes: int, env: str | None = None, cache_bytes: int | None = None, vendor: str | None = None
+) -> bool:
+    """Whether a model's one-row products should read one panel at a time (``SdModel::stream``): on AMD CPUs, where
+    its products' weights outgrow the last-level cache, every pass streams them from memory, and one sequential read
+    per thread kept up with a fast memory better than four side by side (Qwen2.5-0.5B body on a Zen 4, interleaved:
+    0.91x the time with the memory at ~56 GB/s, alike at ~35); a model the cache holds (a draft) keeps the four chains,
+    which its one-row pass needs (1.33x the time with one). On Intel CPUs the four side by side read faster (an
+    Emerald Rapids, memory at ~22-30 GB/s, the AVX2 build: the Qwen2.5-0.5B body's one-row pass 1.25x the time with
+    one panel, alternating in one process), so only AMD CPUs (``vendor``, else this CPU's) stream.
+    ``SPECDEC_CPU_KERNEL_STREAM=0`` / ``=1`` (``env``) decides on any model and CPU. Speed only: results are the same
+    bit for bit."""
     choice = (env or "").strip().lower()
     if choice in OFF:
         return False
     if choice in ON:
         return True
+    if (cpu_model()[0] if vendor is None else vendor) != "AuthenticAMD":
+        return False
     cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
     return cache > 0 and weight_bytes > cache
 
