@@ -395,3 +395,81 @@ def test_a_long_prompt_comes_in_pieces_within_each_step_s_budget(prefill_in_step
         engine.step(gens)
     for g, p in zip(gens, (1, 4, 2, 0)):
         assert g.new_tokens == solo(engine, p, g.max_new_tokens)
+
+
+def test_a_request_joining_after_the_drafts_gets_its_first_token_from_that_pass(prefill_in_step: Engine) -> None:
+    """``Engine.step``'s ``join`` (a server's requests that arrived while the step drafted): each joining request whose
+    prompt fits the step's prompt budget takes it in through the step's target pass and gets its first token there,
+    with no draft; one whose prompt does not fit (here: the budget of 40 tokens less what the step already took) is
+    not stepped and steps from the next step. Every output is its solo output; the events come in the order given,
+    the joining ones last; the joined record's times are the step's and its rest is not negative."""
+    engine = prefill_in_step
+    engine.prefill_in_step = 40
+    running = [engine.start(PROMPTS[p], max_new_tokens=24, tau=3) for p in (1, 4)]
+    engine.step(running)
+    late = [
+        engine.start(PROMPTS[0], max_new_tokens=20, tau=2),  # 5 prompt tokens: fits
+        engine.start(PROMPTS[2], max_new_tokens=20, tau=3),  # 76: beyond the budget, steps next time
+        engine.start(PROMPTS[5], max_new_tokens=20, policy="adaptive"),  # fits what is left
+        # seeded sampling: steps from the next step, so its draws are those it makes alone
+        engine.start(PROMPTS[3], max_new_tokens=12, tau=2, temperature=0.9, seed=11),
+    ]
+    calls: list[int] = []
+
+    def join() -> list[Generation]:
+        calls.append(1)
+        return late
+
+    events = engine.step(running, join)
+    assert len(calls) == 1 and len(events) == len(running) + len(late)
+    assert all(e is not None for e in events[:2])
+    taken, left_out, taken2, seeded = events[2:]
+    assert left_out is None and not late[1].records and late[1].cache.length == 0
+    assert seeded is None and not late[3].records
+    for e, g in ((taken, late[0]), (taken2, late[2])):
+        assert e is not None and e.record.tau == 0 and e.record.reason == "joined after the step's drafts"
+        assert len(e.record.emitted) == 1 and g.new_tokens == e.record.emitted
+        assert e.record.prompt_rows == events[0].record.prompt_rows > 0  # the shared pass's prompt rows
+        assert e.record.other_time >= 0.0 and e.record.draft_time == events[0].record.draft_time
+    gens = [*running, *late]
+    while any(not g.done for g in gens):
+        engine.step(gens, lambda: [])
+    for g, p in zip(gens, (1, 4, 0, 2, 5)):
+        assert g.new_tokens == solo(engine, p, g.max_new_tokens), p
+    alone = engine.generate(PROMPTS[3], max_new_tokens=12, tau=2, temperature=0.9, seed=11)
+    assert late[3].new_tokens == alone.token_ids
+    # A step with nothing left to step still admits what joins: it steps next time, from its start.
+    newcomer = engine.start(PROMPTS[3], max_new_tokens=6, tau=2)
+    assert engine.step(gens, lambda: [newcomer]) == [None] * 7 and not newcomer.records
+    while not newcomer.done:
+        engine.step([newcomer])
+    assert newcomer.new_tokens == solo(engine, 3, 6)
+
+
+def test_an_observer_that_fails_loses_no_step(engine: Engine, caplog: pytest.LogCaptureFixture) -> None:
+    """A trace or metrics observer raising on a step or a finished request is logged; the step still returns every
+    event and the tokens stay committed once (a failure there once ended the step half closed: a server stepped the
+    requests again, alone, and their streams lost that step's text)."""
+
+    class Broken:
+        def on_step(self, record: Any) -> None:
+            raise ValueError("counter went negative")
+
+        def on_request(self, summary: Any) -> None:
+            raise ValueError("counter went negative")
+
+    broken = Broken()
+    engine.observers.append(broken)
+    try:
+        gens = [engine.start(PROMPTS[p], max_new_tokens=8, tau=2) for p in (0, 3)]
+        with caplog.at_level("ERROR", logger="specdec.engine"):
+            while any(not g.done for g in gens):
+                live = [not g.done for g in gens]
+                events = engine.step(gens)
+                assert all(e is not None for e, was_live in zip(events, live) if was_live)
+    finally:
+        engine.observers.remove(broken)
+    for g, p in zip(gens, (0, 3)):
+        assert g.new_tokens == solo(engine, p, 8)
+        assert sum(len(r.emitted) for r in g.records) == len(g.new_tokens)
+    assert "observer Broken failed on on_step" in caplog.text and "on_request" in caplog.text

@@ -402,7 +402,7 @@ def test_samples_count_towards_capacity(tiny_models: dict[str, Path], monkeypatc
     engine = specdec.load(tiny_models["llama"], tiny_models["draft"])
     gate = threading.Event()
     step = engine.step
-    monkeypatch.setattr(engine, "step", lambda gens: (gate.wait(30), step(gens))[1])
+    monkeypatch.setattr(engine, "step", lambda gens, join=None: (gate.wait(30), step(gens, join))[1])
     app = create_app(engine, ServerSettings(model_name="tiny", max_active=2, max_batch=2, max_queue=0))
     bodies: list[dict[str, Any]] = [
         {"prompt": PROMPT, "max_tokens": 20, "temperature": 0, "n": 2},

@@ -569,3 +569,47 @@ def test_a_fault_in_the_workers_own_round_fails_its_requests_and_the_server_goes
     )
     assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 8
     assert health["failed"] == 1 and health["completed"] == 1 and health["active"] == 0
+
+
+def test_a_request_arriving_while_a_round_drafts_joins_that_rounds_pass(engine: Any) -> None:
+    """A job waiting when a round's drafts are done (it arrived meanwhile) is admitted into that round's target pass
+    (``Engine.step``'s ``join``): its Started and its first text come with that round, where it waited for the next
+    round before; its whole text is its solo output. With ``max_batch`` full it waits for the next round."""
+    from specdec.server.scheduler import Job, Scheduler, Started, Step
+
+    loop = asyncio.new_event_loop()
+    engine.prefill_in_step, before = 256, engine.prefill_in_step
+
+    def job(name: str, prompt: str) -> Job:
+        return Job(
+            request_id=name,
+            build=lambda e: [e.start(prompt, max_new_tokens=10, tau=2)],
+            loop=loop,
+            deadline=float("inf"),
+        )
+
+    def drained(j: Job) -> list[Any]:
+        loop.run_until_complete(asyncio.sleep(0))
+        out = []
+        while not j.queue.empty():
+            out.append(j.queue.get_nowait())
+        return out
+
+    try:
+        scheduler = Scheduler(engine, max_active=4, max_queue=4, max_batch=2)
+        a, b, c = job("a", "def fibonacci(n):"), job("b", "import os"), job("c", "class Node:")
+        scheduler._admit(a)
+        scheduler._waiting.extend([b, c])
+        scheduler._advance([a])  # b joins the pass; c does not fit max_batch = 2
+        got_b = drained(b)
+        assert [type(m) for m in got_b] == [Started, Step]
+        assert got_b[1].event.record.reason == "joined after the step's drafts" and got_b[1].event.record.tau == 0
+        assert list(scheduler._waiting) == [c] and not drained(c)
+        texts = {"b": "".join(m.event.text for m in got_b if isinstance(m, Step))}
+        while scheduler._active:
+            scheduler._advance(list(scheduler._active), join=False)
+            texts["b"] += "".join(m.event.text for m in drained(b) if isinstance(m, Step))
+        assert texts["b"] == engine.generate("import os", max_new_tokens=10, tau=0).text
+    finally:
+        engine.prefill_in_step = before
+        loop.close()

@@ -26,6 +26,8 @@ FinishReason = Literal["stop", "length", "verify_budget", "cancelled"]
 TRACE_SCHEMA_VERSION = 1
 # A step record's ``reason`` when its draft was read from the request's predicted output (``drafters.prediction``).
 PREDICTION_REASON = "prediction"
+# A sequence that joined a step after its drafts (``Engine.step``'s ``join``): its prompt in the pass, no draft.
+JOINED_REASON = "joined after the step's drafts"
 
 
 def correction_kind(tau: int, n_accepted: int) -> Correction:

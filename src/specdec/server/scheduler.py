@@ -7,7 +7,8 @@ of the weights for all, where a pass of its own streamed them once more per join
 stalled every running request for its whole prefill. Each round is one ``Engine.step`` over up
 to ``max_batch`` active sequences: one lockstep draft and one target pass shared by all of them. A
 request leaves the batch the moment it finishes, is cancelled or runs past its deadline, and a waiting
-one joins at the next round. With more active requests than ``max_batch`` the rounds rotate over
+one joins at the next round, or, arriving while a round drafts, that round's target pass (its prompt and first token
+there, ``Engine.step``'s ``join``). With more active requests than ``max_batch`` the rounds rotate over
 them (``max_batch=1``: one request per pass, round-robin). Results travel back to the request's event
 loop through an ``asyncio.Queue``. A bounded waiting line answers 429; deadlines and client
 disconnects cancel the ``Generation`` and free its cache slot.
@@ -285,6 +286,36 @@ class Scheduler:
             )
         )
 
+    def _late_join(self, batch: list[Job], late: list[Job]) -> Callable[[], list[Generation]]:
+        """``Engine.step``'s ``join`` for a round over ``batch``: the waiting jobs that fit the running set
+        (``max_active``) and the step (``max_batch``), admitted (built: tokenised, started) right before the step's
+        target pass, appended to ``late`` (their messages come with the step's); returns their Generations. A client
+        whose request finished at the end of a step sends its next one while the following step runs: it joined the
+        step after that, a step later than it could (at 16 clients ~10 ms from arriving to joining, then its first
+        step)."""
+
+        def join() -> list[Generation]:
+            with self._cond:
+                if not self._waiting:
+                    return []
+                admitted: list[Job] = []
+                running, in_step = _sequences(self._active), _sequences(batch)
+                while (
+                    self._waiting
+                    and running + self._waiting[0].n <= self.max_active
+                    and in_step + self._waiting[0].n <= self.max_batch
+                ):
+                    admitted.append(self._waiting.popleft())
+                    running += admitted[-1].n
+                    in_step += admitted[-1].n
+            for job in admitted:
+                self._admit(job)
+                if job.gens and not job.finished:
+                    late.append(job)
+            return [g for job in late for g in job.gens]
+
+        return join
+
     def _next_batch(self) -> list[Job]:
         """Active jobs holding up to ``max_batch`` sequences in all (a job's n samples always together),
         rotating so every job gets its turn when there are more."""
@@ -313,17 +344,23 @@ class Scheduler:
             return False
         return True
 
-    def _advance(self, batch: list[Job]) -> None:
-        """One engine step over the batch; if it fails, each job alone, so only the one at fault fails."""
+    def _advance(self, batch: list[Job], join: bool = True) -> None:
+        """One engine step over the batch; if it fails, each job alone, so only the one at fault fails. Requests that
+        arrive while the step drafts join its target pass (``_late_join``), as far as ``max_batch`` has room."""
+        late: list[Job] = []
         try:
-            events = self.engine.step([g for job in batch for g in job.gens])
+            events = self.engine.step(
+                [g for job in batch for g in job.gens], self._late_join(batch, late) if join else None
+            )
         except Exception as e:  # noqa: BLE001 - find the request at fault; the others go on
-            if len(batch) == 1:
-                self._end(batch[0], Failed(_as_api_error(e)))
+            if len(batch) + len(late) == 1:
+                self._end((batch + late)[0], Failed(_as_api_error(e)))
                 return
-            for job in batch:
-                self._advance([job])
+            for job in batch + late:
+                if not job.finished:
+                    self._advance([job], join=False)
             return
+        batch.extend(late)  # in place: a failure after the step (``_run``'s recovery) ends the late jobs too
         if self.on_step is not None:
             records = [ev.record for ev in events if ev is not None]
             if records:
