@@ -407,21 +407,26 @@ def test_a_request_joining_after_the_drafts_gets_its_first_token_from_that_pass(
     engine.prefill_in_step = 40
     running = [engine.start(PROMPTS[p], max_new_tokens=24, tau=3) for p in (1, 4)]
     engine.step(running)
-    late = [
-        engine.start(PROMPTS[0], max_new_tokens=20, tau=2),  # 5 prompt tokens: fits
-        engine.start(PROMPTS[2], max_new_tokens=20, tau=3),  # 76: beyond the budget, steps next time
-        engine.start(PROMPTS[5], max_new_tokens=20, policy="adaptive"),  # fits what is left
-        # seeded sampling: steps from the next step, so its draws are those it makes alone
-        engine.start(PROMPTS[3], max_new_tokens=12, tau=2, temperature=0.9, seed=11),
-    ]
-    calls: list[int] = []
+    late: list[Generation] = []
 
-    def join() -> list[Generation]:
-        calls.append(1)
+    def join() -> list[Generation]:  # started here, after the plan, as a server admits them
+        assert not late, "join is called once a step"
+        late.extend(
+            [
+                engine.start(PROMPTS[0], max_new_tokens=20, tau=2),  # 5 prompt tokens: fits
+                engine.start(PROMPTS[2], max_new_tokens=20, tau=3),  # 76: beyond the budget, steps next time
+                engine.start(PROMPTS[5], max_new_tokens=20, policy="adaptive"),  # fits what is left
+                # seeded sampling: steps from the next step, so its draws are those it makes alone
+                engine.start(PROMPTS[3], max_new_tokens=12, tau=2, temperature=0.9, seed=11),
+            ]
+        )
         return late
 
     events = engine.step(running, join)
-    assert len(calls) == 1 and len(events) == len(running) + len(late)
+    assert len(events) == len(running) + len(late) == 6
+    # Every record's rest is what ran before the plan or after the pass: never negative (the joining requests' own
+    # start, timed as prefill after the plan, was once taken off the others').
+    assert all(e.record.other_time >= 0.0 for e in events if e is not None)
     assert all(e is not None for e in events[:2])
     taken, left_out, taken2, seeded = events[2:]
     assert left_out is None and not late[1].records and late[1].cache.length == 0

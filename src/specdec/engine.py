@@ -429,6 +429,7 @@ class Engine:
         taus = [max(0, min(d.tau, ctx.max_tau)) if self.drafter is not None else 0 for d, ctx in zip(decisions, ctxs)]
 
         t1 = self.clock()
+        prefill_at_plan = self.prefill_seconds  # requests joining after the drafts are started (timed) after it
         predicted = self._predicted(live, ctxs, taus)
         for i, tokens in predicted.items():  # read from the request's prediction: the drafter skips the sequence
             taus[i], decisions[i] = 0, Decision(len(tokens), PREDICTION_REASON)
@@ -473,7 +474,15 @@ class Engine:
         # A sequence that joined after the drafts was started after the plan: its rest starts where it was started.
         pending = [
             g.commit_step(
-                d, v, decision, t_plan=max(t1, g._t_mark), t_draft=t2 - t1, t_verify=t3 - t2, shape=shape, logprobs=lp
+                d,
+                v,
+                decision,
+                t_plan=max(t1, g._t_mark),
+                prefill_at_plan=prefill_at_plan,
+                t_draft=t2 - t1,
+                t_verify=t3 - t2,
+                shape=shape,
+                logprobs=lp,
             )
             for g, d, v, decision, lp in zip(live, drafts, verdicts, decisions, logprobs)
         ]
@@ -819,6 +828,7 @@ class Generation:
         decision: Decision,
         *,
         t_plan: float,
+        prefill_at_plan: float,
         t_draft: float,
         t_verify: float,
         shape: _StepShape,
@@ -853,9 +863,10 @@ class Generation:
             draft_time=t_draft,
             verify_time=t_verify,
             # From this request's last step to the plan, less other requests' prefills in between (their own
-            # passes, which its latency counts but the step's cost does not); the rest is added once the whole
-            # step is committed.
-            other_time=t_plan - self._t_mark - (self.engine.prefill_seconds - self._prefill_mark),
+            # passes, which its latency counts but the step's cost does not: the engine's ``prefill_seconds`` at the
+            # plan, not the requests started after it, joining the step after its drafts); the rest is added once the
+            # whole step is committed. A request that joined after the drafts has none before the plan.
+            other_time=t_plan - self._t_mark - max(0.0, prefill_at_plan - self._prefill_mark),
             # Of that rest, the policies' own work: the learning after this request's last step and this step's plan.
             policy_time=self.engine.policy_seconds - self._policy_mark,
             draft_token_probs=list(draft.token_probs),
