@@ -220,12 +220,7 @@ class Scheduler:
                     self._cond.wait()
                 if self._stopping:
                     break
-                admitted: list[Job] = []
-                running = _sequences(self._active)
-                # Sequences (cache slots) up to max_active; a job larger than that still runs, alone.
-                while self._waiting and (running == 0 or running + self._waiting[0].n <= self.max_active):
-                    admitted.append(self._waiting.popleft())
-                    running += admitted[-1].n
+                admitted = self._take_waiting()
             batch: list[Job] = []
             try:
                 for job in admitted:
@@ -286,6 +281,25 @@ class Scheduler:
             )
         )
 
+    def _take_waiting(self, in_step: int | None = None) -> list[Job]:
+        """The waiting jobs to admit now, first come first served (the lock held): sequences (cache slots) up to
+        ``max_active``, a job larger than that alone when nothing runs. ``in_step``: sequences already in the step they
+        would join (``_late_join``), which then also keeps within ``max_batch`` and never admits a job alone."""
+        admitted: list[Job] = []
+        running = _sequences(self._active)
+        while self._waiting:
+            n = self._waiting[0].n
+            if in_step is None:
+                if running and running + n > self.max_active:
+                    break
+            elif running + n > self.max_active or in_step + n > self.max_batch:
+                break
+            else:
+                in_step += n
+            admitted.append(self._waiting.popleft())
+            running += n
+        return admitted
+
     def _late_join(self, batch: list[Job], late: list[Job]) -> Callable[[], list[Generation]]:
         """``Engine.step``'s ``join`` for a round over ``batch``: the waiting jobs that fit the running set
         (``max_active``) and the step (``max_batch``), admitted (built: tokenised, started) right before the step's
@@ -296,18 +310,7 @@ class Scheduler:
 
         def join() -> list[Generation]:
             with self._cond:
-                if not self._waiting:
-                    return []
-                admitted: list[Job] = []
-                running, in_step = _sequences(self._active), _sequences(batch)
-                while (
-                    self._waiting
-                    and running + self._waiting[0].n <= self.max_active
-                    and in_step + self._waiting[0].n <= self.max_batch
-                ):
-                    admitted.append(self._waiting.popleft())
-                    running += admitted[-1].n
-                    in_step += admitted[-1].n
+                admitted = self._take_waiting(_sequences(batch))
             for job in admitted:
                 self._admit(job)
                 if job.gens and not job.finished:
