@@ -382,6 +382,58 @@ def test_product_rows_are_independent_of_the_row_count(isa: str, dtype: torch.dt
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.int8], ids=["fp32", "bf16", "fp16", "int8"])
+def test_a_late_threads_share_taken_by_the_others_gives_the_same_sums_once(isa: str, dtype: torch.dtype) -> None:
+    """A product's units are shared out with stealing: with the team's first thread held back 3 ms before its own
+    share (as a thread whose core another process took would be), the others take units of its share, and every
+    output is still computed once (the products add into ``out``: a unit taken twice would add twice) and the same
+    bit for bit as on one thread; one row groups, several row groups, and output-panel tails."""
+    gen = torch.Generator().manual_seed(17)
+    before = nk.units_taken()
+    try:
+        for m, n, k in [(1000, 96, 1), (481, 200, 7), (2000, 64, 40)]:
+            w = torch.randn(m, n, generator=gen)
+            b = torch.randn(m, generator=gen)
+            x = torch.randn(k, n, generator=gen)
+            base = torch.randn(k, m, generator=gen)
+            pw = nk.PackedWeight(w, dtype)
+            nk.set_share_lag(0)
+            alone = pw.matmul(x, bias=b, out=base.clone(), threads=1)
+            nk.set_share_lag(3000)
+            for threads in (2, 3):
+                taken = nk.units_taken()
+                for _ in range(20):  # with 3 threads on 2 cores the others may be done before the first set out its share
+                    late = pw.matmul(x, bias=b, out=base.clone(), threads=threads)
+                    assert torch.equal(late, alone), (m, n, k, threads)
+                    if nk.units_taken() > taken:
+                        break
+                assert nk.units_taken() > taken, (m, n, k, threads)  # the lag made the others take some
+    finally:
+        nk.set_share_lag(0)
+    assert nk.units_taken() > before
+
+
+def test_a_pass_with_a_late_thread_gives_the_same_logits(tiny_models: dict[str, Path]) -> None:
+    """A whole pass (prefill and a verify block) with the team's first thread held back before each product's share:
+    the same logits bit for bit as without."""
+    runner = NativeRunner.from_pretrained(tiny_models["qwen2"], dtype=torch.bfloat16, kernel=True)
+    ids = torch.randint(0, runner.vocab_size, (30,), generator=torch.Generator().manual_seed(5))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        cache = runner.new_cache()
+        want = torch.cat([runner.forward(ids[:21], cache), runner.forward(ids[21:], cache)])
+        nk.set_share_lag(1000)
+        taken = nk.units_taken()
+        cache = runner.new_cache()
+        got = torch.cat([runner.forward(ids[:21], cache), runner.forward(ids[21:], cache)])
+    finally:
+        nk.set_share_lag(0)
+        torch.set_num_threads(before)
+    assert torch.equal(got, want)
+    assert nk.units_taken() > taken
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.int8], ids=["fp32", "bf16", "fp16", "int8"])
 def test_streamed_one_row_products_are_the_same_bit_for_bit(isa: str, dtype: torch.dtype) -> None:
     """A model whose weights stream from memory takes its one-row products one panel at a time (``stream``): the
     same outputs bit for bit as the four-panel tiles, and as those rows inside longer calls, on every panel tail."""

@@ -38,7 +38,7 @@ from specdec.runtime.native_weights import ModelWeights
 from specdec.runtime.pages import arena_for
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 15
+ABI_VERSION = 16
 # sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 # -ffp-contract=off: a multiply followed by an add stays two roundings wherever it is inlined (GCC fuses them into
@@ -366,6 +366,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     # model, n, ids, off, pos0, kv, tau, max_tau, rules, vocab_used, tokens, tops, drafted, fed, logits, scratch, threads
     lib.sd_draft_greedy.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 5, ctypes.c_int64]
     lib.sd_draft_greedy.argtypes += [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 6, ctypes.c_int64]
+    lib.sd_units_taken.restype = ctypes.c_int64
+    lib.sd_set_share_lag.restype = None
+    lib.sd_set_share_lag.argtypes = [ctypes.c_int64]
     return lib, None
 
 
@@ -401,6 +404,21 @@ def kernel_argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> list[int]:
         if b < 0:  # a NaN in the row: torch's answer
             best[r] = int(logits[r].argmax())
     return best
+
+
+def units_taken() -> int:
+    """Units of a product's work one thread has taken from another's share since the kernel loaded (its products are
+    shared out with stealing: a thread done with its own share goes on with the others' units). 0 without the kernel."""
+    lib = _library()
+    return int(lib.sd_units_taken()) if lib is not None else 0
+
+
+def set_share_lag(microseconds: int) -> None:
+    """For tests: the team's first thread waits ``microseconds`` before its own share of every product, as a thread
+    that another process took the core from would, so the others take part of its share. 0 turns it off."""
+    lib = _library()
+    if lib is not None:
+        lib.sd_set_share_lag(int(microseconds))
 
 
 def kernel_available() -> bool:

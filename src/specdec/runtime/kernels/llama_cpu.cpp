@@ -35,6 +35,7 @@
 #include <string.h>
 #include <time.h>
 
+#include <atomic>
 #include <type_traits>
 #include <vector>
 
@@ -77,7 +78,7 @@ struct SdModel {
     int64_t stream;
 };
 
-extern "C" int sd_abi_version(void) { return 15; }
+extern "C" int sd_abi_version(void) { return 16; }
 
 // Which products this build uses for bf16 weights: 1 = AVX512-BF16 dot products, 0 = AVX2 fp32.
 extern "C" int sd_bf16_dot(void) {
@@ -441,18 +442,96 @@ static inline __attribute__((always_inline)) void with_panels(int64_t p, F& f) {
         }
     }
 }
+// Sharing a product's work out over the team, with stealing. Every thread owns a contiguous, balanced share of the
+// product's weight groups (as a static split) and takes it unit by unit, in order, from a cursor of its own; a thread
+// done with its share then takes the units still left in the others' shares. On a quiet machine each thread runs
+// exactly its own share. When another process takes a core from one thread for a while (a server's event loop, its
+// clients), the other thread goes on with the late one's units instead of waiting for it at the product's barrier:
+// the pass loses about the burst's length divided over the team rather than the whole burst. Which thread computes a
+// unit does not enter its arithmetic: every output is one chain, computed whole by one tile, so results are the same
+// bit for bit (the row-independence promise) whoever takes it.
+//
+// A cursor holds the product's number in this parallel region (every thread runs the same products in the same order,
+// so the count agrees across the team) above the next unit's index: a thread reads another's cursor as that product's
+// only once its owner has set it, so a product's units are never taken against a cursor left from the one before.
+struct alignas(64) Cursor {
+    std::atomic<uint64_t> v{0};
+};
+struct Share {  // a thread's view of its team's cursors (one Share per thread, the cursors shared by the team)
+    Cursor* cursors;
+    uint64_t product;  // products this thread has begun in the parallel region
+};
+static constexpr int CURSOR_INDEX_BITS = 40;
+static constexpr uint64_t CURSOR_INDEX = ((uint64_t)1 << CURSOR_INDEX_BITS) - 1;
+// For tests: units taken from another thread's share since the library loaded, and a lag (microseconds) the team's
+// first thread waits before taking its own share of every product, so that the others take part of it.
+static std::atomic<int64_t> g_units_taken{0};
+static std::atomic<int64_t> g_share_lag_us{0};
+extern "C" int64_t sd_units_taken(void) { return g_units_taken.load(std::memory_order_relaxed); }
+extern "C" void sd_set_share_lag(int64_t us) { g_share_lag_us.store(us < 0 ? 0 : us, std::memory_order_relaxed); }
+
+// Runs run(i0, i1) over items [0, n) split into the team's shares, in units of at most `unit` items; every thread of
+// the team calls it. Does not end with a barrier.
+template <class F>
+static inline void share_out(Share& sh, int64_t n, int64_t unit, F&& run) {
+    const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
+    const uint64_t product = ++sh.product;
+    if (unit < 1) unit = 1;
+    if (nth == 1) {
+        for (int64_t a = 0; a < n; a += unit) run(a, a + unit < n ? a + unit : n);
+        return;
+    }
+    const int64_t i0 = n * me / nth, i1 = n * (me + 1) / nth;
+    std::atomic<uint64_t>& mine = sh.cursors[me].v;
+    mine.store(product << CURSOR_INDEX_BITS, std::memory_order_release);
+    if (me == 0) {
+        const int64_t lag = g_share_lag_us.load(std::memory_order_relaxed);
+        if (lag > 0) {
+            const double until = now_s() + (double)lag * 1e-6;
+            while (now_s() < until) {
+            }
+        }
+    }
+    for (;;) {  // this thread's share
+        const int64_t u = (int64_t)(mine.fetch_add(1, std::memory_order_acq_rel) & CURSOR_INDEX);
+        const int64_t a = i0 + u * unit;
+        if (a >= i1) break;
+        run(a, a + unit < i1 ? a + unit : i1);
+    }
+    for (int64_t d = 1; d < nth; d++) {  // then what is left of the others' shares
+        const int64_t t = (me + d) % nth, t0 = n * t / nth, t1 = n * (t + 1) / nth;
+        std::atomic<uint64_t>& theirs = sh.cursors[t].v;
+        uint64_t v = theirs.load(std::memory_order_acquire);
+        while ((v >> CURSOR_INDEX_BITS) == product) {
+            const int64_t a = t0 + (int64_t)(v & CURSOR_INDEX) * unit;
+            if (a >= t1) break;
+            if (theirs.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+                run(a, a + unit < t1 ? a + unit : t1);
+                g_units_taken.fetch_add(1, std::memory_order_relaxed);
+            }
+        }
+    }
+}
+
+// Units of a share: at most `block` items, and small enough that a share holds four at least (a thread done early
+// has some to take), in multiples of `align`.
+static inline int64_t share_unit(int64_t n, int64_t nth, int64_t block, int64_t align) {
+    const int64_t share = (n + nth - 1) / nth;
+    int64_t unit = (share + 3) / 4;
+    unit = (unit + align - 1) / align * align;
+    if (unit > block) unit = block;
+    return unit < 1 ? 1 : unit;
+}
+
 // The loop around the tiles, shared by both arithmetics. Called inside the forward's parallel region by every
 // thread of the team; ends with the team's barrier (Y complete). `panel_bytes`: bytes of one weight panel.
 // tile(IC<R>, IC<P>, t0, p) computes rows t0..t0+R x panels p..p+P into Y; CV: the weights are widened in
-// registers (see panels_max).
+// registers (see panels_max). The panels are shared out in whole groups (a group's panels are read together).
 template <bool CV, int G, class Tile>
-static inline void products(int64_t k, int64_t m, int64_t panel_bytes, int stream, Tile& tile) {
+static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes, int stream, Tile& tile) {
     constexpr int64_t group = G;
     const int64_t np = (m + PANEL - 1) / PANEL, ng = (np + group - 1) / group;
-    const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
-    // This thread's panels: whole groups (a group's panels are read together), balanced.
-    const int64_t g0 = group * (ng * me / nth), g1 = group * (ng * (me + 1) / nth);
-    const int64_t p0 = g0 < np ? g0 : np, p1 = g1 < np ? g1 : np;
+    const int64_t nth = omp_get_num_threads();
     // Row groups: of ROWS_MAX rows and the rest last on the AVX2 build (FULL_GROUPS_FIRST), else balanced (sizes differ
     // by <= 1) of at most ROWS_MAX rows; over grouped panels, GROUPED_ROWS each and the rest last (grouped_rows).
     int64_t groups = (k + ROWS_MAX - 1) / ROWS_MAX;
@@ -460,16 +539,19 @@ static inline void products(int64_t k, int64_t m, int64_t panel_bytes, int strea
         groups = 0;
         for (int64_t t = 0; t < k; t += grouped_rows(k, t)) groups++;
     }
-    int64_t block = p1 - p0;
+    // A unit of panels: with several row groups, a block of about L2_BLOCK bytes that the row groups after the first
+    // re-read from L2; whole groups (tiles never leave one), or whole tiles of 1..4 panels (12).
+    int64_t block = np;
     if (groups > 1) {
         block = L2_BLOCK / (panel_bytes > 0 ? panel_bytes : 1);
-        if (group > 1)  // whole groups (tiles never leave one): one group at least
+        if (group > 1)
             block = block < group ? group : block - block % group;
-        else  // whole tiles of 1..4 panels: at least the widest tile
+        else
             block = block < 12 ? 12 : block - block % 12;
     }
-    for (int64_t q0 = p0; q0 < p1; q0 += block) {
-        const int64_t q1 = q0 + block < p1 ? q0 + block : p1;
+    const int64_t unit = share_unit(ng, nth, block / group, group > 1 ? 1 : 12);
+    share_out(sh, ng, unit, [&](int64_t u0, int64_t u1) {
+        const int64_t q0 = u0 * group, q1 = u1 * group < np ? u1 * group : np;
         for (int64_t g = 0, t0 = 0; g < groups; g++) {
             const int64_t rows = group > 1 ? grouped_rows(k, t0)
                                  : FULL_GROUPS_FIRST ? (k - t0 < ROWS_MAX ? k - t0 : ROWS_MAX)
@@ -509,7 +591,7 @@ static inline void products(int64_t k, int64_t m, int64_t panel_bytes, int strea
             }
             t0 += rows;
         }
-    }
+    });
 #pragma omp barrier
 }
 
@@ -694,24 +776,22 @@ static inline void tile_amx(const uint16_t* Xb, int64_t ldxb, const uint16_t* Wg
 #define AMX_L2_BLOCK (512 * 1024)  // bytes of weight groups re-read from L2 by each row group after the first
 #endif
 
-// The AMX product's loop: this thread's contiguous, balanced share of the panel groups; rows in balanced row groups
-// of at most 16 (sizes differ by <= 1), each re-reading blocks of about AMX_L2_BLOCK bytes of weights from L2 after
+// The AMX product's loop: the panel groups shared out over the team (share_out); rows in balanced row groups of at
+// most 16 (sizes differ by <= 1), each re-reading units of at most about AMX_L2_BLOCK bytes of weights from L2 after
 // the first. Called inside the parallel region by the whole team; ends with the team's barrier.
-static void products_amx(const uint16_t* xb, int64_t n, const uint16_t* Wp, const OutSpec& o, int64_t k, int64_t m) {
+static void products_amx(Share& sh, const uint16_t* xb, int64_t n, const uint16_t* Wp, const OutSpec& o, int64_t k,
+                         int64_t m) {
     const int64_t G = BF16_GROUP, np = (m + PANEL - 1) / PANEL, ng = (np + G - 1) / G;
-    const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
-    const int64_t g0 = ng * me / nth, g1 = ng * (me + 1) / nth;
     const int64_t group_elems = G * ((n + 1) & ~(int64_t)1) * PANEL;
     const int64_t row_groups = (k + 15) / 16;
-    int64_t block = g1 - g0;
+    int64_t block = ng;
     if (row_groups > 1) {
         block = AMX_L2_BLOCK / (group_elems * 2);
         if (block < 1) block = 1;
     }
     int64_t configured = -1;  // the rows the tiles are configured for (configured on every call: other code on this
                               // thread, oneDNN's in torch among it, may have configured them otherwise since)
-    for (int64_t q0 = g0; q0 < g1; q0 += block) {
-        const int64_t q1 = q0 + block < g1 ? q0 + block : g1;
+    share_out(sh, ng, share_unit(ng, omp_get_num_threads(), block, 1), [&](int64_t q0, int64_t q1) {
         for (int64_t g = 0, t0 = 0; g < row_groups; g++) {
             const int64_t rows = k / row_groups + (g < k % row_groups ? 1 : 0);
             if (rows != configured) amx_configure((int)rows), configured = rows;
@@ -719,7 +799,7 @@ static void products_amx(const uint16_t* xb, int64_t n, const uint16_t* Wp, cons
                 tile_amx(xb + t0 * n, n, Wp + q * group_elems, n, rows, o, t0, q * G * PANEL, g == 0);
             t0 += rows;
         }
-    }
+    });
 #pragma omp barrier
 }
 #endif
@@ -760,8 +840,8 @@ extern "C" int sd_panel_group(int64_t wtype) {
 // Y (+)= X W^T + b with W in the panel layout above (m outputs, n inputs). Called inside the forward's parallel
 // region by the whole team; returns after the team's barrier. `xb`: scratch for X rounded to bf16 (k * n
 // entries; AVX512-BF16 products only). `stream`: the weights come from memory, not the caches (SdModel::stream).
-static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, const float* b, float* Y, int64_t ldy,
-                 int64_t k, int64_t n, int64_t m, int accumulate, uint16_t* xb, int stream) {
+static void gemm(Share& sh, int64_t wtype, const float* X, int64_t ldx, const void* W, const float* b, float* Y,
+                 int64_t ldy, int64_t k, int64_t n, int64_t m, int accumulate, uint16_t* xb, int stream) {
 #ifdef SD_AVX512BF16
     if (wtype == WT_BF16) {
         to_bf16_rows(X, ldx, xb, k, n);  // ends with the team's barrier: every row is ready
@@ -769,7 +849,7 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
         const OutSpec o = {NULL, b, Y, ldy, m, accumulate};
 #ifdef SD_AMX
         (void)stream;
-        products_amx(xb, n, Wp, o, k, m);
+        products_amx(sh, xb, n, Wp, o, k, m);
 #else
         const int64_t ps = ((n + 1) & ~(int64_t)1) * PANEL;  // elements per panel
         const int64_t G = BF16_GROUP;
@@ -778,7 +858,7 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
             tile_bf16dp<decltype(R)::value, decltype(P)::value>(xb + t0 * n, n, at, 2 * PANEL, G * 2 * PANEL, n, o, t0,
                                                                  p * PANEL);
         };
-        products<false, BF16_GROUP>(k, m, ps * 2, stream, tile);
+        products<false, BF16_GROUP>(sh, k, m, ps * 2, stream, tile);
 #endif
         return;
     }
@@ -796,7 +876,7 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
         auto tile = [&](auto R, auto P, int64_t t0, int64_t p) {
             tile_f32<WT, decltype(R)::value, decltype(P)::value>(X + t0 * ldx, ldx, Wp + p * ps, ps, n, o, t0, p * PANEL);
         };
-        products<sizeof(typename WT::T) != 4, 1>(k, m, ps * (int64_t)sizeof(typename WT::T), stream, tile);
+        products<sizeof(typename WT::T) != 4, 1>(sh, k, m, ps * (int64_t)sizeof(typename WT::T), stream, tile);
     };
     if (wtype == WT_BF16)
         run(BF16W{});
@@ -815,8 +895,12 @@ static void gemm(int64_t wtype, const float* X, int64_t ldx, const void* W, cons
 extern "C" int sd_matmul(int64_t wtype, const float* X, const void* W, const float* b, float* Y, int64_t k, int64_t n,
                          int64_t m, int64_t accumulate, uint16_t* xb, int64_t threads, int64_t stream) {
     if (k < 1 || n < 1 || m < 1 || threads < 1 || wtype < WT_F32 || wtype > WT_I8) return -1;
+    std::vector<Cursor> cursors((size_t)threads);
 #pragma omp parallel num_threads((int)threads)
-    gemm(wtype, X, n, W, b, Y, m, k, n, m, (int)accumulate, xb, (int)stream);
+    {
+        Share sh = {cursors.data(), 0};
+        gemm(sh, wtype, X, n, W, b, Y, m, k, n, m, (int)accumulate, xb, (int)stream);
+    }
     return 0;
 }
 
@@ -1420,8 +1504,10 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
 
     for (int64_t t = 0; t < k; t++) load_row(wt, m->embed, ids[t], m->embed_stride, x + t * d, d);
 
+    std::vector<Cursor> cursors((size_t)threads);
 #pragma omp parallel num_threads((int)threads)
     {
+        Share sh = {cursors.data(), 0};
         float* scores = score_base + (int64_t)omp_get_thread_num() * per_thread;  // also the packing panel
         std::vector<AttUnit> units;  // the layer's attention units: every thread makes the same list
         int64_t last_unit = -2;  // the unit this thread ran last (its first of a layer fetches its own values)
@@ -1441,7 +1527,7 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < k; t++) rms_norm(x + t * d, h + t * d, d, m->eps);
             PHASE_DONE(PH_NORM)
-            gemm(wt, h, d, L->wqkv, L->bqkv, qkv, nqkv, k, d, nqkv, 0, xb, st);
+            gemm(sh, wt, h, d, L->wqkv, L->bqkv, qkv, nqkv, k, d, nqkv, 0, xb, st);
             PHASE_DONE(PH_QKV)
             // RoPE on query and key heads; keys and values into each row's own cache at its position.
 #pragma omp for schedule(static)
@@ -1490,23 +1576,23 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
                           ss, outs, next);
             }
             PHASE_DONE(PH_ATTENTION)
-            gemm(wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1, xb, st);
+            gemm(sh, wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1, xb, st);
             PHASE_DONE(PH_O_PROJ)
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < k; t++) rms_norm(x + t * d, h + t * d, d, m->eps);
             PHASE_DONE(PH_NORM)
-            gemm(wt, h, d, L->wgu, L->bgu, gu, 2 * ff, k, d, 2 * ff, 0, xb, st);
+            gemm(sh, wt, h, d, L->wgu, L->bgu, gu, 2 * ff, k, d, 2 * ff, 0, xb, st);
             PHASE_DONE(PH_GATE_UP)
 #pragma omp for schedule(static)
             for (int64_t t = 0; t < k; t++) silu_mul(gu + t * 2 * ff, gu + t * 2 * ff + ff, act + t * ff, ff);
             PHASE_DONE(PH_SILU_MUL)
-            gemm(wt, act, ff, L->wd, L->bd, x, d, k, ff, d, 1, xb, st);
+            gemm(sh, wt, act, ff, L->wd, L->bd, x, d, k, ff, d, 1, xb, st);
             PHASE_DONE(PH_DOWN)
         }
         if (n_out > 0) {  // the asked rows, normalised into h[0..n_out) (free by now), then the head
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < n_out; j++) rms_norm(x + out_idx[j] * d, h + j * d, d, m->eps);
-            gemm(wt, h, d, m->lm_head, NULL, logits, m->head_rows, n_out, d, m->head_rows, 0, xb, st);
+            gemm(sh, wt, h, d, m->lm_head, NULL, logits, m->head_rows, n_out, d, m->head_rows, 0, xb, st);
             PHASE_DONE(PH_HEAD)
         }
 #undef PHASE_DONE
