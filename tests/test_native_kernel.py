@@ -401,7 +401,8 @@ def test_a_late_threads_share_taken_by_the_others_gives_the_same_sums_once(isa: 
             nk.set_share_lag(3000)
             for threads in (2, 3):
                 taken = nk.units_taken()
-                for _ in range(20):  # with 3 threads on 2 cores the others may be done before the first set out its share
+                # With 3 threads on 2 cores the others may be done before the first has set out its share: retry.
+                for _ in range(20):
                     late = pw.matmul(x, bias=b, out=base.clone(), threads=threads)
                     assert torch.equal(late, alone), (m, n, k, threads)
                     if nk.units_taken() > taken:
