@@ -683,15 +683,16 @@ static void to_bf16_rows(const float* X, int64_t ldx, uint16_t* Xb, int64_t k, i
 // AVX512-BF16 build's result: the unit rounds inside a 16-pair step differently from 16 chained VDPBF16PS; a
 // process uses one build, and traces record it.)
 //
-// Tiles: 0-3 the sums of the group's 4 panels (R x 16 fp32), 4 the activations (R x 32 bf16), 5 and 6 the weights
-// of panels 0/2 and 1/3 (16 pairs x 16 outputs), so a weight load need not wait for the product before it.
+// Tiles: 0-3 the sums (R x 16 fp32): of the group's 4 panels (tile_amx), or of 2 row groups x 2 panels (tile_amx2);
+// 4 the activations (R x 32 bf16), and 5 a second row group's (tile_amx2); 6 and 7 the weights of one panel each (16
+// pairs x 16 outputs), so a weight load need not wait for the product before it.
 #ifndef AMX_PREFETCH
 // Steps (4 KB each) a tile prefetches its weights ahead into L2. A tile load reads 16 lines 256 bytes apart, an order
 // the hardware prefetchers follow poorly: without it one-row passes of the Qwen2.5-0.5B body took 1.4x as long (an
-// Emerald Rapids, interleaved); 16 steps ahead measured the same as 8 (docs/runtime.md, "The AMX build"). Only the
-// first row group of a block of weights prefetches (`prefetch`): the others re-read the block from L2, where 64
-// prefetches a step only took load slots from the tile loads (16 sequences x 4 rows 0.89-0.91x the time without
-// them, a 64-row block 0.95x, 16 rows or fewer alike; an Emerald Rapids, interleaved, session 48).
+// Emerald Rapids, interleaved); 16 steps ahead measured the same as 8 (docs/runtime.md, "The AMX build"). With
+// several row groups, a group's row groups run one after another on its weights in L2 and each step fetches its
+// share of the next group's lines (64 prefetches a step in every row group had taken load slots from the tile loads:
+// 16 sequences x 4 rows 0.89-0.91x the time without them, session 48, when each row group re-read a block of groups).
 #define AMX_PREFETCH 8
 #endif
 struct AmxConfig {
@@ -707,46 +708,44 @@ static inline void amx_configure(int rows) {
     AmxConfig c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int i = 0; i < 5; i++) c.rows[i] = (uint8_t)rows, c.colsb[i] = 64;
-    for (int i = 5; i < 7; i++) c.rows[i] = 16, c.colsb[i] = 64;
+    for (int i = 0; i < 6; i++) c.rows[i] = (uint8_t)rows, c.colsb[i] = 64;
+    for (int i = 6; i < 8; i++) c.rows[i] = 16, c.colsb[i] = 64;
+    // The configuration must be in memory, whole, when LDTILECFG reads it: GCC does not count the intrinsic as a read
+    // of all 64 bytes and has dropped some of the stores above as dead (rows set, widths left 0: a fault).
+    __asm__ volatile("" : : "r"(&c) : "memory");
     _tile_loadconfig(&c);
 }
 
-// Rows t0..t0+R of Xb (bf16, stride ldxb elements) x the group of 4 panels at Wg (grouped pair layout, n inputs)
-// into outputs r0..r0+64 of o. The tiles must be configured for R rows (amx_configure). `prefetch`: fetch the
-// weights AMX_PREFETCH steps ahead (they come from beyond L2).
-static inline void tile_amx(const uint16_t* Xb, int64_t ldxb, const uint16_t* Wg, int64_t n, int64_t R,
-                            const OutSpec& o, int64_t t0, int64_t r0, bool prefetch) {
-    const int64_t pairs = n >> 1, steps = pairs >> 4, G = BF16_GROUP, pair_elems = G * 2 * PANEL;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t s = 0; s < steps; s++) {
-        const uint16_t* w = Wg + s * 16 * pair_elems;
-        if (AMX_PREFETCH > 0 && prefetch) {  // the step AMX_PREFETCH ahead into L2 (4 KB; past the group: the next
-                                             // one's, or nothing)
-            const char* ahead = (const char*)(w + AMX_PREFETCH * 16 * pair_elems);
+// What a tile prefetches into L2 as it goes: nothing (`ahead` NULL); the weights AMX_PREFETCH steps ahead of its own
+// (`share` 0: one row group, the weights read once, as a stream); or part `part` of `share` of the next group's
+// weights from `ahead` (the row groups of a group run one after another, and each fetches its share of the next
+// group's lines: the next group arrives from L3 while this one's row groups multiply on it from L2).
+struct AmxFetch {
+    const char* ahead;
+    int64_t part, share;
+};
+
+// A tile's prefetch of the next weights into L2, at step s of `steps` (see AmxFetch).
+static inline __attribute__((always_inline)) void amx_fetch(const AmxFetch& fetch, const uint16_t* w, int64_t s,
+                                                            int64_t steps, int64_t pair_elems) {
+    if (AMX_PREFETCH <= 0 || fetch.ahead == NULL) return;
+    if (fetch.share == 0) {  // the step AMX_PREFETCH ahead (4 KB; past the group: the next one's)
+        const char* ahead = (const char*)(w + AMX_PREFETCH * 16 * pair_elems);
 #pragma GCC unroll 64
-            for (int l = 0; l < 64; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
-        }
-        _tile_loadd(4, Xb + s * 32, ldxb * 2);
-        _tile_loadd(5, w, pair_elems * 2);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(6, w + 2 * PANEL, pair_elems * 2);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(5, w + 4 * PANEL, pair_elems * 2);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(6, w + 6 * PANEL, pair_elems * 2);
-        _tile_dpbf16ps(3, 4, 6);
+        for (int l = 0; l < 64; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
+    } else {  // this step's share of the next group's lines
+        const int64_t c = fetch.part * steps + s;
+        for (int64_t l = c * 64 / fetch.share, e = (c + 1) * 64 / fetch.share; l < e; l++)
+            _mm_prefetch(fetch.ahead + 64 * l, _MM_HINT_T1);
     }
-    alignas(64) float buf[16 * G * PANEL];
-    const int64_t ld = G * PANEL;
-    _tile_stored(0, buf, ld * 4);
-    _tile_stored(1, buf + PANEL, ld * 4);
-    _tile_stored(2, buf + 2 * PANEL, ld * 4);
-    _tile_stored(3, buf + 3 * PANEL, ld * 4);
-    if ((steps << 4) < pairs || (n & 1)) {  // the pairs after the last whole step, then an odd last column
+}
+
+// A row group's sums of a group's 4 panels, whole 16-pair steps done (buf[R][64]): the pairs after the last whole
+// step, then an odd last column, one VDPBF16PS each in order; then + b (+ Y) into outputs r0..r0+64 of rows t0.. of o.
+static inline void amx_finish(const uint16_t* Xb, int64_t ldxb, const uint16_t* Wg, int64_t n, int64_t R, float* buf,
+                              const OutSpec& o, int64_t t0, int64_t r0) {
+    const int64_t pairs = n >> 1, steps = pairs >> 4, G = BF16_GROUP, pair_elems = G * 2 * PANEL, ld = G * PANEL;
+    if ((steps << 4) < pairs || (n & 1)) {
         for (int64_t t = 0; t < R; t++) {
             const uint16_t* x = Xb + t * ldxb;
             for (int64_t p = 0; p < G; p++) {
@@ -772,32 +771,107 @@ static inline void tile_amx(const uint16_t* Xb, int64_t ldxb, const uint16_t* Wg
     }
 }
 
-#ifndef AMX_L2_BLOCK
-#define AMX_L2_BLOCK (512 * 1024)  // bytes of weight groups re-read from L2 by each row group after the first
-#endif
+// Rows t0..t0+R of Xb (bf16, stride ldxb elements) x the group of 4 panels at Wg (grouped pair layout, n inputs)
+// into outputs r0..r0+64 of o. The tiles must be configured for R rows (amx_configure). `fetch`: what to prefetch.
+static inline void tile_amx(const uint16_t* Xb, int64_t ldxb, const uint16_t* Wg, int64_t n, int64_t R,
+                            const OutSpec& o, int64_t t0, int64_t r0, const AmxFetch& fetch) {
+    const int64_t pairs = n >> 1, steps = pairs >> 4, G = BF16_GROUP, pair_elems = G * 2 * PANEL;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t s = 0; s < steps; s++) {
+        const uint16_t* w = Wg + s * 16 * pair_elems;
+        amx_fetch(fetch, w, s, steps, pair_elems);
+        _tile_loadd(4, Xb + s * 32, ldxb * 2);
+        _tile_loadd(6, w, pair_elems * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, w + 2 * PANEL, pair_elems * 2);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(6, w + 4 * PANEL, pair_elems * 2);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_loadd(7, w + 6 * PANEL, pair_elems * 2);
+        _tile_dpbf16ps(3, 4, 7);
+    }
+    alignas(64) float buf[16 * G * PANEL];
+    const int64_t ld = G * PANEL;
+    _tile_stored(0, buf, ld * 4);
+    _tile_stored(1, buf + PANEL, ld * 4);
+    _tile_stored(2, buf + 2 * PANEL, ld * 4);
+    _tile_stored(3, buf + 3 * PANEL, ld * 4);
+    amx_finish(Xb, ldxb, Wg, n, R, buf, o, t0, r0);
+}
+
+// Two row groups of R rows each (rows ta.. and tb.. of Xb) x the group of 4 panels at Wg, two panels at a time: the sum
+// tiles of 2 row groups x 2 panels, each weight tile loaded once for both row groups (half the weights' loads of two
+// tile_amx calls, the second row group's from L1 instead of L2). The same steps in the same order for every output
+// as tile_amx: the same sums bit for bit. `fetch`: parts fetch.part and fetch.part + 1 of fetch.share.
+static inline void tile_amx2(const uint16_t* Xb, int64_t ldxb, const uint16_t* Wg, int64_t n, int64_t R,
+                             const OutSpec& o, int64_t ta, int64_t tb, int64_t r0, const AmxFetch& fetch) {
+    const int64_t pairs = n >> 1, steps = pairs >> 4, G = BF16_GROUP, pair_elems = G * 2 * PANEL, ld = G * PANEL;
+    const uint16_t *Xa = Xb + ta * ldxb, *Xc = Xb + tb * ldxb;
+    alignas(64) float bufa[16 * G * PANEL], bufb[16 * G * PANEL];
+    for (int64_t h = 0; h < 2; h++) {  // panels 2h and 2h + 1
+        const AmxFetch f = {fetch.ahead, fetch.part + h, fetch.share};
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t s = 0; s < steps; s++) {
+            const uint16_t* w = Wg + s * 16 * pair_elems + h * 4 * PANEL;
+            amx_fetch(f, w, s, steps, pair_elems);
+            _tile_loadd(4, Xa + s * 32, ldxb * 2);
+            _tile_loadd(6, w, pair_elems * 2);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, w + 2 * PANEL, pair_elems * 2);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, Xc + s * 32, ldxb * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, bufa + 2 * h * PANEL, ld * 4);
+        _tile_stored(1, bufa + (2 * h + 1) * PANEL, ld * 4);
+        _tile_stored(2, bufb + 2 * h * PANEL, ld * 4);
+        _tile_stored(3, bufb + (2 * h + 1) * PANEL, ld * 4);
+    }
+    amx_finish(Xa, ldxb, Wg, n, R, bufa, o, ta, r0);
+    amx_finish(Xc, ldxb, Wg, n, R, bufb, o, tb, r0);
+}
 
 // The AMX product's loop: the panel groups shared out over the team (share_out); rows in balanced row groups of at
-// most 16 (sizes differ by <= 1), each re-reading units of at most about AMX_L2_BLOCK bytes of weights from L2 after
-// the first. Called inside the parallel region by the whole team; ends with the team's barrier.
+// most 16 (sizes differ by <= 1). A group's row groups run one after another (two at a time where they can,
+// tile_amx2) while its weights are in L2, each fetching a share of the next group's. Called inside the parallel
+// region by the whole team; ends with the team's barrier.
 static void products_amx(Share& sh, const uint16_t* xb, int64_t n, const uint16_t* Wp, const OutSpec& o, int64_t k,
                          int64_t m) {
     const int64_t G = BF16_GROUP, np = (m + PANEL - 1) / PANEL, ng = (np + G - 1) / G;
     const int64_t group_elems = G * ((n + 1) & ~(int64_t)1) * PANEL;
     const int64_t row_groups = (k + 15) / 16;
-    int64_t block = ng;
-    if (row_groups > 1) {
-        block = AMX_L2_BLOCK / (group_elems * 2);
-        if (block < 1) block = 1;
-    }
     int64_t configured = -1;  // the rows the tiles are configured for (configured on every call: other code on this
                               // thread, oneDNN's in torch among it, may have configured them otherwise since)
-    share_out(sh, ng, share_unit(ng, omp_get_num_threads(), block, 1), [&](int64_t q0, int64_t q1) {
-        for (int64_t g = 0, t0 = 0; g < row_groups; g++) {
-            const int64_t rows = k / row_groups + (g < k % row_groups ? 1 : 0);
-            if (rows != configured) amx_configure((int)rows), configured = rows;
-            for (int64_t q = q0; q < q1; q++)
-                tile_amx(xb + t0 * n, n, Wp + q * group_elems, n, rows, o, t0, q * G * PANEL, g == 0);
-            t0 += rows;
+    share_out(sh, ng, share_unit(ng, omp_get_num_threads(), ng, 1), [&](int64_t q0, int64_t q1) {
+        for (int64_t q = q0; q < q1; q++) {
+            const uint16_t* Wg = Wp + q * group_elems;
+            if (row_groups == 1) {
+                if (configured != k) amx_configure((int)k), configured = k;
+                tile_amx(xb, n, Wg, n, k, o, 0, q * G * PANEL, AmxFetch{(const char*)Wg, 0, 0});
+                continue;
+            }
+            // The group's row groups one after another, two at a time where they have as many rows (tile_amx2), on
+            // its weights in L2; the next group's fetched meanwhile, a share in every step.
+            const char* next = q + 1 < ng ? (const char*)(Wg + group_elems) : NULL;
+            for (int64_t g = 0, t0 = 0; g < row_groups;) {
+                const int64_t rows = k / row_groups + (g < k % row_groups ? 1 : 0);
+                if (rows != configured) amx_configure((int)rows), configured = rows;
+                const bool pair = g + 1 < row_groups && k / row_groups + (g + 1 < k % row_groups ? 1 : 0) == rows;
+                if (pair) {
+                    tile_amx2(xb, n, Wg, n, rows, o, t0, t0 + rows, q * G * PANEL, AmxFetch{next, g, row_groups});
+                    g += 2, t0 += 2 * rows;
+                } else {
+                    tile_amx(xb + t0 * n, n, Wg, n, rows, o, t0, q * G * PANEL, AmxFetch{next, g, row_groups});
+                    g += 1, t0 += rows;
+                }
+            }
         }
     });
 #pragma omp barrier
