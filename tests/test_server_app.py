@@ -571,6 +571,69 @@ def test_a_fault_in_the_workers_own_round_fails_its_requests_and_the_server_goes
     assert health["failed"] == 1 and health["completed"] == 1 and health["active"] == 0
 
 
+def test_a_steps_text_goes_out_once_the_next_step_has_drafted(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The text of a step for a request still running is handed to its event loop once the next step's drafts are made
+    (right before that step's target pass, where the loop's writing overlaps a long pass rather than the short draft
+    forwards); a request that finished hears of it at once; the text, in order, is the solo output; nothing stays
+    held when the worker runs out of work."""
+    from specdec.server.scheduler import Done, Job, Scheduler, Started, Step
+
+    loop = asyncio.new_event_loop()
+
+    def job(name: str, prompt: str, tokens: int) -> Job:
+        return Job(
+            request_id=name,
+            build=lambda e: [e.start(prompt, max_new_tokens=tokens, tau=2)],
+            loop=loop,
+            deadline=float("inf"),
+        )
+
+    got: list[Any] = []  # a's messages in the order its loop received them
+
+    def drain(j: Job) -> list[Any]:
+        loop.run_until_complete(asyncio.sleep(0))
+        out = []
+        while not j.queue.empty():
+            out.append(j.queue.get_nowait())
+        if j is a:
+            got.extend(out)
+        return out
+
+    at_join: list[list[type]] = []  # what a's loop had received when each step's drafts were done
+    step = engine.step
+
+    def spy(generations: Any, join: Any = None) -> Any:
+        def joined() -> Any:
+            out = join()
+            at_join.append([type(m) for m in drain(a)])
+            return out
+
+        return step(generations, joined if join is not None else None)
+
+    monkeypatch.setattr(engine, "step", spy)
+    try:
+        scheduler = Scheduler(engine, max_active=4, max_queue=4, max_batch=4)
+        a, b = job("a", "def fibonacci(n):", 12), job("b", "import os", 1)
+        scheduler._admit(a)
+        scheduler._admit(b)
+        assert [type(m) for m in drain(a)] == [Started] and [type(m) for m in drain(b)] == [Started]
+        scheduler._advance([a, b])
+        assert at_join == [[]]
+        assert drain(a) == []  # a goes on: its text waits for the next step's drafts
+        assert [type(m) for m in drain(b)] == [Step, Done]  # b finished: at once
+        scheduler._advance([a])
+        assert at_join[1] == [Step]  # the first step's text, before the second step's pass
+        while scheduler._active:
+            scheduler._advance(list(scheduler._active))
+            drain(a)
+        assert not scheduler._held and isinstance(got[-1], Done)
+        text = "".join(m.event.text for m in got if isinstance(m, Step))
+        assert text == engine.generate("def fibonacci(n):", max_new_tokens=12, tau=0).text
+    finally:
+        monkeypatch.undo()
+        loop.close()
+
+
 def test_a_request_arriving_while_a_round_drafts_joins_that_rounds_pass(engine: Any) -> None:
     """A job waiting when a round's drafts are done (it arrived meanwhile) is admitted into that round's target pass
     (``Engine.step``'s ``join``): its Started and its first text come with that round, where it waited for the next
@@ -602,6 +665,9 @@ def test_a_request_arriving_while_a_round_drafts_joins_that_rounds_pass(engine: 
         scheduler._waiting.extend([b, c])
         scheduler._advance([a])  # b joins the pass; c does not fit max_batch = 2
         got_b = drained(b)
+        assert [type(m) for m in got_b] == [Started]  # its first text is held until the next round has drafted
+        scheduler._post_held()
+        got_b += drained(b)
         assert [type(m) for m in got_b] == [Started, Step]
         assert got_b[1].event.record.reason == "joined after the step's drafts" and got_b[1].event.record.tau == 0
         assert list(scheduler._waiting) == [c] and not drained(c)
@@ -610,6 +676,7 @@ def test_a_request_arriving_while_a_round_drafts_joins_that_rounds_pass(engine: 
             scheduler._advance(list(scheduler._active), join=False)
             texts["b"] += "".join(m.event.text for m in drained(b) if isinstance(m, Step))
         assert texts["b"] == engine.generate("import os", max_new_tokens=10, tau=0).text
+        assert not scheduler._held
     finally:
         engine.prefill_in_step = before
         loop.close()

@@ -144,6 +144,9 @@ class Scheduler:
         self.cancelled = 0
         self.rejected = 0
         self._mean_latency = 1.0  # seconds, moving average of finished requests (for Retry-After)
+        # The last step's messages to requests still running, handed to their loops once the next step's drafts are
+        # made (``_advance``): the loop then writes them while that step's target pass runs, not while its drafts do.
+        self._held: list[tuple[Job, Message]] = []
 
     # -- called from the event loop -------------------------------------------------------------
 
@@ -216,6 +219,10 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
+                idle = not self._waiting and not self._active
+            if idle:
+                self._post_held()  # nothing to step: no drafts to wait for
+            with self._cond:
                 while not self._stopping and not self._waiting and not self._active:
                     self._cond.wait()
                 if self._stopping:
@@ -231,6 +238,7 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - a fault of the worker's own (not a request's): fail, keep serving
                 self._recover(e, batch or admitted)
         # Shutting down: release everything still running or waiting.
+        self._post_held()
         for job in list(self._active):
             self._end(job, Failed(_shutdown_error()))
         with self._cond:
@@ -351,11 +359,16 @@ class Scheduler:
         """One engine step over the batch; if it fails, each job alone, so only the one at fault fails. Requests that
         arrive while the step drafts join its target pass (``_late_join``), as far as ``max_batch`` has room."""
         late: list[Job] = []
+        late_join = self._late_join(batch, late) if join else None
+
+        def drafted() -> list[Generation]:  # the step's drafts are made: the last step's messages go out now
+            self._post_held()
+            return late_join() if late_join is not None else []
+
         try:
-            events = self.engine.step(
-                [g for job in batch for g in job.gens], self._late_join(batch, late) if join else None
-            )
+            events = self.engine.step([g for job in batch for g in job.gens], drafted)
         except Exception as e:  # noqa: BLE001 - find the request at fault; the others go on
+            self._post_held()
             if len(batch) + len(late) == 1:
                 self._end((batch + late)[0], Failed(_as_api_error(e)))
                 return
@@ -379,7 +392,16 @@ class Scheduler:
                 outbox = []
                 self._end(job, Failed(_as_api_error(e)))
             first += size
-        post_all(outbox)
+        # A request that finished hears of it now (its client's next request waits on it); the others' text goes out
+        # once the next step has drafted (``_held``).
+        now = [(job, msg) for job, msg in outbox if job.finished]
+        self._held = [(job, msg) for job, msg in outbox if not job.finished]
+        post_all(now)
+
+    def _post_held(self) -> None:
+        held, self._held = self._held, []
+        if held:
+            post_all(held)
 
     def _deliver(self, job: Job, events: list[StepEvent | None], outbox: list[tuple[Job, Message]]) -> None:
         finished: list[Done] = []
@@ -423,6 +445,7 @@ class Scheduler:
     def _end(self, job: Job, failure: Failed | None) -> None:
         """Remove a running job, free its caches and, if it failed, tell the client (its ``Done``s were sent)."""
         if failure is not None:
+            self._post_held()  # the text of the steps before, first
             self._flush(job)
             for gen in job.gens:
                 gen.cancel()  # a no-op for a sample already finished
