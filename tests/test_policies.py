@@ -757,7 +757,7 @@ def test_a_batch_plan_prices_its_steps_with_what_they_measured_beyond_the_curves
     assert policy.step_bias() == 0.0  # one step measured: not yet trusted
     # The same step against its plan's prediction, at its depth: 32 tokens made where the plan expected 16 × 1.6, in
     # 18.5 ms priced 6 (more than twice off: counted as twice, ``DepthCalibration``).
-    assert policy.depth_calibration._sums[1] == pytest.approx([32.0, 25.6, 18.5e-3, 18.5e-3 / 2, 1.0])
+    assert policy.depth_calibration(16)._sums[1] == pytest.approx([32.0, 25.6, 18.5e-3, 18.5e-3 / 2, 1.0])
     # A step whose plan was made afresh carries the policy's replanning (3 ms here): its depth is charged the policy's
     # mean a step instead (0.5 ms so far), so its rest of 10.5 ms measures 8 where the rest curve prices 7.
     price = policy.batch_costs.pricer(16, policy.costs)(32, 1, 16)
@@ -805,12 +805,12 @@ def test_a_request_joining_a_replayed_batch_plan_gets_a_plan_of_its_own() -> Non
         )
         for ctx in batch
     ]
-    steps_before = sum(e[4] for e in policy.depth_calibration._sums.values())
+    steps_before = sum(e[4] for e in policy.depth_calibration(16)._sums.values())
     policy.observe_step(records)
     policy.learn()
     # The step was measured against the plans' tokens: the joined request's plan among them.
-    assert sum(e[4] for e in policy.depth_calibration._sums.values()) > steps_before
-    assert policy.depth_calibration._sums[depth][1] == pytest.approx(
+    assert sum(e[4] for e in policy.depth_calibration(16)._sums.values()) > steps_before
+    assert policy.depth_calibration(16)._sums[depth][1] == pytest.approx(
         sum(policy._requests[ctx.request_id].plan.emitted[depth] for ctx in batch)
     )
 
@@ -875,7 +875,7 @@ def test_a_batch_plan_leaves_a_depth_whose_steps_measured_less_than_it_predicted
 
     def depth_1_short(policy: AdaptivePolicy) -> None:
         for _ in range(60):  # 60 steps at depth 1, each 0.8x the predicted tokens in the predicted time
-            policy.depth_calibration.observe(1, 0.8 * 25.6, 25.6, 6e-3, 6e-3)
+            policy.depth_calibration(16).observe(1, 0.8 * 25.6, 25.6, 6e-3, 6e-3)
 
     policy = primed_for_batch(ctxs)
     depth_1_short(policy)
@@ -883,10 +883,38 @@ def test_a_batch_plan_leaves_a_depth_whose_steps_measured_less_than_it_predicted
     policy = primed_for_batch(ctxs)  # a fresh plan (a batch's plan serves a few steps)
     depth_1_short(policy)
     for _ in range(60):  # and as many plain steps that measured what they predicted
-        policy.depth_calibration.observe(0, 16.0, 16.0, 4e-3, 4e-3)
+        policy.depth_calibration(16).observe(0, 16.0, 16.0, 4e-3, 4e-3)
     plan = policy.plan(ctxs)
     assert max(d.tau for d in plan) == 0
     assert re.search(r"steps' measured/predicted 0\.99/0\.82/0\.82/", plan[0].reason), plan[0].reason
+
+
+def test_a_depth_calibration_learnt_on_small_batches_does_not_price_a_batch_of_16() -> None:
+    """Steps of 4 sequences at depth 1 that made 20% less than predicted teach the calibration of batches of 4-7 only:
+    a plan for 16 sequences prices depth 1 as before (its class, 16-31, has measured nothing), and chooses as a policy
+    that never saw those steps does; one for 4 sequences reads the shortfall."""
+    ctxs = [ctx_for(f"s{i}", 0, 0, 0) for i in range(16)]
+    fresh = primed_for_batch(ctxs)
+    want = [d.tau for d in fresh.plan(ctxs)]
+    policy = primed_for_batch(ctxs)
+    for _ in range(60):
+        policy.depth_calibration(4).observe(1, 0.8 * 6.4, 6.4, 3e-3, 3e-3)
+    assert policy.depth_calibration(4).factor(1) < 0.85 and policy.depth_calibration(5).factor(1) < 0.85
+    assert policy.depth_calibration(16).factor(1) == policy.depth_calibration(31).factor(1) == 1.0
+    assert policy.depth_calibration(16) is not policy.depth_calibration(4)
+    assert policy.depth_calibration(2) is policy.depth_calibration(3) is not policy.depth_calibration(4)
+    assert [d.tau for d in policy.plan(ctxs)] == want
+    # Learnt from steps: a step of 4 sequences goes to the 4-7 class.
+    records = [
+        replace(record_for(f"s{i}", 1, 1, 1), draft_time=1e-3, verify_time=4e-3, other_time=1e-3) for i in range(4)
+    ]
+    records = [replace(r, batch_size=4, rows=8, drafting=4, draft_passes=1) for r in records]
+    small = primed_for_batch(ctxs[:4])
+    small.plan(ctxs[:4])
+    small.observe_step(records)
+    small.learn()
+    assert sum(e[4] for e in small.depth_calibration(4)._sums.values()) == pytest.approx(1.0)
+    assert not small.depth_calibration(16)._sums
 
 
 def test_the_batch_depth_search_holds_the_last_depth_against_noise_and_reaches_back_past_a_dip() -> None:

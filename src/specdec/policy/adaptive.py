@@ -250,13 +250,26 @@ class AdaptivePolicy(Policy):
         self._step_bias = [0.0, 0.0]  # decayed (measured - priced seconds, weight) of batch steps (``step_bias``)
         self._policy_time = [0.0, 0.0]  # decayed (seconds, weight) of the policy's own work a batch step
         self._batch_planned = False  # a batch plan has been made: its steps teach the step bias
-        # measured ÷ predicted goodput of the batch steps, by depth: what the plans' prices miss the deeper they reach
-        self.depth_calibration = DepthCalibration()
+        # measured ÷ predicted goodput of the batch steps, by depth, one calibration per class of batch size
+        # (``depth_calibration``): what the plans' prices miss the deeper they reach, and the more sequences drafting
+        self._depth_calibrations: dict[int, DepthCalibration] = {}
         # Steps observed while a batch plan is replayed, learnt from at the next plan (``observe_step``): each with
         # its requests as they were when it was observed.
         self._unlearnt: list[tuple[list[_Request | None], Sequence[StepRecord]]] = []
 
     # -- estimates --------------------------------------------------------------------------
+
+    def depth_calibration(self, sequences: int) -> DepthCalibration:
+        """The depth calibration of steps of ``sequences`` sequences: one per class of batch size (2-3, 4-7, 8-15, 16-31,
+        32 or more). What a plan's prices miss at a depth depends on the step's size too (a server's drafts and passes
+        cost beyond their measured shapes by more with more sequences), and a server's load moves: learnt in one, a
+        batch of 4 at depth 7 (where a shrinking batch ends its requests) read 1.16-1.18 and priced every depth past 6
+        for 16 sequences by it."""
+        key = min(max(sequences, 2), 32).bit_length()
+        calibration = self._depth_calibrations.get(key)
+        if calibration is None:
+            calibration = self._depth_calibrations[key] = DepthCalibration()
+        return calibration
 
     def _request(self, ctx: StepContext) -> _Request:
         req = self._requests.get(ctx.request_id)
@@ -493,7 +506,7 @@ class AdaptivePolicy(Policy):
         secs: list[float] = []
         rates: list[float] = []
         factors: list[float] = []
-        calibration = self.depth_calibration
+        calibration = self.depth_calibration(n)
         bound = any(floors)  # requests bound by a budget keep their own τ (their floor) at every depth
         for cut in range(max(caps, default=0) + 1):
             if bound:
@@ -639,7 +652,9 @@ class AdaptivePolicy(Policy):
         predicted = price + self.step_bias()  # as its plan priced it: the bias before this step is in it
         measured = record.draft_time + record.verify_time + other
         if expected > 0.0:  # nan (a record without a plan) compares false
-            self.depth_calibration.observe(record.draft_passes, tokens, expected, measured, predicted)
+            self.depth_calibration(record.batch_size).observe(
+                record.draft_passes, tokens, expected, measured, predicted
+            )
         decay = STEP_BIAS_DECAY**record.batch_size
         b = self._step_bias
         b[0] = decay * b[0] + (measured - price)
