@@ -517,6 +517,28 @@ def test_excess_fit_recovers_a_line_and_keeps_its_slopes_at_zero_or_above() -> N
     assert a == pytest.approx(mean, rel=1e-6)
 
 
+def test_a_batch_planners_excess_fit_keeps_a_shape_slope_where_its_steps_ran_one_depth() -> None:
+    """Steps of one depth alone (one shape, 13 ms, 16 sequences) that measured 8 ms beyond it: the batch planner's fit
+    (its shape slope ridged toward EXCESS_SHAPE_PRIOR) prices a shallower step's shape (5 ms) below the deep one's
+    excess by about the prior's slope, where a fit ridged toward 0 prices every shape at the same 8 ms (the constant
+    that made every shallower depth look dear). Spread data still moves the slope where it is. No noise: cannot
+    flake."""
+    from specdec.policy.estimates import EXCESS_SHAPE_PRIOR, ExcessFit, batch_excess_fit
+
+    flat, planner = ExcessFit(), batch_excess_fit()
+    for _ in range(200):
+        flat.observe(16, 13.0, 8e-3)
+        planner.observe(16, 13.0, 8e-3)
+    assert flat(16, 5.0) == pytest.approx(8e-3, rel=1e-3)
+    assert planner(16, 13.0) == pytest.approx(8e-3, rel=1e-3)
+    assert planner(16, 5.0) == pytest.approx(8e-3 - 8 * EXCESS_SHAPE_PRIOR, rel=0.02)
+    spread = batch_excess_fit()
+    for i in range(300):
+        shape = 4.0 + i % 12
+        spread.observe(16, shape, 3e-3 + 0.1e-3 * shape)
+    assert spread.coefficients()[2] == pytest.approx(0.1e-3, rel=0.1)  # the prior pulls it ~5% here
+
+
 # Shapes measured apart from the steps, for the excess tests: a target pass by rows, a draft line by sequences.
 SHAPE_PASSES = {16: 2.5e-3, 32: 4.2e-3, 64: 8.0e-3, 128: 15.6e-3}
 SHAPE_LINES = {1: (0.2e-3, 0.05e-3), 16: (0.63e-3, 0.33e-3)}

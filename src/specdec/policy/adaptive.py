@@ -26,9 +26,9 @@ from specdec.policy.estimates import (
     BatchCosts,
     ConfidenceCalibration,
     DepthCalibration,
-    ExcessFit,
     PositionRates,
     StepCosts,
+    batch_excess_fit,
     expected_emitted_all,
     reach_weighted_mean,
     steady_draft,
@@ -633,7 +633,11 @@ class AdaptivePolicy(Policy):
         lines = {int(n): (float(a), float(b)) for n, (a, b) in costs.draft_lines.items()}
         passes = {int(rows): float(seconds) for rows, seconds in costs.passes.items()}
         if lines != batch_costs.measured_lines or passes != batch_costs.measured_passes:
-            batch_costs.measured_lines, batch_costs.measured_passes, batch_costs.excess = lines, passes, ExcessFit()
+            batch_costs.measured_lines, batch_costs.measured_passes, batch_costs.excess = (
+                lines,
+                passes,
+                batch_excess_fit(),
+            )
 
     def step_bias(self) -> float:
         """Seconds the recent batch steps measured beyond what their plans priced (their rest less the policy's own work

@@ -524,6 +524,17 @@ class CurveEWMA:
 
 EXCESS_WARM = 3.0  # steps' worth an ExcessFit needs before a batch plan prices with it
 EXCESS_SHAPE_UNIT = 1e3  # an ExcessFit's second size, a step's shape, in milliseconds (its ridge is in ms²)
+# The slope a batch planner's ExcessFit is ridged toward on the shape: a server's steps measured ~0.3 ms beyond their
+# shapes per ms of shape (16 clients, session 48; 4 clients, session 47). Ridged toward 0, steps of one depth alone
+# (a policy runs one, and explores one deeper) fitted the excess as a constant, which prices every shallower depth
+# too dear by as much as it amortises: after a server's lighter loads a policy at 16 clients held depths 5-6 at
+# 0.79-0.83x the tokens of τ = 2 (session 51). Data spread over depths moves the slope where it is.
+EXCESS_SHAPE_PRIOR = 0.3e-3  # seconds of excess per millisecond of shape
+
+
+def batch_excess_fit() -> ExcessFit:
+    """The ExcessFit a batch planner learns a step's excess with (its shape slope ridged toward EXCESS_SHAPE_PRIOR)."""
+    return ExcessFit(prior=(0.0, EXCESS_SHAPE_PRIOR))
 
 
 class ExcessFit:
@@ -544,8 +555,10 @@ class ExcessFit:
     second size was the tokens a step makes (the rest commits and detokenises them): within a depth they move with
     acceptance, not with the cost, and the fit found no slope there (``docs/policy.md``, session 48)."""
 
-    def __init__(self, decay: float = 0.98, ridge: tuple[float, float] = (4.0, 16.0)) -> None:
-        self.decay, self.ridge = decay, ridge
+    def __init__(
+        self, decay: float = 0.98, ridge: tuple[float, float] = (4.0, 16.0), prior: tuple[float, float] = (0.0, 0.0)
+    ) -> None:
+        self.decay, self.ridge, self.prior = decay, ridge, prior
         # decayed Σ of w, x1, x2, y, x1², x1·x2, x2², x1·y, x2·y
         self._sums = [0.0] * 9
         self._fit: tuple[float, float, float] | None = None
@@ -568,9 +581,10 @@ class ExcessFit:
         if n <= 0.0:
             return 0.0, 0.0, 0.0
         m1, m2, my = s1 / n, s2 / n, sy / n
-        # centred (co)variances times n, each slope's ridge added to its own
-        v11, v12, v22 = s11 - n * m1 * m1 + self.ridge[0], s12 - n * m1 * m2, s22 - n * m2 * m2 + self.ridge[1]
-        c1, c2 = s1y - n * m1 * my, s2y - n * m2 * my
+        # centred (co)variances times n, each slope's ridge added to its own, toward its prior
+        (r1, r2), (p1, p2) = self.ridge, self.prior
+        v11, v12, v22 = s11 - n * m1 * m1 + r1, s12 - n * m1 * m2, s22 - n * m2 * m2 + r2
+        c1, c2 = s1y - n * m1 * my + r1 * p1, s2y - n * m2 * my + r2 * p2
         det = v11 * v22 - v12 * v12
         b, c = (c1 * v22 - c2 * v12) / det, (c2 * v11 - c1 * v12) / det
         if b < 0.0 or c < 0.0:  # one slope alone (the other at 0), the better of the two that stay at 0 or above
@@ -697,7 +711,7 @@ class BatchCosts:
     measured_lines: dict[int, tuple[float, float]] = field(default_factory=dict)
     measured_passes: dict[int, float] = field(default_factory=dict)
     # What the steps measure beyond those shapes, by sequences and the shape's milliseconds (``ExcessFit``).
-    excess: ExcessFit = field(default_factory=ExcessFit)
+    excess: ExcessFit = field(default_factory=batch_excess_fit)
 
     def observe(self, record: StepRecord) -> None:
         """A record alone: a step of its own (a batched step's records come together, ``observe_step``)."""
