@@ -540,7 +540,7 @@ def batch_excess_fit() -> ExcessFit:
 class ExcessFit:
     """Seconds a step measures beyond the shapes of its pass and draft measured apart from the steps
     (``BatchCosts.measured_passes`` and ``measured_lines``), as a line in two of the step's sizes, e(x1, x2) = a + b·x1
-    + c·x2 (the step's sequences and its shape in milliseconds): decayed least squares, b and c ridged toward 0 and
+    + c·x2 (the step's sequences and its shape in milliseconds): decayed least squares, b and c ridged toward `prior` and
     kept at 0 or above (a machine's noise must not make a size look cheaper the larger it is).
 
     A server's steps cost more than their shapes measured quietly: its event loop streams the last step's tokens while
@@ -553,7 +553,8 @@ class ExcessFit:
     beyond shapes of 6.5-7.8 ms and ~9 beyond shapes of ~13 ms (16 clients, session 48), so a constant fitted on the
     deep steps a policy runs priced the shallow depths 30-40% too dear, and they were never run to correct it. Its
     second size was the tokens a step makes (the rest commits and detokenises them): within a depth they move with
-    acceptance, not with the cost, and the fit found no slope there (``docs/policy.md``, session 48)."""
+    acceptance, not with the cost, and the fit found no slope there (``docs/policy.md``, session 48). ``prior``: what
+    the slopes are ridged toward (a batch planner's: ``batch_excess_fit``)."""
 
     def __init__(
         self, decay: float = 0.98, ridge: tuple[float, float] = (4.0, 16.0), prior: tuple[float, float] = (0.0, 0.0)
