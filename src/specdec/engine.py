@@ -517,9 +517,7 @@ class Engine:
         for g in joined:
             if g.done or g.out_of_budget() or g.stats.steps or (not g.params.greedy and g.params.seed is not None):
                 continue
-            lag = len(g.context) - 1 - g.cache.length
-            if lag > 0 and self.side.prefix_block:
-                lag = len(g.context) - 1 - self._resume_prompt(g)
+            lag = self._prompt_rest(g)
             if lag > max(room, 0):
                 continue
             room -= lag
@@ -572,13 +570,10 @@ class Engine:
         block = self.side.prefix_block  # 0: no prefix cache
         taking: list[list[int]] = []  # the prompts taking rows in this step's pass (with a prefix cache)
         for g in live:
-            lag = len(g.context) - 1 - g.cache.length
+            lag = self._prompt_rest(g)
             if lag <= 0:
                 continue
             if block:
-                lag = len(g.context) - 1 - self._resume_prompt(g)
-                if lag <= 0:
-                    continue
                 found = max((_shared_blocks(g.prompt_ids, p, block) for p in taking), default=0) - g.cache.length
                 if found > 0 and 2 * found >= lag:
                     held.add(id(g))  # most of what it lacks is in an earlier sequence's rows: copied next step
@@ -594,6 +589,14 @@ class Engine:
             if block:
                 taking.append(g.prompt_ids)
         return pieces, held
+
+    def _prompt_rest(self, g: Generation) -> int:
+        """Rows of a deferred prompt not yet in the sequence's cache (0 or less: none), after taking, with a prefix
+        cache, what other requests' prompts have put there since it looked (``_resume_prompt``)."""
+        lag = len(g.context) - 1 - g.cache.length
+        if lag > 0 and self.side.prefix_block:
+            lag = len(g.context) - 1 - self._resume_prompt(g)
+        return lag
 
     def _resume_prompt(self, g: Generation) -> int:
         """A deferred prompt's cache extended from the prefix cache (``TargetSide.resume``), counted as cached."""

@@ -146,6 +146,8 @@ class Scheduler:
         self._mean_latency = 1.0  # seconds, moving average of finished requests (for Retry-After)
         # The last step's messages to requests still running, handed to their loops once the next step's drafts are
         # made (``_advance``): the loop then writes them while that step's target pass runs, not while its drafts do.
+        # Only running jobs have messages held, and a job leaves the running set through a step (which posts them
+        # first) or ``_end`` with a failure (which does too), so nothing is held while the worker waits for work.
         self._held: list[tuple[Job, Message]] = []
 
     # -- called from the event loop -------------------------------------------------------------
@@ -219,10 +221,6 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                idle = not self._waiting and not self._active
-            if idle:
-                self._post_held()  # nothing to step: no drafts to wait for
-            with self._cond:
                 while not self._stopping and not self._waiting and not self._active:
                     self._cond.wait()
                 if self._stopping:
@@ -237,8 +235,7 @@ class Scheduler:
                     self._advance(batch)
             except Exception as e:  # noqa: BLE001 - a fault of the worker's own (not a request's): fail, keep serving
                 self._recover(e, batch or admitted)
-        # Shutting down: release everything still running or waiting.
-        self._post_held()
+        # Shutting down: release everything still running or waiting (``_end`` posts what was held first).
         for job in list(self._active):
             self._end(job, Failed(_shutdown_error()))
         with self._cond:

@@ -860,10 +860,11 @@ static void products_amx(Share& sh, const uint16_t* xb, int64_t n, const uint16_
             // The group's row groups one after another, two at a time where they have as many rows (tile_amx2), on
             // its weights in L2; the next group's fetched meanwhile, a share in every step.
             const char* next = q + 1 < ng ? (const char*)(Wg + group_elems) : NULL;
+            auto rows_of = [&](int64_t g) { return k / row_groups + (g < k % row_groups ? 1 : 0); };
             for (int64_t g = 0, t0 = 0; g < row_groups;) {
-                const int64_t rows = k / row_groups + (g < k % row_groups ? 1 : 0);
+                const int64_t rows = rows_of(g);
                 if (rows != configured) amx_configure((int)rows), configured = rows;
-                const bool pair = g + 1 < row_groups && k / row_groups + (g + 1 < k % row_groups ? 1 : 0) == rows;
+                const bool pair = g + 1 < row_groups && rows_of(g + 1) == rows;
                 if (pair) {
                     tile_amx2(xb, n, Wg, n, rows, o, t0, t0 + rows, q * G * PANEL, AmxFetch{next, g, row_groups});
                     g += 2, t0 += 2 * rows;
