@@ -19,7 +19,7 @@ import specdec
 import specdec.verifier as verifier_mod
 from specdec.audit import audit_greedy, audit_sampling
 from specdec.engine import Engine
-from specdec.verify import Verdict, verify_with_uniforms
+from specdec.verify import SampledBlock, Verdict, verdicts_with_uniforms
 
 PROMPTS = ["def fibonacci(n):", "import os, sys"]
 
@@ -35,15 +35,15 @@ def _accept_all_greedy(draft_tokens: list[int], best: list[int]) -> Verdict:
     return Verdict([True] * tau, tau, [*draft_tokens, best[tau]], "bonus" if tau else "plain", [], [])
 
 
-def _accept_all_sampling(draft_tokens, draft_probs, target_probs, generator):  # type: ignore[no-untyped-def]
-    r = torch.zeros(draft_tokens.shape[0])  # r = 0 passes r·q ≤ p for every token the target allows
-    return verify_with_uniforms(draft_tokens, draft_probs, target_probs, r, generator)
+def _accept_all_sampling(blocks: list[SampledBlock]) -> list[Verdict]:
+    """In place of ``verify_blocks``: r = 0 passes r·q ≤ p for every token the target allows."""
+    return verdicts_with_uniforms(blocks, [torch.zeros(len(b.draft_tokens)) for b in blocks])
 
 
 @pytest.fixture
 def broken(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(verifier_mod, "verdict_greedy", _accept_all_greedy)
-    monkeypatch.setattr(verifier_mod, "verify_sampling", _accept_all_sampling)
+    monkeypatch.setattr(verifier_mod, "verify_blocks", _accept_all_sampling)
 
 
 @pytest.mark.identity

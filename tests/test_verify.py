@@ -114,3 +114,114 @@ def test_greedy_accepts_matching_argmax_prefix():
     assert v.tokens == [2, 4, 1] and v.correction == "recovered"
     v = verify_greedy(torch.tensor([2, 4, 1]), logits)  # all accepted; bonus = argmax at τ+1 = 0
     assert v.tokens == [2, 4, 1, 0] and v.correction == "bonus"
+
+
+# -- drawing tokens (``specdec.sampling.sample_rows``) -------------------------------------------------------------
+
+
+def test_a_draw_follows_its_distribution_and_never_takes_a_token_of_no_mass():
+    """20,000 draws from a distribution with tokens of mass 0 between and after the others: the zero-mass tokens are
+    never drawn, and the counts pass a chi-square test against the distribution (seed 0, false-failure rate 1e-3)."""
+    from scipy.stats import chisquare
+
+    from specdec.sampling import sample_rows
+
+    p = torch.tensor([[0.0, 0.1, 0.0, 0.25, 0.6, 0.05, 0.0, 0.0]]) * 3.0  # any positive total
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.cat([sample_rows(p, [gen]) for _ in range(20_000)])
+    counts = torch.bincount(draws, minlength=8)
+    assert counts[p[0] == 0].sum() == 0
+    live = p[0] > 0
+    expected = (p[0][live] / p[0].sum() * 20_000).tolist()
+    assert chisquare(counts[live].tolist(), expected).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("u, token", [(0.0, 1), (1.0 - 2.0**-53, 3)])
+def test_the_extreme_uniforms_draw_the_first_and_last_tokens_with_mass(
+    monkeypatch: pytest.MonkeyPatch, u: float, token: int
+):
+    """u = 0 and u = 1 - 2^-53, the least and the largest uniform: the first and the last token with mass, never a
+    zero-mass token before or after them (or one past the vocabulary), whatever the total."""
+    import specdec.sampling as sampling
+
+    monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.tensor([u], dtype=torch.float64))
+    for total in (1.0, 1.1, 3.0, 7.3e-3):
+        p = torch.tensor([[0.0, 0.1, 0.3, 0.6, 0.0, 0.0]]) * total
+        assert sampling.sample_rows(p, [torch.Generator()]).tolist() == [token]
+
+
+def test_a_rows_draw_depends_on_its_own_row_and_generator_only():
+    from specdec.sampling import sample_rows
+
+    torch.manual_seed(3)
+    probs = torch.softmax(torch.randn(5, 300) * 2, -1)
+    alone = [sample_rows(probs[i : i + 1], [torch.Generator().manual_seed(i)]).item() for i in range(5)]
+    together = sample_rows(probs, [torch.Generator().manual_seed(i) for i in range(5)]).tolist()
+    assert together == alone
+
+
+@pytest.mark.parametrize("bad", [[[0.0, 0.0, 0.0]], [[float("nan"), 0.5, 0.5]], [[float("inf"), 1.0, 0.0]]])
+def test_a_distribution_without_a_finite_positive_total_is_refused(bad: list[list[float]]):
+    from specdec.sampling import sample_rows
+
+    with pytest.raises(ValueError, match="finite probabilities with a positive total"):
+        sample_rows(torch.tensor(bad), [torch.Generator()])
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(temperature=0.7),
+        dict(temperature=1.3, top_k=20),
+        dict(temperature=0.9, top_p=0.8),
+        dict(temperature=1.0, min_p=0.05),
+    ],
+)
+def test_rows_processed_together_equal_each_row_processed_alone(settings: dict):
+    """The engine processes the rows of requests alike in their settings in one call (draft picks and verification):
+    every row's probabilities must be bit for bit those of the row alone, or a seeded request's output would depend on
+    what it is batched with."""
+    from specdec.sampling import SamplingParams, logits_to_probs
+
+    params = SamplingParams(**settings)
+    torch.manual_seed(5)
+    logits = torch.randn(37, 8192) * 4
+    together = logits_to_probs(logits, params)
+    for i in range(37):
+        assert torch.equal(together[i], logits_to_probs(logits[i : i + 1], params)[0])
+
+
+def test_blocks_verified_together_get_the_verdicts_each_gets_alone():
+    """Ragged blocks (τ = 0 included), rejections and bonus draws mixed: ``verify_blocks`` over all of them gives each
+    the verdict it gets alone with a generator in the same state (its uniforms come from its own generator)."""
+    from specdec.verify import SampledBlock, verify_blocks
+
+    torch.manual_seed(11)
+    vocab = 50
+    blocks = []
+    for tau in (0, 1, 3, 5, 2, 4, 0, 6):
+        p = torch.softmax(torch.randn(tau + 1, vocab) * 2, -1)
+        q = torch.softmax(torch.randn(tau, vocab) * 2, -1)
+        tokens = [int(torch.multinomial(q[t], 1)) for t in range(tau)]
+        blocks.append((tokens, q, p))
+
+    def make(seed0: int) -> list[SampledBlock]:
+        return [SampledBlock(t, q, p, torch.Generator().manual_seed(seed0 + i)) for i, (t, q, p) in enumerate(blocks)]
+
+    for seed0 in range(0, 400, 8):
+        together = verify_blocks(make(seed0))
+        alone = [verify_blocks([b])[0] for b in make(seed0)]
+        assert together == alone
+    kinds = {v.correction for v in verify_blocks(make(0))}
+    assert len(kinds) > 1  # the blocks were not all alike
+
+
+def test_the_residual_of_rows_is_each_rows_residual():
+    torch.manual_seed(2)
+    p = torch.softmax(torch.randn(6, 40), -1)
+    q = torch.softmax(torch.randn(6, 40), -1)
+    q[3] = p[3]  # no mass left: p itself
+    rows = residual(p, q)
+    for i in range(6):
+        assert torch.equal(rows[i], residual(p[i], q[i]))
+    assert torch.equal(rows[3], p[3])

@@ -37,6 +37,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def shaping(self) -> tuple[float, int, float, float]:
+        """What shapes the distribution sampled from (all but the seed): rows of requests alike in it are processed
+        together (``logits_to_probs`` treats each row alone)."""
+        return (self.temperature, self.top_k, self.top_p, self.min_p)
+
     def generator(self, device: torch.device) -> torch.Generator:
         """One generator per request: same seed, same output."""
         import torch

@@ -20,7 +20,7 @@ from specdec.runtime.base import KVCache, ModelRunner, eos_ids_of
 from specdec.runtime.prefix_cache import BLOCK
 from specdec.sampling import SamplingParams, TokenLogprob, logits_to_probs, token_logprobs
 from specdec.target_side import Cache, TargetSide, Verifying
-from specdec.verify import verdict_greedy, verify_sampling
+from specdec.verify import SampledBlock, verdict_greedy, verify_blocks
 
 PROMPT_SCORE_CHUNK = 256  # prompt rows a pass scores (``prompt_logprobs``): 256 vocabulary rows of logits at most
 
@@ -107,31 +107,56 @@ class ModelTarget(TargetSide):
         # Greedy rows without logit rules: one argmax over the whole pass (a row's argmax is its own).
         best = self.runner.argmax_rows(flat) if any(plain) else []
         target_logits: list[torch.Tensor] = []
-        verdicts: list[Verdict] = []
-        for g, d, is_plain, lo, hi in zip(live, drafts, plain, starts, starts[1:]):
+        for g, d, lo, hi in zip(live, drafts, starts, starts[1:]):
             logits = flat[lo:hi]
             if g.rules_state is not None:  # each row processed with its own context (context + the block before it)
                 logits = g.rules_state.apply(logits, d.tokens)
             target_logits.append(logits)
-            verdicts.append(verdict_greedy(d.tokens, best[lo:hi]) if is_plain else _verify(g, d, logits))
+        verdicts: list[Verdict | None] = []
+        for g, d, is_plain, logits, lo, hi in zip(live, drafts, plain, target_logits, starts, starts[1:]):
+            if is_plain:
+                verdicts.append(verdict_greedy(d.tokens, best[lo:hi]))
+            elif g.params.greedy:  # the argmax of each row (after its logit rules), then plain comparisons
+                verdicts.append(verdict_greedy(d.tokens, logits.argmax(dim=-1).tolist()))
+            else:
+                verdicts.append(None)
+        sampled = [s for s, v in enumerate(verdicts) if v is None]
+        if sampled:  # every sampled sequence's verdict in one go (``verify_blocks``)
+            probs = _sampled_probs([live[s] for s in sampled], [target_logits[s] for s in sampled])
+            sampled_blocks = [_sampled_block(live[s], drafts[s], p) for s, p in zip(sampled, probs)]
+            for s, v in zip(sampled, verify_blocks(sampled_blocks)):
+                verdicts[s] = v
         # Emitted token j comes from row j (the correction/bonus token too: p's log probability there).
+        done = cast(list[Verdict], verdicts)
         logprobs = [
             token_logprobs(logits, v.tokens, g.params, g.logprobs) if g.logprobs is not None else None
-            for g, v, logits in zip(live, verdicts, target_logits)
+            for g, v, logits in zip(live, done, target_logits)
         ]
-        return verdicts, logprobs
+        return done, logprobs
 
 
-def _verify(gen: Verifying, draft: Draft, target_logits: torch.Tensor) -> Verdict:
-    if gen.params.greedy:  # the argmax of each row, then plain comparisons
-        return verdict_greedy(draft.tokens, target_logits.argmax(dim=-1).tolist())
-    device = target_logits.device
-    draft_tokens = torch.tensor(draft.tokens, dtype=torch.long, device=device)
-    target_probs = logits_to_probs(target_logits, gen.params)
+def _sampled_probs(live: Sequence[Verifying], target_logits: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Each sampled sequence's target distributions [τ+1, V]: the rows of sequences alike in their settings processed
+    together (``logits_to_probs`` treats each row alone: a row's probabilities do not depend on the rows beside it),
+    where one call a sequence cost ~0.1 ms each at 16 sampled requests."""
+    alike: dict[tuple[float, int, float, float], list[int]] = {}
+    for s, g in enumerate(live):
+        alike.setdefault(g.params.shaping, []).append(s)
+    out: list[torch.Tensor | None] = [None] * len(live)
+    for seqs in alike.values():
+        block = [target_logits[s] for s in seqs]
+        probs = logits_to_probs(torch.cat(block) if len(block) > 1 else block[0], live[seqs[0]].params)
+        for s, p in zip(seqs, probs.split([len(b) for b in block])):
+            out[s] = p
+    return cast(list[torch.Tensor], out)
+
+
+def _sampled_block(gen: Verifying, draft: Draft, target_probs: torch.Tensor) -> SampledBlock:
+    """A sampled sequence's verify block: its draft and q (``draft.probs``), p at its rows (processed)."""
     if draft.probs is None:
         if draft.tokens:  # only greedy requests may be drafted without q
             raise RuntimeError("the drafter gave no draft distributions for a sampled request")
-        draft_probs = torch.empty(0, target_probs.shape[-1], device=device)
+        draft_probs = torch.empty(0, target_probs.shape[-1], device=target_probs.device)
     else:
-        draft_probs = draft.probs.to(device)
-    return verify_sampling(draft_tokens, draft_probs, target_probs, gen.generator)
+        draft_probs = draft.probs
+    return SampledBlock(list(draft.tokens), draft_probs, target_probs, gen.generator)

@@ -10,7 +10,7 @@ import torch
 from specdec.drafters.base import Draft, DraftAsk, Drafter, Pick, lockstep
 from specdec.runtime.base import KVCache, ModelRunner
 from specdec.runtime.prefix_cache import BLOCK
-from specdec.sampling import SamplingParams, logits_to_probs, sample
+from specdec.sampling import SamplingParams, logits_to_probs, sample_rows
 
 
 @dataclass
@@ -167,11 +167,22 @@ class ModelDrafter(Drafter):
             top, token = torch.softmax(block, -1).max(-1)
             for j, p, t in zip(greedy, top.tolist(), token.tolist()):
                 picks[j] = Pick(t, p, p)
+        # Sampled rows: those of requests alike in their settings processed together (each row alone, the same
+        # arithmetic as on its own), each drawn with its request's generator.
+        alike: dict[tuple[float, int, float, float], list[int]] = {}
+        settings: dict[tuple[float, int, float, float], SamplingParams] = {}
         for j, i in enumerate(rows):
             if picks[j] is None:
-                ask = asks[i]
-                assert isinstance(ask.params, SamplingParams)
-                q = logits_to_probs(self._fit_vocab(logits[j][-1:]), ask.params)[0]
-                y = int(sample(q[None], ask.generator).item())
-                picks[j] = Pick(y, float(q[y]), float(q.max()), q)
+                params = asks[i].params
+                assert isinstance(params, SamplingParams)
+                alike.setdefault(params.shaping, []).append(j)
+                settings[params.shaping] = params
+        for key, js in alike.items():
+            params = settings[key]
+            q = logits_to_probs(self._fit_vocab(torch.cat([logits[j][-1:] for j in js])), params)
+            ys = sample_rows(q, [asks[rows[j]].generator for j in js])
+            ps = q.gather(1, ys[:, None]).squeeze(1).tolist()
+            tops = q.max(-1).values.tolist()
+            for n, (j, y) in enumerate(zip(js, ys.tolist())):
+                picks[j] = Pick(y, ps[n], tops[n], q[n])
         return [p for p in picks if p is not None]
