@@ -182,7 +182,7 @@ class ModelDrafter(Drafter):
             q = logits_to_probs(self._fit_vocab(torch.cat([logits[j][-1:] for j in js])), params)
             ys = sample_rows(q, [asks[rows[j]].generator for j in js])
             ps = q.gather(1, ys[:, None]).squeeze(1).tolist()
-            tops = q.max(-1).values.tolist()
+            tops = q.amax(-1).tolist()  # (max(-1) finds the indices too: ~0.1 ms more over 16 x 8,192)
             for n, (j, y) in enumerate(zip(js, ys.tolist())):
                 picks[j] = Pick(y, ps[n], tops[n], q[n])
         return [p for p in picks if p is not None]
