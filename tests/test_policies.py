@@ -1024,3 +1024,29 @@ def test_a_size_the_steps_left_behind_weighs_less_than_its_neighbours_measured_s
     assert aged._at[12][1] == pytest.approx(2.1e-3, rel=0.05)
     kept.observe(12, 2.1e-3)
     assert kept._at[12][1] > 2.6e-3
+
+
+def test_a_batch_plan_made_with_many_prompt_rows_replays_the_depth_of_a_step_without_them() -> None:
+    """A pass curve that turns dear beyond ~200 rows (5 ms per 16 rows there, 0.5 ms below 64), a draft forward 1 ms,
+    acceptance 0.6. The step where 16 requests join at once carries their 207 prompt rows: drafted rows on top of a
+    223-row pass cost 5 ms each 16, so that step goes plain (16 tokens in 4 ms of its own against 25.6 in ~10 ms at
+    depth 1). The steps the plan is replayed for have no prompt rows, where depth 1 pays (25.6 tokens in 5.5 ms): they
+    run depth 1, not the prompt step's plain (replayed as made, a server at 16 clients sat plain for 8 steps at each
+    such join and served 0.64-0.81x tau = 3)."""
+    from specdec.policy.adaptive import REPLAN_EVERY
+
+    ctxs = [ctx_for(f"s{i}", 0, 0, 0) for i in range(16)]
+    policy = AdaptivePolicy()
+    passes = {16: 4.0e-3, 32: 4.5e-3, 48: 5.0e-3, 64: 5.5e-3, 208: 35e-3, 224: 40e-3, 240: 45e-3, 256: 50e-3}
+    policy.prime(MeasuredCosts(passes, {16: 1e-3}))
+    for ctx in ctxs:
+        policy.begin(ctx)
+    first = policy.plan(ctxs, prompt_rows=207)
+    assert {d.tau for d in first} == {0}
+    steps = [ctx_for(f"s{i}", 1, 1, 1) for i in range(16)]
+    for _ in range(REPLAN_EVERY - 1):
+        replayed = policy.plan(steps)
+        assert {d.tau for d in replayed} == {1}
+        assert "replayed without the 207 prompt rows" in replayed[0].reason
+    policy.plan(steps)  # planned afresh, on a step without prompt rows (this one explores one deeper): depth 1 again
+    assert policy._batch_depth == 1
