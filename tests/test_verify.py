@@ -225,3 +225,21 @@ def test_the_residual_of_rows_is_each_rows_residual():
     for i in range(6):
         assert torch.equal(rows[i], residual(p[i], q[i]))
     assert torch.equal(rows[3], p[3])
+
+
+def test_blocks_of_mixed_settings_get_each_their_own_probabilities_in_order():
+    """``probs_by_settings`` over blocks of three settings, interleaved and of ragged lengths: each block's rows are bit
+    for bit ``logits_to_probs`` of that block alone, in the blocks' order."""
+    from specdec.sampling import SamplingParams, logits_to_probs, probs_by_settings
+
+    torch.manual_seed(9)
+    kinds = [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.1, top_k=30),
+        SamplingParams(top_p=0.9, temperature=1.0),
+    ]
+    settings = [kinds[i % 3] for i in range(8)]
+    blocks = [torch.randn(1 + i % 4, 500) * 3 for i in range(8)]
+    out = probs_by_settings(blocks, settings)
+    alone = torch.cat([logits_to_probs(b, s) for b, s in zip(blocks, settings)])
+    assert out.shape == alone.shape and torch.equal(out, alone)

@@ -18,7 +18,7 @@ from specdec.output_format import FormatMatcher
 from specdec.records import Verdict
 from specdec.runtime.base import KVCache, ModelRunner, eos_ids_of
 from specdec.runtime.prefix_cache import BLOCK
-from specdec.sampling import SamplingParams, TokenLogprob, logits_to_probs, token_logprobs
+from specdec.sampling import SamplingParams, TokenLogprob, probs_by_settings, token_logprobs
 from specdec.target_side import Cache, TargetSide, Verifying
 from specdec.verify import SampledBlock, verdict_greedy, verify_blocks
 
@@ -122,7 +122,8 @@ class ModelTarget(TargetSide):
                 verdicts.append(None)
         sampled = [s for s, v in enumerate(verdicts) if v is None]
         if sampled:  # every sampled sequence's verdict in one go (``verify_blocks``)
-            probs = _sampled_probs([live[s] for s in sampled], [target_logits[s] for s in sampled])
+            rows = [target_logits[s] for s in sampled]
+            probs = probs_by_settings(rows, [live[s].params for s in sampled]).split([len(r) for r in rows])
             sampled_blocks = [_sampled_block(live[s], drafts[s], p) for s, p in zip(sampled, probs)]
             for s, v in zip(sampled, verify_blocks(sampled_blocks)):
                 verdicts[s] = v
@@ -133,22 +134,6 @@ class ModelTarget(TargetSide):
             for g, v, logits in zip(live, done, target_logits)
         ]
         return done, logprobs
-
-
-def _sampled_probs(live: Sequence[Verifying], target_logits: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Each sampled sequence's target distributions [τ+1, V]: the rows of sequences alike in their settings processed
-    together (``logits_to_probs`` treats each row alone: a row's probabilities do not depend on the rows beside it),
-    where one call a sequence cost ~0.1 ms each at 16 sampled requests."""
-    alike: dict[tuple[float, int, float, float], list[int]] = {}
-    for s, g in enumerate(live):
-        alike.setdefault(g.params.shaping, []).append(s)
-    out: list[torch.Tensor | None] = [None] * len(live)
-    for seqs in alike.values():
-        block = [target_logits[s] for s in seqs]
-        probs = logits_to_probs(torch.cat(block) if len(block) > 1 else block[0], live[seqs[0]].params)
-        for s, p in zip(seqs, probs.split([len(b) for b in block])):
-            out[s] = p
-    return cast(list[torch.Tensor], out)
 
 
 def _sampled_block(gen: Verifying, draft: Draft, target_probs: torch.Tensor) -> SampledBlock:

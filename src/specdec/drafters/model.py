@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
 from specdec.drafters.base import Draft, DraftAsk, Drafter, Pick, lockstep
 from specdec.runtime.base import KVCache, ModelRunner
 from specdec.runtime.prefix_cache import BLOCK
-from specdec.sampling import SamplingParams, logits_to_probs, sample_rows
+from specdec.sampling import SamplingParams, probs_by_settings, sample_rows
 
 
 @dataclass
@@ -167,22 +168,18 @@ class ModelDrafter(Drafter):
             top, token = torch.softmax(block, -1).max(-1)
             for j, p, t in zip(greedy, top.tolist(), token.tolist()):
                 picks[j] = Pick(t, p, p)
-        # Sampled rows: those of requests alike in their settings processed together (each row alone, the same
-        # arithmetic as on its own), each drawn with its request's generator.
-        alike: dict[tuple[float, int, float, float], list[int]] = {}
-        settings: dict[tuple[float, int, float, float], SamplingParams] = {}
-        for j, i in enumerate(rows):
-            if picks[j] is None:
-                params = asks[i].params
-                assert isinstance(params, SamplingParams)
-                alike.setdefault(params.shaping, []).append(j)
-                settings[params.shaping] = params
-        for key, js in alike.items():
-            params = settings[key]
-            q = logits_to_probs(self._fit_vocab(torch.cat([logits[j][-1:] for j in js])), params)
-            ys = sample_rows(q, [asks[rows[j]].generator for j in js])
+        # Sampled rows: processed together where their requests' settings are alike (``probs_by_settings``), each
+        # drawn with its request's generator.
+        sampled = [j for j in range(len(rows)) if picks[j] is None]
+        if sampled:
+            settings = [asks[rows[j]].params for j in sampled]
+            assert all(isinstance(p, SamplingParams) for p in settings)
+            q = probs_by_settings(
+                [self._fit_vocab(logits[j][-1:]) for j in sampled], cast(list[SamplingParams], settings)
+            )
+            ys = sample_rows(q, [asks[rows[j]].generator for j in sampled])
             ps = q.gather(1, ys[:, None]).squeeze(1).tolist()
             tops = q.amax(-1).tolist()  # (max(-1) finds the indices too: ~0.1 ms more over 16 x 8,192)
-            for n, (j, y) in enumerate(zip(js, ys.tolist())):
+            for n, (j, y) in enumerate(zip(sampled, ys.tolist())):
                 picks[j] = Pick(y, ps[n], tops[n], q[n])
         return [p for p in picks if p is not None]
