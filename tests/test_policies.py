@@ -705,6 +705,52 @@ def test_a_plain_batch_probes_one_deeper_whatever_its_costs_predict() -> None:
     assert 2 <= sum(t > 0 for t in taus) <= 4  # ... but one step in EXPLORE_EVERY drafts
 
 
+def test_a_drafting_batch_explores_one_deeper_and_halfway_down_in_turn() -> None:
+    """A batch drafting deep on flat predictions (drafts and rows nearly free, 5 tokens of a draft kept): its exploring
+    steps look one deeper and halfway down in turn (from depth 6: 7, then 3; halfway down alone where one deeper is
+    not predicted nearly as good), so the cost curves and the excess fit see shapes on both sides of the depth it runs. Explored one deeper only, a server at 16 clients drifted from depth 3 to 7-8
+    within its first plans, its excess fitted on deep steps alone priced depth 3 at 22 ms a step where τ = 3's steps
+    took 15, and it never ran a shallow step to learn otherwise (0.83-0.92x τ = 3 in four load tests, session 53).
+    Deterministic (no random draws): cannot flake."""
+    from specdec.policy.adaptive import EXPLORE_EVERY
+
+    policy = AdaptivePolicy()
+    policy.prime(MeasuredCosts({16: 2.0e-3, 128: 2.2e-3}, {}, {16: (0.1e-3, 0.01e-3)}))
+    ctxs = [ctx_for(f"s{k}", 0, 0, 0) for k in range(16)]
+    for ctx in ctxs:
+        policy.begin(ctx)
+    policy._batch_depth = 6
+    explored: list[tuple[int, int]] = []  # (the exploring step's depth, the plan's)
+    for step in range(6 * EXPLORE_EVERY):
+        plan = policy.plan([ctx_for(f"s{k}", step, 8 * step, step) for k in range(16)])
+        depth = max(d.tau for d in plan)
+        if "explore" in plan[0].reason:  # against the depth the plan searched (kept for the steps after it)
+            explored.append((depth, policy._batch_depth))
+        accepted = [min(d.tau, 5) for d in plan]  # 0.95 per position: a draft of 6 nearly always keeps 5 or more
+        policy.observe_step(
+            [
+                replace(
+                    record_for(f"s{k}", step + 1, d.tau, n),
+                    draft_time=0.1e-3 + 0.01e-3 * depth,
+                    verify_time=2.0e-3 + 0.002e-3 * 16 * (depth + 1),
+                    other_time=0.5e-3,
+                    batch_size=16,
+                    rows=16 * (depth + 1),
+                    drafting=16,
+                    draft_passes=depth,
+                    draft_fed=16,
+                )
+                for k, (d, n) in enumerate(zip(plan, accepted))
+            ]
+        )
+    assert len(explored) >= 4
+    assert all(d in (base + 1, (base + 1) // 2) for d, base in explored), explored
+    # both ways (the mutant, one deeper only, never explores below its depth), and never one deeper twice running
+    up = [d > base for d, base in explored]
+    assert any(up) and not all(up), explored
+    assert not any(a and b for a, b in zip(up, up[1:])), explored
+
+
 def replace_times(record: StepRecord, *, draft: float) -> StepRecord:
     return replace(record, draft_time=draft)
 
