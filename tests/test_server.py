@@ -448,6 +448,10 @@ def test_apply_threads_sets_the_pass_and_draft_threads(monkeypatch: pytest.Monke
         torch.set_num_threads(before)
 
 
+async def _answer() -> int:
+    return 42
+
+
 def test_the_load_test_client_reads_what_httpx_reads(server: str) -> None:
     """benchmarks/load_test.py streams through its own keep-alive HTTP/1.1 connection (httpx cost ~0.3 of a core at
     16 clients on the machine it measured): the same text, token count and errors as through httpx, several requests
@@ -491,6 +495,12 @@ def test_the_load_test_client_reads_what_httpx_reads(server: str) -> None:
     assert report["greedy_identity"] == {"prompt_mode_levels": 6, "differing": 0}
     assert all(r["requests"] == 10 and r["errors"] == 0 and r["tokens_per_s"] > 0 for r in report["rows"])
     assert all(len(r["round_tokens_per_s"]) == 2 and min(r["round_tokens_per_s"]) > 0 for r in report["rows"])
+    # what the load generator itself took from the machine, per request: CPU it spent, so more than nothing
+    assert all(0 < r["client_cpu_ms_per_request"] < 1e3 for r in report["rows"])
+    assert "Load generator (this process" in lt.render(report)
+    # uvloop where installed (the server's extra brings it): the generator's own CPU per streamed chunk is lower
+    run, name = lt.event_loop()
+    assert name == "uvloop" and run(_answer()) == 42
     # --no-stream: whole responses, no time to first token
     whole = lt.parse_args([*argv, "--modes", "tau2", "--no-stream", "--rounds", "1"])
     whole.max_tokens, whole.prompt_list = 10, PROMPTS[:3]
