@@ -19,10 +19,10 @@ order rotated each round (``--rounds``), and the JSON keeps each round's tokens/
 Every request streams (``stream_options.include_usage``) so time to first token is measured too, each client on a
 keep-alive connection of its own read by a small HTTP/1.1 reader (``StreamConnection``: httpx took ~0.3 of a core at
 16 clients, on the machine it measures), on uvloop where it is installed (``event_loop``); the report says how much
-CPU the load generator itself took per request (``client_cpu_ms_per_request``). ``--no-stream`` asks for whole responses instead (no time to first token):
-what a server serves to clients that do not stream, where each step's tokens are not written to every client as they
-come (docs/server.md: on two cores the event loop's and the load generator's work per streamed chunk lands on the
-model's passes).
+CPU the load generator itself took per request (``client_cpu_ms_per_request``). ``--no-stream`` asks for whole
+responses instead (no time to first token): what a server serves to clients that do not stream, where each step's
+tokens are not written to every client as they come (docs/server.md: on two cores the event loop's and the load
+generator's work per streamed chunk lands on the model's passes).
 
 Reports, per mode and concurrency: output tokens/s (all clients together), requests/s, p50/p95 request
 latency, p50 time to first token, and each mode's throughput relative to batched plain. Every greedy output
@@ -788,7 +788,6 @@ def event_loop() -> tuple[Callable[[Any], Any], str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    run, loop_name = event_loop()
     if args.from_json:
         try:
             with open(args.from_json) as f:
@@ -801,6 +800,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.plot:
             plot(report, args.plot)
         return 0
+    run, loop_name = event_loop()
     try:
         if args.spawn:
             with spawned_servers(args) as urls:

@@ -708,9 +708,10 @@ def test_a_plain_batch_probes_one_deeper_whatever_its_costs_predict() -> None:
 def test_a_drafting_batch_explores_one_deeper_and_halfway_down_in_turn() -> None:
     """A batch drafting deep on flat predictions (drafts and rows nearly free, 5 tokens of a draft kept): its exploring
     steps look one deeper and halfway down in turn (from depth 6: 7, then 3; halfway down alone where one deeper is
-    not predicted nearly as good), so the cost curves and the excess fit see shapes on both sides of the depth it runs. Explored one deeper only, a server at 16 clients drifted from depth 3 to 7-8
-    within its first plans, its excess fitted on deep steps alone priced depth 3 at 22 ms a step where τ = 3's steps
-    took 15, and it never ran a shallow step to learn otherwise (0.83-0.92x τ = 3 in four load tests, session 53).
+    not predicted nearly as good), so the cost curves and the excess fit see shapes on both sides of the depth it
+    runs. Explored one deeper only, a server at 16 clients drifted from depth 3 to 7-8 within its first plans, its
+    excess fitted on deep steps alone priced depth 3 at 22 ms a step where τ = 3's steps took 15, and it never ran a
+    shallow step to learn otherwise (0.83-0.92x τ = 3 in four load tests, session 53).
     Deterministic (no random draws): cannot flake."""
     from specdec.policy.adaptive import EXPLORE_EVERY
 
@@ -726,7 +727,7 @@ def test_a_drafting_batch_explores_one_deeper_and_halfway_down_in_turn() -> None
         depth = max(d.tau for d in plan)
         if "explore" in plan[0].reason:  # against the depth the plan searched (kept for the steps after it)
             explored.append((depth, policy._batch_depth))
-        accepted = [min(d.tau, 5) for d in plan]  # 0.95 per position: a draft of 6 nearly always keeps 5 or more
+        accepted = [min(d.tau, 5) for d in plan]  # a draft keeps 5 tokens at most, every one below that
         policy.observe_step(
             [
                 replace(
