@@ -884,6 +884,42 @@ def test_a_request_joining_a_replayed_batch_plan_gets_a_plan_of_its_own() -> Non
     )
 
 
+def test_requests_rotated_into_a_replayed_batch_plan_are_planned_once_per_plan() -> None:
+    """With more requests than ``max_batch`` a server rotates its steps over them: half the requests were not in the
+    step whose plan is replayed. Each of those gets its plan (expected tokens by τ) when it first steps under the
+    replayed plan and keeps it, and its decision, until the next plan, as the plan's own requests do; the code before
+    derived it again at every step of that half."""
+    from specdec.policy.adaptive import REPLAN_EVERY
+
+    first_half = [ctx_for(f"a{i}", 0, 0, 0) for i in range(16)]
+    second_half = [ctx_for(f"b{i}", 0, 0, 0) for i in range(16)]
+    policy = primed_for_batch(first_half + second_half)
+    planned: list[str] = []
+    own_plan = policy._plan_in_batch
+
+    def counting(req: object, ctx: StepContext, k: int) -> None:
+        planned.append(ctx.request_id)
+        own_plan(req, ctx, k)  # type: ignore[arg-type]
+
+    policy._plan_in_batch = counting  # type: ignore[method-assign]
+    fresh = policy.plan(first_half)
+    assert sorted(planned) == sorted(c.request_id for c in first_half)
+    depth = max(d.tau for d in fresh)
+    planned.clear()
+    decisions: list[list[object]] = []
+    for step in range(1, REPLAN_EVERY):  # the plan's replays, the halves in turn
+        half = second_half if step % 2 else first_half
+        decisions.append(policy.plan([ctx_for(c.request_id, step, step, step) for c in half]))
+    assert sorted(planned) == sorted(c.request_id for c in second_half)  # each once, at its first step
+    rotated = [d for step, ds in enumerate(decisions, 1) if step % 2 for d in ds]
+    assert all(d.tau == depth and "joined, at its depth" in d.reason for d in rotated)  # type: ignore[attr-defined]
+    assert decisions[0] == decisions[2]  # the same decisions, kept
+    # The next plan is made afresh for the half it sees; the other half's kept decisions are dropped with the old plan.
+    planned.clear()
+    policy.plan([ctx_for(c.request_id, REPLAN_EVERY, 9, 9) for c in second_half])
+    assert sorted(planned) == sorted(c.request_id for c in second_half) and not policy._joined
+
+
 def test_depth_calibration_weighs_what_each_depths_steps_measured_against_their_predictions() -> None:
     """Ratios of sums (not a mean of per-step ratios, which leans against the depths whose tokens spread most), each
     depth's shrunk toward the pool of every depth run by ``prior`` steps (the pool toward 1), decayed per step, an

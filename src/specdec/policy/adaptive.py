@@ -244,6 +244,7 @@ class AdaptivePolicy(Policy):
         self._shared_rates: dict[tuple[int, int], tuple[tuple[int, int], list[float], list[float]]] = {}
         self._batch_depth = max_tau  # the depth the last batch step chose (bounds the next one's search)
         self._reuse: dict[str, Decision] = {}  # the last batch plan, by request
+        self._joined: dict[str, Decision] = {}  # ... and the decisions of requests that joined its replays since
         self._reuse_until = 0  # ... replayed through this batch step
         self._explored = 0  # the batch step that last explored (one deeper, or halfway down: ``plan``)
         self._explore_down = False  # the next exploration looks halfway down (they alternate)
@@ -604,6 +605,7 @@ class AdaptivePolicy(Policy):
         reuse = len(ctxs) >= REPLAN_MIN
         kept_plan = decisions(steady, False, replayed=True) if reuse and (explore or steady != depth) else out
         self._reuse = {ctx.request_id: d for ctx, d in zip(ctxs, kept_plan)}
+        self._joined = {}
         self._reuse_until = self._batch_steps + (REPLAN_EVERY - 1 if reuse else 0)
         return out
 
@@ -624,10 +626,12 @@ class AdaptivePolicy(Policy):
         """The last batch plan again: each request its decision (clamped to its room), a request that joined
         since the batch's depth without a stop rule, a budget-bound one its own decision afresh."""
         out = []
-        reuse = self._reuse
+        reuse, joined = self._reuse, self._joined
         for ctx in ctxs:
             req = self._request(ctx)
             d = reuse.get(ctx.request_id)
+            if d is None:
+                d = joined.get(ctx.request_id)
             if min(self.max_tau, ctx.max_tau) and _budget_binds(ctx):
                 d = self.next_tau(ctx)
             elif d is None:
@@ -635,10 +639,14 @@ class AdaptivePolicy(Policy):
                 # tokens by τ) as the batch plan gives each of its requests. Its outcomes are then tested against
                 # that plan's rates, derived once (without a plan each outcome derived them afresh: at 16 sequences a
                 # third of the records), and its steps' tokens against the plan's (without one, a step holding such a
-                # request was left out of the depth calibration).
+                # request was left out of the depth calibration). Kept until the next plan, as the plan's own
+                # decisions are: a server with more requests than ``max_batch`` rotates its steps over them, and every
+                # step of the half the plan had not seen derived each one's plan afresh (32 clients at a batch of 16:
+                # the policy's work 0.60-0.71 ms a step against 0.47-0.56 at 16 clients, in process).
                 req.steps += 1
                 self._plan_in_batch(req, ctx, min(self._batch_horizon(), ctx.max_tau))
                 d = Decision(min(self._batch_depth, self.max_tau, ctx.max_tau), f"batch of {n}: joined, at its depth")
+                joined[ctx.request_id] = d
             else:
                 req.steps += 1
                 if d.tau > ctx.max_tau:
