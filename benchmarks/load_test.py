@@ -25,7 +25,10 @@ tokens are not written to every client as they come (docs/server.md: on two core
 generator's work per streamed chunk lands on the model's passes).
 
 Reports, per mode and concurrency: output tokens/s (all clients together), requests/s, p50/p95 request
-latency, p50 time to first token, and each mode's throughput relative to batched plain. Every greedy output
+latency, p50 time to first token, and each mode's throughput relative to batched plain. Beside the tokens/s of a
+level's whole rounds, the tokens/s while all its clients had a request in flight (``run_level``): a round's last
+requests are served to fewer and fewer clients, which slows a batching server and not a one-request-per-pass one,
+so the whole rounds' figure of a batching server depends on the number of requests (``--requests``). Every greedy output
 is compared with a solo target-only run of the same prompt on the same server (by its text): speculation and
 batching are lossless, so every output must match; the exit code is 1 if one does not.
 
@@ -82,6 +85,17 @@ class Sample:
     text: str
     prompt_tokens: int = 0  # from the usage (0 where the server sent none)
     cached_tokens: int = 0  # of those, held by the server's prefix cache (usage.prompt_tokens_details)
+    arrivals: list[float] = field(default_factory=list)  # perf_counter at each streamed event that carried text
+    done_at: float = 0.0  # perf_counter when the response ended
+
+    def tokens_within(self, start: float, end: float) -> float:
+        """The completion tokens that arrived within (start, end]: each text event carrying an equal share of them
+        (a server streams a step's tokens in one event, and steps make about as many tokens as each other; one token
+        an event where the server streams so, as llama.cpp's does)."""
+        if not self.arrivals:
+            return 0.0
+        share = self.tokens / len(self.arrivals)
+        return share * sum(1 for t in self.arrivals if start < t <= end)
 
 
 @dataclass
@@ -94,6 +108,10 @@ class Result:
     errors: list[str] = field(default_factory=list)
     texts: dict[int, set[str]] = field(default_factory=dict)  # prompt index -> outputs seen
     rounds: list[float] = field(default_factory=list)  # output tokens/s of each round (the spread of the figure)
+    # Of each round, the tokens streamed while every client had a request in flight, and for how long (``run_level``).
+    steady_tokens: float = 0.0
+    steady_wall: float = 0.0
+    steady_rounds: list[float] = field(default_factory=list)
     client_cpu: float = 0.0  # seconds of CPU this process (the load generator) spent while the rounds ran
 
     def summary(self) -> dict[str, Any]:
@@ -114,6 +132,9 @@ class Result:
             "prompt_tokens": sum(s.prompt_tokens for s in self.samples),
             "cached_prompt_tokens": sum(s.cached_tokens for s in self.samples),
             "round_tokens_per_s": [round(r, 1) for r in self.rounds],
+            # tokens/s while all the level's clients had a request in flight (None: no such stretch, or no stream)
+            "steady_tokens_per_s": self.steady_tokens / self.steady_wall if self.steady_wall else None,
+            "round_steady_tokens_per_s": [round(r, 1) for r in self.steady_rounds],
             # what the load generator took from the machine it measures, per request it sent
             "client_cpu_ms_per_request": 1e3 * self.client_cpu / len(self.samples) if self.samples else 0.0,
         }
@@ -208,6 +229,7 @@ class _Reading:
         self.t0 = time.perf_counter()
         self.ttft = float("nan")
         self.text: list[str] = []
+        self.arrivals: list[float] = []
         self.tokens = 0
         self.usage = False
         self.prompt_tokens = self.cached_tokens = 0
@@ -222,9 +244,11 @@ class _Reading:
             self._usage(chunk["usage"])
         for choice in chunk.get("choices", ()):
             if choice.get("text"):
+                now = time.perf_counter()
                 if not self.text:
-                    self.ttft = time.perf_counter() - self.t0
+                    self.ttft = now - self.t0
                 self.text.append(choice["text"])
+                self.arrivals.append(now)
                 if not self.usage:  # a server that sends no usage chunk: one event per token (llama.cpp's does)
                     self.tokens += 1
 
@@ -240,13 +264,16 @@ class _Reading:
         self.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
 
     def sample(self) -> Sample:
+        now = time.perf_counter()
         return Sample(
-            latency=time.perf_counter() - self.t0,
+            latency=now - self.t0,
             ttft=self.ttft,
             tokens=self.tokens,
             text="".join(self.text),
             prompt_tokens=self.prompt_tokens,
             cached_tokens=self.cached_tokens,
+            arrivals=self.arrivals,
+            done_at=now,
         )
 
 
@@ -309,9 +336,18 @@ async def run_level(
     url: str, args: argparse.Namespace, mode: str, concurrency: int, result: Result, headers: dict[str, str]
 ) -> None:
     """``args.requests`` requests through ``concurrency`` clients, each on its own keep-alive connection, sending
-    its next request when its last one is done."""
+    its next request when its last one is done.
+
+    Besides the round's tokens over its whole time, the tokens streamed while every client had a request in flight:
+    from the first response's end (the clients' first requests, sent together, have met in the server by then) to
+    the moment the first client found no request left (from then on fewer clients are served, and a batching server
+    serves its last ones in ever smaller batches: at 16 clients and 48 requests a third of the steps ran below 16
+    sequences, and the whole round's tokens/s read 0.82-0.93 of this figure in process; a one-request-per-pass server
+    serves as fast with fewer). That is the throughput "at N clients" whatever the number of requests."""
     counter = iter(range(args.requests))
     conns = [StreamConnection(url, headers, args.timeout) for _ in range(concurrency)]
+    first_done: list[float] = []  # when the first response of the round ended
+    dry: list[float] = []  # when the first client found no request left
 
     async def worker(conn: StreamConnection) -> None:
         for i in counter:
@@ -319,21 +355,33 @@ async def run_level(
                 sample = await one_request(conn, request_body(args, mode, i))
                 result.samples.append(sample)
                 result.texts.setdefault(i % len(args.prompt_list), set()).add(sample.text)
+                if not first_done:
+                    first_done.append(sample.done_at)
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, RuntimeError) as e:
                 result.errors.append(f"{type(e).__name__}: {e}")
                 await conn.close()
+        if not dry:
+            dry.append(time.perf_counter())
 
     # Connections open before the clock starts: connecting is not what is measured.
     for conn in conns:
         await conn.connect()
     t0, cpu0 = time.perf_counter(), time.process_time()
     before = sum(s.tokens for s in result.samples)
+    first = len(result.samples)
     try:
         await asyncio.gather(*(worker(conn) for conn in conns))
         wall = time.perf_counter() - t0
         result.wall += wall
         result.client_cpu += time.process_time() - cpu0
         result.rounds.append((sum(s.tokens for s in result.samples) - before) / wall if wall else 0.0)
+        if first_done and dry and dry[0] > first_done[0]:
+            start, end = first_done[0], dry[0]
+            tokens = sum(s.tokens_within(start, end) for s in result.samples[first:])
+            if tokens:
+                result.steady_tokens += tokens
+                result.steady_wall += end - start
+                result.steady_rounds.append(tokens / (end - start))
     finally:
         for conn in conns:
             await conn.close()
@@ -495,16 +543,17 @@ def render(report: dict[str, Any]) -> str:
     rows = report["rows"]
     by = {(r["mode"], r["concurrency"]): r for r in rows}
     lines = [
-        "| mode | clients | requests | errors | output tok/s | vs plain | req/s | p50 latency s | p95 latency s |"
-        " p50 TTFT s | identical to solo |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | clients | requests | errors | output tok/s | vs plain | tok/s, all clients busy | req/s |"
+        " p50 latency s | p95 latency s | p50 TTFT s | identical to solo |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         plain = by.get(("plain", r["concurrency"]))
         ratio = f"{r['tokens_per_s'] / plain['tokens_per_s']:.2f}×" if plain and plain["tokens_per_s"] else ""
         lines.append(
             f"| {r['mode']} | {r['concurrency']} | {r['requests']} | {r['errors']} | {r['tokens_per_s']:.1f} | "
-            f"{ratio} | {r['requests_per_s']:.2f} | {r['p50_latency_s']:.3f} | {r['p95_latency_s']:.3f} | "
+            f"{ratio} | {_cell(r.get('steady_tokens_per_s'), digits=1)} | {r['requests_per_s']:.2f} | "
+            f"{r['p50_latency_s']:.3f} | {r['p95_latency_s']:.3f} | "
             f"{_seconds(r['p50_ttft_s'])} | {r.get('identical_prompts', '')} |"
         )
     cached = [r for r in rows if r.get("cached_prompt_tokens")]
@@ -544,17 +593,19 @@ def render(report: dict[str, Any]) -> str:
     if summary:
         lines += [
             "\nBy level (the batching issue's figures; rounds: the same ratio from each round's tokens/s alone, its spread"
-            " on this run):\n",
+            " on this run; all clients busy: the same from the tokens streamed while every client had a request in"
+            " flight):\n",
             "| clients | policy ÷ best of plain and fixed τ (rounds) | best batched ÷ --max-batch 1 | policy ÷ --max-batch 1"
-            " | policy p95 s |",
-            "|---|---|---|---|---|",
+            " | policy p95 s | policy ÷ best, all clients busy | best batched ÷ --max-batch 1, all clients busy |",
+            "|---|---|---|---|---|---|---|",
         ]
         for r in summary:
             lines.append(
                 f"| {r['concurrency']} | {_cell(r['policy_vs_best'], r['policy_vs_best_rounds'])} "
                 + (f"against {r['best_other']} " if r["best_other"] else "")
                 + f"| {_cell(r['best_batched_vs_unbatched'], unit='×')} | {_cell(r['policy_vs_unbatched'], unit='×')} | "
-                f"{_cell(r['policy_p95_s'], digits=3)} |"
+                f"{_cell(r['policy_p95_s'], digits=3)} | {_cell(r.get('policy_vs_best_steady'))} | "
+                f"{_cell(r.get('best_batched_vs_unbatched_steady'), unit='×')} |"
             )
         for name in others:
             lines += [
@@ -626,6 +677,7 @@ def ratios(rows: list[dict[str, Any]], servers: list[str] | None = None) -> list
                     else None
                 ),
                 "policy_p95_s": spec["p95_latency_s"],
+                **_steady_ratios(spec, others, unbatched),
                 "vs_other": {
                     name: {
                         "policy": spec["tokens_per_s"] / other["tokens_per_s"],
@@ -638,6 +690,22 @@ def ratios(rows: list[dict[str, Any]], servers: list[str] | None = None) -> list
             }
         )
     return out
+
+
+def _steady_ratios(
+    spec: dict[str, Any], others: list[dict[str, Any]], unbatched: dict[str, Any] | None
+) -> dict[str, float | None]:
+    """The policy against the best other batched mode, and the best batched mode against '--max-batch 1', from the
+    tokens/s while all clients were busy (``run_level``); None where a mode involved has no such figure."""
+    figures = [r.get("steady_tokens_per_s") for r in (spec, *others)]
+    alone = unbatched.get("steady_tokens_per_s") if unbatched else None
+    if not others or any(x is None for x in figures):
+        return {"policy_vs_best_steady": None, "best_batched_vs_unbatched_steady": None}
+    mine, best = float(figures[0]), max(float(x) for x in figures[1:])
+    return {
+        "policy_vs_best_steady": mine / best if best else None,
+        "best_batched_vs_unbatched_steady": max(mine, best) / float(alone) if alone else None,
+    }
 
 
 def plot(report: dict[str, Any], path: str) -> None:

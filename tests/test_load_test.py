@@ -57,6 +57,38 @@ def test_the_table_gives_each_mode_against_plain_at_its_level() -> None:
     assert "differing from the solo target-only run: 0 of 12" in text
 
 
+def test_the_tokens_while_every_client_was_busy_are_counted_from_the_events_inside_the_window() -> None:
+    """A streamed response's tokens are shared equally among its text events (a server streams a step's tokens in one
+    event); only the events inside the window count. The levels' ratios are then taken from those figures too, and a
+    level where a mode has none (a run that did not stream, or a single wave of requests) has no such ratio."""
+    lt = _module()
+    sample = lt.Sample(latency=1.0, ttft=0.1, tokens=12, text="x", arrivals=[1.0, 2.0, 3.0, 4.0])
+    assert sample.tokens_within(1.5, 3.0) == 6.0  # events at 2 and 3: 2 x 12/4
+    assert sample.tokens_within(0.0, 10.0) == 12.0 and sample.tokens_within(4.0, 9.0) == 0.0
+    assert lt.Sample(latency=1.0, ttft=0.1, tokens=5, text="").tokens_within(0.0, 9.0) == 0.0  # not streamed
+
+    def busy(row: dict[str, Any], tok_s: float | None) -> dict[str, Any]:
+        return {**row, "steady_tokens_per_s": tok_s}
+
+    rows = [
+        busy(_row("plain", 16, 2000.0, 0.5), 2400.0),
+        busy(_row("tau3", 16, 2800.0, 0.5), 3300.0),
+        busy(_row("spec", 16, 2700.0, 0.4), 3630.0),
+        busy(_row("unbatched", 16, 700.0, 1.5), 660.0),
+        busy(_row("plain", 4, 900.0, 0.2), None),
+        busy(_row("spec", 4, 1000.0, 0.2), 1100.0),
+    ]
+    by_level = {r["concurrency"]: r for r in lt.ratios(rows)}
+    assert by_level[16]["policy_vs_best"] == pytest.approx(2700 / 2800)  # the whole rounds' figures
+    assert by_level[16]["policy_vs_best_steady"] == pytest.approx(3630 / 3300)
+    assert by_level[16]["best_batched_vs_unbatched_steady"] == pytest.approx(3630 / 660)
+    assert by_level[4]["policy_vs_best_steady"] is None and by_level[4]["best_batched_vs_unbatched_steady"] is None
+    table = lt.render({"rows": rows, "greedy_identity": None})
+    assert "| spec | 16 | 8 | 0 | 2700.0 | 1.35× | 3630.0 |" in table
+    assert "| 0.400 | 1.10 | 5.50× |" in table  # the level's ratios, all clients busy
+    assert "| plain | 4 | 8 | 0 | 900.0 | 1.00× | – |" in table
+
+
 def test_a_saved_report_is_redrawn_as_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     saved, png = tmp_path / "load.json", tmp_path / "load.png"

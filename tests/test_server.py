@@ -495,6 +495,10 @@ def test_the_load_test_client_reads_what_httpx_reads(server: str) -> None:
     assert report["greedy_identity"] == {"prompt_mode_levels": 6, "differing": 0}
     assert all(r["requests"] == 10 and r["errors"] == 0 and r["tokens_per_s"] > 0 for r in report["rows"])
     assert all(len(r["round_tokens_per_s"]) == 2 and min(r["round_tokens_per_s"]) > 0 for r in report["rows"])
+    # 5 requests through 3 clients: every client busy from the first response's end to the third's (the first client
+    # then finds no request left), the tokens streamed meanwhile counted (a round whose three first responses ended in
+    # the same step has no such stretch: at least one of the two has one)
+    assert all(r["steady_tokens_per_s"] > 0 and 1 <= len(r["round_steady_tokens_per_s"]) <= 2 for r in report["rows"])
     # what the load generator itself took from the machine, per request: CPU it spent, so more than nothing
     assert all(0 < r["client_cpu_ms_per_request"] < 1e3 for r in report["rows"])
     assert "Load generator (this process" in lt.render(report)
@@ -508,6 +512,7 @@ def test_the_load_test_client_reads_what_httpx_reads(server: str) -> None:
     assert unstreamed["greedy_identity"] == {"prompt_mode_levels": 3, "differing": 0}
     row = unstreamed["rows"][0]
     assert row["errors"] == 0 and 0 < row["mean_tokens"] <= 10 and row["p50_ttft_s"] != row["p50_ttft_s"]
+    assert row["steady_tokens_per_s"] is None  # no events to place in time
     assert "| – |" in lt.render(unstreamed)
     # Another OpenAI server beside ours (here the same one, asked through plain bodies and --other-body's fields):
     # its own mode, held to its own solo outputs, and those compared with ours.
