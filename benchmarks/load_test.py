@@ -653,6 +653,8 @@ def ratios(rows: list[dict[str, Any]], servers: list[str] | None = None) -> list
         best = max(others, key=lambda r: r["tokens_per_s"], default=None)
         unbatched = by.get(("unbatched", level))
         batched = [spec, *others]
+        policy_vs_best, best_vs_unbatched = _against(spec, others, unbatched, "tokens_per_s")
+        busy_vs_best, busy_best_vs_unbatched = _against(spec, others, unbatched, "steady_tokens_per_s")
         per_round = None
         rounds = spec.get("round_tokens_per_s") or []
         if others and rounds and all(len(r.get("round_tokens_per_s") or []) == len(rounds) for r in others):
@@ -661,23 +663,18 @@ def ratios(rows: list[dict[str, Any]], servers: list[str] | None = None) -> list
         out.append(
             {
                 "concurrency": level,
-                "policy_vs_best": (
-                    spec["tokens_per_s"] / best["tokens_per_s"] if best and best["tokens_per_s"] else None
-                ),
+                "policy_vs_best": policy_vs_best,
                 "best_other": best["mode"] if best else None,
                 "policy_vs_best_rounds": per_round,
-                "best_batched_vs_unbatched": (
-                    max(r["tokens_per_s"] for r in batched) / unbatched["tokens_per_s"]
-                    if unbatched and unbatched["tokens_per_s"]
-                    else None
-                ),
+                "best_batched_vs_unbatched": best_vs_unbatched,
                 "policy_vs_unbatched": (
                     spec["tokens_per_s"] / unbatched["tokens_per_s"]
                     if unbatched and unbatched["tokens_per_s"]
                     else None
                 ),
                 "policy_p95_s": spec["p95_latency_s"],
-                **_steady_ratios(spec, others, unbatched),
+                "policy_vs_best_steady": busy_vs_best,
+                "best_batched_vs_unbatched_steady": busy_best_vs_unbatched,
                 "vs_other": {
                     name: {
                         "policy": spec["tokens_per_s"] / other["tokens_per_s"],
@@ -692,20 +689,18 @@ def ratios(rows: list[dict[str, Any]], servers: list[str] | None = None) -> list
     return out
 
 
-def _steady_ratios(
-    spec: dict[str, Any], others: list[dict[str, Any]], unbatched: dict[str, Any] | None
-) -> dict[str, float | None]:
-    """The policy against the best other batched mode, and the best batched mode against '--max-batch 1', from the
-    tokens/s while all clients were busy (``run_level``); None where a mode involved has no such figure."""
-    figures = [r.get("steady_tokens_per_s") for r in (spec, *others)]
-    alone = unbatched.get("steady_tokens_per_s") if unbatched else None
-    if not others or any(x is None for x in figures):
-        return {"policy_vs_best_steady": None, "best_batched_vs_unbatched_steady": None}
-    mine, best = float(figures[0]), max(float(x) for x in figures[1:])
-    return {
-        "policy_vs_best_steady": mine / best if best else None,
-        "best_batched_vs_unbatched_steady": max(mine, best) / float(alone) if alone else None,
-    }
+def _against(
+    spec: dict[str, Any], others: list[dict[str, Any]], unbatched: dict[str, Any] | None, key: str
+) -> tuple[float | None, float | None]:
+    """(the policy ÷ the best other batched mode, the best batched mode ÷ '--max-batch 1') from each row's ``key``: its
+    tokens/s over whole rounds, or while all clients were busy (``run_level``). A ratio is None where a figure in it is
+    missing (a mode without the busy figure) or 0, or its modes did not run."""
+    figures = [r.get(key) for r in (spec, *others)]
+    if None in figures:
+        return None, None
+    best = max(figures[1:], default=None)
+    alone = unbatched.get(key) if unbatched else None
+    return (figures[0] / best if best else None, max(figures) / alone if alone else None)
 
 
 def plot(report: dict[str, Any], path: str) -> None:
