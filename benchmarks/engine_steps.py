@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_test import PROMPTS  # noqa: E402
 
 import specdec  # noqa: E402
-from specdec.engine import Engine  # noqa: E402
+from specdec.engine import Engine, Generation  # noqa: E402
 from specdec.errors import InvalidRequestError  # noqa: E402
 from specdec.policy import make_policy  # noqa: E402
 from specdec.trace import JsonlTrace  # noqa: E402
@@ -88,10 +88,87 @@ class NativeClock:
 TRACED = "+trace"  # a policy named with this suffix runs with a JSONL trace observer (what tracing costs a step)
 
 
+class ClosedLoop:
+    """One policy's closed loop of ``sequences`` requests (the load test's prompts, 64 new tokens, greedy), each
+    finished one replaced by the next until ``requests`` have started; ``step`` runs one ``Engine.step`` over them
+    and counts it (its time, kernel time, tokens, depth) once the first ``sequences`` requests have joined. The
+    figures are counted in ``chunks`` parts by the requests started (how the policy's standing moves as it learns)."""
+
+    def __init__(self, engine: Engine, clock: NativeClock, policy: str, sequences: int, requests: int, chunks: int = 4):
+        self.engine, self.clock, self.policy = engine, clock, policy
+        self.sequences, self.requests, self.chunks = sequences, requests, chunks
+        self._source = itertools.cycle(PROMPTS)
+        self.active = [self._start() for _ in range(sequences)]
+        self.started = sequences
+        self.steps, self.tokens, self.wall, self.native, self.policy_s = 0, 0, 0.0, 0.0, 0.0
+        self.by_runner = {name: 0.0 for name in clock.by_runner}
+        self.depths: dict[str, list[float]] = {}  # depth -> [steps, tokens, seconds, kernel seconds]
+        self.parts = [[0, 0.0] for _ in range(chunks)]  # per chunk of the requests: tokens, seconds
+        self._last_end: float | None = None
+
+    def _start(self) -> Generation:
+        return self.engine.start(next(self._source), max_new_tokens=64, policy=self.policy)
+
+    def step(self, aside: bool = False) -> bool:
+        """One step of the loop and its admissions; False once every request has finished. ``aside``: the loop's
+        requests were set aside since its last step while other loops stepped, and that time is no part of their
+        rest (each record's ``other_time``, which the policies learn a step's cost from), as it would not be in a
+        server that serves them alone."""
+        engine, clock = self.engine, self.clock
+        s0 = time.perf_counter()
+        if aside and self._last_end is not None:
+            for g in self.active:
+                g.set_aside(s0 - self._last_end)
+        n0, p0, split0 = clock.seconds, engine.policy_seconds, dict(clock.by_runner)
+        events = engine.step(self.active)
+        records = [e.record for e in events if e is not None]
+        made = sum(len(r.emitted) for r in records)
+        stepped = time.perf_counter()
+        still = [g for g in self.active if not g.done]
+        while len(still) < self.sequences and self.started < self.requests:
+            still.append(self._start())
+            self.started += 1
+        self.active = still
+        end = self._last_end = time.perf_counter()
+        dt, native = end - s0, clock.seconds - n0
+        self.steps += 1
+        self.tokens += made
+        self.wall += dt
+        self.native += native
+        self.policy_s += engine.policy_seconds - p0
+        for name, t in clock.by_runner.items():
+            self.by_runner[name] += t - split0[name]
+        part = self.parts[min(self.chunks - 1, (self.started - 1) * self.chunks // max(self.requests, 1))]
+        part[0] += made
+        part[1] += dt
+        if records:
+            depth = f"{max(r.draft_passes for r in records)}{'+p' if records[0].prompt_rows else ''}"
+            d = self.depths.setdefault(depth, [0, 0, 0.0, 0.0])
+            d[0], d[1], d[2], d[3] = d[0] + 1, d[1] + made, d[2] + stepped - s0, d[3] + native
+        return bool(self.active)
+
+    def figures(self) -> dict[str, Any]:
+        steps, wall = max(self.steps, 1), max(self.wall, 1e-12)
+        return {
+            "tokens_per_s": self.tokens / wall,
+            "ms_per_step": 1e3 * wall / steps,
+            "native_ms_per_step": 1e3 * self.native / steps,
+            "rest_ms_per_step": 1e3 * (wall - self.native) / steps,
+            "rest_us_per_sequence_step": 1e6 * (wall - self.native) / steps / self.sequences,
+            # of the rest, the policies' own work (their plans and their learning: ``Engine.policy_seconds``)
+            "policy_ms_per_step": 1e3 * self.policy_s / steps,
+            # the kernel's time by runner: the target's passes, the draft model's forwards (and its catch-up)
+            **{f"{name}_ms_per_step": 1e3 * t / steps for name, t in self.by_runner.items()},
+            "steps": self.steps,
+            "by_depth": self.depths,
+            # tokens/s by chunk of the requests started (the first chunk holds the loop's filling)
+            "chunk_tokens_per_s": [t / s if s > 0 else 0.0 for t, s in self.parts],
+        }
+
+
 def run(engine: Engine, clock: NativeClock, policy: str, sequences: int, requests: int) -> dict[str, Any]:
-    """``requests`` requests through a closed loop of ``sequences``; the figures of the steps after the first
-    ``sequences`` requests have joined (a full batch from then on, until the source runs dry). A policy named
-    ``NAME+trace`` runs NAME with every step written to a JSONL trace (a temporary file)."""
+    """``requests`` requests through a closed loop of ``sequences`` (``ClosedLoop``), every step counted. A policy
+    named ``NAME+trace`` runs NAME with every step written to a JSONL trace (a temporary file)."""
     if policy.endswith(TRACED):
         with tempfile.TemporaryDirectory() as tmp, JsonlTrace(Path(tmp) / "steps.jsonl") as trace:
             engine.observers.append(trace)
@@ -99,44 +176,78 @@ def run(engine: Engine, clock: NativeClock, policy: str, sequences: int, request
                 return run(engine, clock, policy.removesuffix(TRACED), sequences, requests)
             finally:
                 engine.observers.remove(trace)
-    source = itertools.cycle(PROMPTS)
-    start = lambda: engine.start(next(source), max_new_tokens=64, policy=policy)  # noqa: E731
-    active = [start() for _ in range(sequences)]
-    started, steps, tokens = sequences, 0, 0
-    depths: dict[str, list[float]] = {}  # depth -> [steps, tokens, seconds, kernel seconds]
-    native0, t0 = clock.seconds, time.perf_counter()
-    split0 = dict(clock.by_runner)
-    policy0 = engine.policy_seconds
-    while active:
-        n0, s0 = clock.seconds, time.perf_counter()
-        events = engine.step(active)
-        records = [e.record for e in events if e is not None]
-        made = sum(len(r.emitted) for r in records)
-        steps += 1
-        tokens += made
-        if records:
-            depth = f"{max(r.draft_passes for r in records)}{'+p' if records[0].prompt_rows else ''}"
-            d = depths.setdefault(depth, [0, 0, 0.0, 0.0])
-            d[0], d[1], d[2], d[3] = d[0] + 1, d[1] + made, d[2] + time.perf_counter() - s0, d[3] + clock.seconds - n0
-        still = [g for g in active if not g.done]
-        while len(still) < sequences and started < requests:
-            still.append(start())
-            started += 1
-        active = still
-    wall, native = time.perf_counter() - t0, clock.seconds - native0
-    return {
-        "tokens_per_s": tokens / wall,
-        "ms_per_step": 1e3 * wall / steps,
-        "native_ms_per_step": 1e3 * native / steps,
-        "rest_ms_per_step": 1e3 * (wall - native) / steps,
-        "rest_us_per_sequence_step": 1e6 * (wall - native) / steps / sequences,
-        # of the rest, the policies' own work (their plans and their learning: ``Engine.policy_seconds``)
-        "policy_ms_per_step": 1e3 * (engine.policy_seconds - policy0) / steps,
-        # the kernel's time by runner: the target's passes, the draft model's forwards (and its catch-up)
-        **{f"{name}_ms_per_step": 1e3 * (t - split0[name]) / steps for name, t in clock.by_runner.items()},
-        "steps": steps,
-        "by_depth": depths,
-    }
+    loop = ClosedLoop(engine, clock, policy, sequences, requests)
+    while loop.step():
+        pass
+    return loop.figures()
+
+
+def interleaved(
+    engine: Engine, clock: NativeClock, policies: list[str], sequences: int, requests: int
+) -> dict[str, dict[str, Any]]:
+    """Every policy's closed loop stepped in turn, one step each (``--interleave``): the machine's changes of speed
+    (on a shared host, 2x within a minute) fall on every policy alike, step by step, where runs one after another
+    each meet their own minute. Each loop's requests are set aside while the others step (``ClosedLoop.step``)."""
+    for policy in policies:
+        if policy.endswith(TRACED):
+            raise SystemExit("engine_steps: --interleave does not trace (a policy named NAME+trace)")
+    loops = [ClosedLoop(engine, clock, policy, sequences, requests) for policy in policies]
+    running = list(loops)
+    while running:
+        running = [loop for loop in running if loop.step(aside=True)]
+    return {loop.policy: loop.figures() for loop in loops}
+
+
+def standing(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Of interleaved rounds (``--interleave``): each adaptive-like policy (any not ``fixed:``) against the best of the
+    fixed ones at its sequence count, over the rounds' tokens and seconds, round by round, and by chunk of each round
+    (a chunk's figures of every policy come from the same minutes)."""
+    out = []
+    for n in sorted({r["sequences"] for r in rows}):
+        level = [r for r in rows if r["sequences"] == n]
+        fixed = [r for r in level if r["policy"].startswith("fixed:")]
+        if not fixed:
+            continue
+
+        def rate(r: dict[str, Any]) -> float:  # over every round: tokens ÷ seconds
+            made = sum(x["tokens_per_s"] * x["steps"] * x["ms_per_step"] for x in r["rounds"])
+            return made / sum(x["steps"] * x["ms_per_step"] for x in r["rounds"])
+
+        for r in level:
+            if r in fixed:
+                continue
+            best = max(fixed, key=rate)
+            rounds = [
+                x["tokens_per_s"] / max(f["rounds"][i]["tokens_per_s"] for f in fixed)
+                for i, x in enumerate(r["rounds"])
+            ]
+            chunks = [
+                c / max(max(f["rounds"][i]["chunk_tokens_per_s"][j] for f in fixed), 1e-12)
+                for i, x in enumerate(r["rounds"])
+                for j, c in enumerate(x["chunk_tokens_per_s"])
+            ]
+            out.append(
+                {
+                    "sequences": n,
+                    "policy": r["policy"],
+                    "best_fixed": best["policy"],
+                    "vs_best_fixed": rate(r) / rate(best),
+                    "rounds": rounds,
+                    "chunks": chunks,
+                }
+            )
+    return out
+
+
+def print_standing(rows: list[dict[str, Any]]) -> None:
+    for s in standing(rows):
+        print(
+            f"\n{s['sequences']} sequences, interleaved: {s['policy']} ÷ the best fixed policy ({s['best_fixed']}) "
+            f"{s['vs_best_fixed']:.3f}; round by round "
+            + " / ".join(f"{x:.3f}" for x in s["rounds"])
+            + "; by chunk of a round "
+            + f"{min(s['chunks']):.3f}-{max(s['chunks']):.3f}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,7 +263,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--by-depth", action="store_true", help="also the steps of every round by their depth")
+    p.add_argument(
+        "--prime",
+        action="store_true",
+        help="start the policies' batch costs as a server without a cost file does (its passes measured now: "
+        "tune.starting_costs); without it they learn from the steps alone",
+    )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="step the policies' loops in turn, one step each, in every round (the machine's changes of speed fall "
+        "on all alike) instead of one policy's run after another's",
+    )
     args = p.parse_args(argv)
+    if args.interleave and any(q.endswith(TRACED) for q in args.policies):
+        p.error("--interleave: a policy named NAME+trace runs only without it")
     for policy in args.policies:
         try:
             make_policy(policy.removesuffix(TRACED))
@@ -160,6 +285,12 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--policies: {e}")
     engine = specdec.load()
     engine.prefill_in_step = 256  # the batching server's: prompts come in with their first step
+    if args.prime:
+        from specdec.tune import starting_costs
+
+        costs, note = starting_costs(engine)
+        engine.prime(costs)
+        print(f"primed: {note}", file=sys.stderr)
     clock = NativeClock(target=engine.target, draft=getattr(engine.drafter, "runner", None))
     rows: list[dict[str, Any]] = []
     for n in args.sequences:
@@ -169,10 +300,18 @@ def main(argv: list[str] | None = None) -> int:
         runs: dict[str, list[dict[str, Any]]] = {q: [] for q in args.policies}
         for r in range(args.rounds):
             order = args.policies[r % len(args.policies) :] + args.policies[: r % len(args.policies)]
+            if args.interleave:
+                for policy, figures in interleaved(engine, clock, order, n, requests).items():
+                    runs[policy].append(figures)
+                continue
             for policy in order:
                 runs[policy].append(run(engine, clock, policy, n, requests))
         for policy in args.policies:
-            med = {k: statistics.median(x[k] for x in runs[policy]) for k in runs[policy][0] if k != "by_depth"}
+            med = {
+                k: statistics.median(x[k] for x in runs[policy])
+                for k in runs[policy][0]
+                if k not in ("by_depth", "chunk_tokens_per_s")
+            }
             depths: dict[str, list[float]] = {}
             for x in runs[policy]:
                 for depth, sums in x["by_depth"].items():
@@ -190,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['native_ms_per_step']:.3f}{split} | {row['rest_ms_per_step']:.3f} | "
             f"{row['policy_ms_per_step']:.3f} | {row['rest_us_per_sequence_step']:.1f} |"
         )
+    if args.interleave:
+        print_standing(rows)
     if args.by_depth:
         print("\n| sequences | policy | depth | steps | tokens a step | ms a step | kernel ms | rest ms | tokens/ms |")
         print("|---|---|---|---|---|---|---|---|---|")
@@ -203,7 +344,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"{made / seconds * 1e-3:.2f} |"
                 )
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows}, indent=1))
+        report: dict[str, Any] = {"rows": rows, "interleave": args.interleave, "prime": args.prime}
+        if args.interleave:
+            report["standing"] = standing(rows)
+        args.json.write_text(json.dumps(report, indent=1))
     return 0
 
 

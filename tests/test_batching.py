@@ -165,6 +165,23 @@ def test_a_records_policy_time_is_the_policys_own_work_in_its_rest(engine: Engin
         assert g.records[2].other_time >= 0.03 and g.records[4].other_time >= 0.02
 
 
+def test_time_a_request_was_set_aside_is_no_part_of_its_rest(engine: Engine) -> None:
+    """``Generation.set_aside``: a caller that holds a request out of its steps for a while (a benchmark stepping
+    other policies' batches in turn) takes that time out of the next record's rest, and only the next one's."""
+    gens = [engine.start(PROMPTS[i], max_new_tokens=40, tau=2, defer_prefill=False) for i in (0, 3)]
+    engine.step(gens)
+    time.sleep(0.05)
+    engine.step(gens)  # not set aside: the 50 ms are in the rest
+    assert all(g.records[1].other_time >= 0.05 for g in gens)
+    time.sleep(0.05)
+    for g in gens:
+        g.set_aside(0.05)
+    engine.step(gens)
+    engine.step(gens)
+    for g in gens:
+        assert 0.0 <= g.records[2].other_time < 0.02 and 0.0 <= g.records[3].other_time < 0.02
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     st.lists(

@@ -50,6 +50,44 @@ def test_the_engine_steps_benchmark_splits_each_step(tmp_path: Path) -> None:
     assert "| 3 | fixed:tau=0 | 0 |" in proc.stdout  # plain steps are depth 0
 
 
+def test_interleaved_policies_each_keep_their_own_loop_and_are_compared_by_chunk(tmp_path: Path) -> None:
+    """``--interleave``: the policies' loops stepped in turn, each its own requests and figures, and the policy that is
+    not fixed held to the best fixed one over the rounds, round by round and by chunk."""
+    out = tmp_path / "steps.json"
+    command = [sys.executable, str(SCRIPT), "--interleave", "--sequences", "3", "--requests", "8", "--rounds", "2"]
+    command += ["--policies", "fixed:tau=0", "fixed:tau=2", "adaptive", "--json", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["interleave"] is True
+    rows = report["rows"]
+    assert [r["policy"] for r in rows] == ["fixed:tau=0", "fixed:tau=2", "adaptive"]
+    for r in rows:
+        assert len(r["rounds"]) == 2
+        for run in r["rounds"]:
+            assert run["tokens_per_s"] > 0 and len(run["chunk_tokens_per_s"]) == 4
+            assert (run["draft_ms_per_step"] > 0) == (r["policy"] != "fixed:tau=0"), r["policy"]
+    (standing,) = report["standing"]
+    assert standing["policy"] == "adaptive" and standing["best_fixed"] in ("fixed:tau=0", "fixed:tau=2")
+    assert len(standing["rounds"]) == 2 and len(standing["chunks"]) == 8
+    best = [r for r in rows if r["policy"] == standing["best_fixed"]][0]
+    for ratio, run, other in zip(standing["rounds"], rows[2]["rounds"], best["rounds"]):
+        assert ratio <= run["tokens_per_s"] / other["tokens_per_s"] + 1e-9
+    assert "3 sequences, interleaved: adaptive ÷ the best fixed policy" in proc.stdout
+
+
+def test_a_traced_policy_is_refused_with_interleave() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--interleave", "--policies", "fixed:tau=2", "adaptive+trace"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--interleave: a policy named NAME+trace runs only without it" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_a_bad_policy_is_one_line_before_the_models_load() -> None:
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--policies", "fixed:tau=2", "fixed:2"],

@@ -797,6 +797,12 @@ class Generation:
     def new_tokens(self) -> list[int]:
         return self.context[len(self.prompt_ids) :]
 
+    def set_aside(self, seconds: float) -> None:
+        """The caller held this request out of its steps for ``seconds`` (stepping other work meanwhile, as a
+        benchmark that steps several policies' batches in turn does): that time is no part of its next record's rest
+        (``other_time``), which the policies learn a step's cost from."""
+        self._t_mark += seconds
+
     def out_of_budget(self) -> bool:
         """True (and the request finished) once its verification passes are spent: the one place the cap is
         enforced."""
