@@ -76,25 +76,18 @@ def test_interleaved_policies_each_keep_their_own_loop_and_are_compared_by_chunk
     assert "3 sequences, interleaved: adaptive ÷ the best fixed policy" in proc.stdout
 
 
-def test_a_traced_policy_is_refused_with_interleave() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--interleave", "--policies", "fixed:tau=2", "adaptive+trace"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--policies", "fixed:tau=2", "fixed:2"], "--policies: bad policy option '2' in 'fixed:2'"),
+        (
+            ["--interleave", "--policies", "fixed:tau=2", "adaptive+trace"],
+            "--interleave: a policy named NAME+trace runs only without it",
+        ),
+    ],
+)
+def test_bad_arguments_are_one_line_before_the_models_load(args: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "--interleave: a policy named NAME+trace runs only without it" in proc.stderr
-    assert "Traceback" not in proc.stderr
-
-
-def test_a_bad_policy_is_one_line_before_the_models_load() -> None:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--policies", "fixed:tau=2", "fixed:2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2
-    assert "--policies: bad policy option '2' in 'fixed:2'" in proc.stderr
+    assert message in proc.stderr
     assert "Traceback" not in proc.stderr
