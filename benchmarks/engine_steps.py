@@ -94,9 +94,21 @@ class ClosedLoop:
     and counts it (its time, kernel time, tokens, depth) once the first ``sequences`` requests have joined. The
     figures are counted in ``chunks`` parts by the requests started (how the policy's standing moves as it learns)."""
 
-    def __init__(self, engine: Engine, clock: NativeClock, policy: str, sequences: int, requests: int, chunks: int = 4):
+    def __init__(
+        self,
+        engine: Engine,
+        clock: NativeClock,
+        policy: str,
+        sequences: int,
+        requests: int,
+        chunks: int = 4,
+        max_batch: int = 0,
+    ):
         self.engine, self.clock, self.policy = engine, clock, policy
         self.sequences, self.requests, self.chunks = sequences, requests, chunks
+        # At most this many sequences a step (0: all), the steps rotating over them as the server's scheduler does
+        # with more requests than --max-batch (``Scheduler._next_batch``).
+        self.max_batch, self._turn = max_batch, 0
         self._source = itertools.cycle(PROMPTS)
         self.active = [self._start() for _ in range(sequences)]
         self.started = sequences
@@ -105,6 +117,10 @@ class ClosedLoop:
         self.depths: dict[str, list[float]] = {}  # depth -> [steps, tokens, seconds, kernel seconds]
         self.parts = [[0, 0.0] for _ in range(chunks)]  # per chunk of the requests: tokens, seconds
         self._last_end: float | None = None
+
+    @property
+    def _step_size(self) -> int:
+        return min(self.sequences, self.max_batch) if self.max_batch > 0 else self.sequences
 
     def _start(self) -> Generation:
         return self.engine.start(next(self._source), max_new_tokens=64, policy=self.policy)
@@ -120,7 +136,18 @@ class ClosedLoop:
             for g in self.active:
                 g.set_aside(s0 - self._last_end)
         n0, p0, split0 = clock.seconds, engine.policy_seconds, dict(clock.by_runner)
-        events = engine.step(self.active)
+        batch = self.active
+        if 0 < self.max_batch < len(batch):
+            start = self._turn % len(batch)
+            batch = (batch[start:] + batch[:start])[: self.max_batch]
+            self._turn = start + len(batch)
+        events = engine.step(batch)
+        if len(batch) < len(self.active):  # rotating: the sequences left out were set aside, as the server does
+            left = time.perf_counter() - s0
+            stepped = {id(g) for g in batch}
+            for g in self.active:
+                if id(g) not in stepped:
+                    g.set_aside(left)
         records = [e.record for e in events if e is not None]
         made = sum(len(r.emitted) for r in records)
         stepped = time.perf_counter()
@@ -154,7 +181,7 @@ class ClosedLoop:
             "ms_per_step": 1e3 * wall / steps,
             "native_ms_per_step": 1e3 * self.native / steps,
             "rest_ms_per_step": 1e3 * (wall - self.native) / steps,
-            "rest_us_per_sequence_step": 1e6 * (wall - self.native) / steps / self.sequences,
+            "rest_us_per_sequence_step": 1e6 * (wall - self.native) / steps / self._step_size,
             # of the rest, the policies' own work (their plans and their learning: ``Engine.policy_seconds``)
             "policy_ms_per_step": 1e3 * self.policy_s / steps,
             # the kernel's time by runner: the target's passes, the draft model's forwards (and its catch-up)
@@ -166,24 +193,26 @@ class ClosedLoop:
         }
 
 
-def run(engine: Engine, clock: NativeClock, policy: str, sequences: int, requests: int) -> dict[str, Any]:
+def run(
+    engine: Engine, clock: NativeClock, policy: str, sequences: int, requests: int, max_batch: int = 0
+) -> dict[str, Any]:
     """``requests`` requests through a closed loop of ``sequences`` (``ClosedLoop``), every step counted. A policy
     named ``NAME+trace`` runs NAME with every step written to a JSONL trace (a temporary file)."""
     if policy.endswith(TRACED):
         with tempfile.TemporaryDirectory() as tmp, JsonlTrace(Path(tmp) / "steps.jsonl") as trace:
             engine.observers.append(trace)
             try:
-                return run(engine, clock, policy.removesuffix(TRACED), sequences, requests)
+                return run(engine, clock, policy.removesuffix(TRACED), sequences, requests, max_batch)
             finally:
                 engine.observers.remove(trace)
-    loop = ClosedLoop(engine, clock, policy, sequences, requests)
+    loop = ClosedLoop(engine, clock, policy, sequences, requests, max_batch=max_batch)
     while loop.step():
         pass
     return loop.figures()
 
 
 def interleaved(
-    engine: Engine, clock: NativeClock, policies: list[str], sequences: int, requests: int
+    engine: Engine, clock: NativeClock, policies: list[str], sequences: int, requests: int, max_batch: int = 0
 ) -> dict[str, dict[str, Any]]:
     """Every policy's closed loop stepped in turn, one step each (``--interleave``): the machine's changes of speed
     (on a shared host, 2x within a minute) fall on every policy alike, step by step, where runs one after another
@@ -191,7 +220,7 @@ def interleaved(
     for policy in policies:
         if policy.endswith(TRACED):
             raise SystemExit("engine_steps: --interleave does not trace (a policy named NAME+trace)")
-    loops = [ClosedLoop(engine, clock, policy, sequences, requests) for policy in policies]
+    loops = [ClosedLoop(engine, clock, policy, sequences, requests, max_batch=max_batch) for policy in policies]
     running = list(loops)
     while running:
         running = [loop for loop in running if loop.step(aside=True)]
@@ -270,6 +299,13 @@ def main(argv: list[str] | None = None) -> int:
         "tune.starting_costs); without it they learn from the steps alone",
     )
     p.add_argument(
+        "--max-batch",
+        type=int,
+        default=0,
+        help="at most this many sequences a step, the steps rotating over them as a server with more requests than "
+        "its --max-batch does (default: every sequence in every step)",
+    )
+    p.add_argument(
         "--interleave",
         action="store_true",
         help="step the policies' loops in turn, one step each, in every round (the machine's changes of speed fall "
@@ -296,16 +332,16 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.sequences:
         requests = args.requests or max(8, 4 * n)
         for policy in args.policies:  # warm-up: the policies' first plans and the caches' first allocations
-            run(engine, clock, policy, n, n)
+            run(engine, clock, policy, n, n, args.max_batch)
         runs: dict[str, list[dict[str, Any]]] = {q: [] for q in args.policies}
         for r in range(args.rounds):
             order = args.policies[r % len(args.policies) :] + args.policies[: r % len(args.policies)]
             if args.interleave:
-                for policy, figures in interleaved(engine, clock, order, n, requests).items():
+                for policy, figures in interleaved(engine, clock, order, n, requests, args.max_batch).items():
                     runs[policy].append(figures)
                 continue
             for policy in order:
-                runs[policy].append(run(engine, clock, policy, n, requests))
+                runs[policy].append(run(engine, clock, policy, n, requests, args.max_batch))
         for policy in args.policies:
             med = {
                 k: statistics.median(x[k] for x in runs[policy])

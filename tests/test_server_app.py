@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -631,6 +632,52 @@ def test_a_steps_text_goes_out_once_the_next_step_has_drafted(engine: Any, monke
         assert text == engine.generate("def fibonacci(n):", max_new_tokens=12, tau=0).text
     finally:
         monkeypatch.undo()
+        loop.close()
+
+
+def test_requests_left_out_of_a_rotated_round_are_set_aside_for_its_time(
+    engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More active requests than ``max_batch``: the rounds rotate, and a request's next record holds as its rest what
+    its own steps cost between them, not the round it sat out (``Scheduler._round``, ``Generation.set_aside``). Here
+    a's rounds take 40 ms longer (before its plan: in its own rest); b's rests stay far below that."""
+    from specdec.server.scheduler import Job, Scheduler
+
+    loop = asyncio.new_event_loop()
+    step = engine.step
+
+    def slow_for_a(generations: Any, join: Any = None) -> Any:
+        if any(g.request_id.startswith("a") for g in generations):
+            time.sleep(0.04)
+        return step(generations, join)
+
+    def job(name: str, prompt: str) -> Job:
+        return Job(
+            request_id=name,
+            build=lambda e: [e.start(prompt, max_new_tokens=12, tau=2, request_id=f"{name}-0")],
+            loop=loop,
+            deadline=float("inf"),
+        )
+
+    monkeypatch.setattr(engine, "step", slow_for_a)
+    try:
+        scheduler = Scheduler(engine, max_active=4, max_queue=4, max_batch=1)
+        a, b = job("a", "def fibonacci(n):"), job("b", "import os")
+        scheduler._admit(a)
+        scheduler._admit(b)
+        for _ in range(3):
+            scheduler._round([a])
+            scheduler._round([b])
+        (gb,) = b.gens
+        assert len(gb.records) == 3
+        # each of b's records after its first: its rest, the round it sat out (>= 40 ms) set aside
+        assert all(0.0 <= r.other_time < 0.02 for r in gb.records[1:]), [r.other_time for r in gb.records]
+        # a's own slow rounds stay in its own rest (the 40 ms come before its plan), b's fast ones are set aside
+        (ga,) = a.gens
+        assert all(0.04 <= r.other_time < 0.06 for r in ga.records[1:]), [r.other_time for r in ga.records]
+    finally:
+        monkeypatch.undo()
+        scheduler.stop()
         loop.close()
 
 

@@ -232,7 +232,7 @@ class Scheduler:
                     self._admit(job)
                 batch = [job for job in self._next_batch() if self._still_wanted(job)]
                 if batch:
-                    self._advance(batch)
+                    self._round(batch)
             except Exception as e:  # noqa: BLE001 - a fault of the worker's own (not a request's): fail, keep serving
                 self._recover(e, batch or admitted)
         # Shutting down: release everything still running or waiting (``_end`` posts what was held first).
@@ -243,6 +243,24 @@ class Scheduler:
         for job in waiting:
             self._count("failed", job)
             job.post(Failed(_shutdown_error()))
+
+    def _round(self, batch: list[Job]) -> None:
+        """One step over ``batch`` (``_advance``). The active requests left out of it (more of them than ``max_batch``:
+        the rounds rotate) are set aside for the step's time (``Generation.set_aside``): a request's next record then
+        holds as its rest what its own steps cost between them, not the other rounds' steps. Counted as rest, those
+        priced a step of the adaptive policy ~8 ms dearer than it was at every depth, and it amortised them in deep
+        drafts: 32 sequences rotating 16 at a time, in process, ran depth 8 where 3 was best, 0.89 of the best fixed
+        τ (``benchmarks/engine_steps.py --max-batch``, docs/policy.md, session 55)."""
+        t0 = time.perf_counter()
+        self._advance(batch)
+        with self._cond:
+            stepped = {id(job) for job in batch}  # the late joiners too: ``_advance`` adds them to the batch
+            others = [job for job in self._active if id(job) not in stepped]
+        if others:
+            elapsed = time.perf_counter() - t0
+            for job in others:
+                for g in job.gens:
+                    g.set_aside(elapsed)
 
     def _recover(self, error: Exception, jobs: list[Job]) -> None:
         """A round failed outside what ``_admit`` and ``_advance`` answer for each request (the worker's own code, a
