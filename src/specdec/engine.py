@@ -798,9 +798,10 @@ class Generation:
         return self.context[len(self.prompt_ids) :]
 
     def set_aside(self, seconds: float) -> None:
-        """The caller held this request out of its steps for ``seconds`` (stepping other work meanwhile, as a
-        benchmark that steps several policies' batches in turn does): that time is no part of its next record's rest
-        (``other_time``), which the policies learn a step's cost from."""
+        """The caller held this request out of its steps for ``seconds``, stepping other work meanwhile (a server's
+        scheduler rotating its rounds over more requests than ``max_batch``, a benchmark stepping several policies'
+        batches in turn): that time is no part of its next record's rest (``other_time``), which the policies learn a
+        step's cost from."""
         self._t_mark += seconds
 
     def out_of_budget(self) -> bool:
