@@ -144,9 +144,9 @@ class ClosedLoop:
         events = engine.step(batch)
         if len(batch) < len(self.active):  # rotating: the sequences left out were set aside, as the server does
             left = time.perf_counter() - s0
-            stepped = {id(g) for g in batch}
+            in_batch = {id(g) for g in batch}
             for g in self.active:
-                if id(g) not in stepped:
+                if id(g) not in in_batch:
                     g.set_aside(left)
         records = [e.record for e in events if e is not None]
         made = sum(len(r.emitted) for r in records)
@@ -216,15 +216,19 @@ def interleaved(
 ) -> dict[str, dict[str, Any]]:
     """Every policy's closed loop stepped in turn, one step each (``--interleave``): the machine's changes of speed
     (on a shared host, 2x within a minute) fall on every policy alike, step by step, where runs one after another
-    each meet their own minute. Each loop's requests are set aside while the others step (``ClosedLoop.step``)."""
-    for policy in policies:
-        if policy.endswith(TRACED):
-            raise SystemExit("engine_steps: --interleave does not trace (a policy named NAME+trace)")
+    each meet their own minute. Each loop's requests are set aside while the others step (``ClosedLoop.step``). No
+    policy named NAME+trace (``main`` refuses it with --interleave)."""
     loops = [ClosedLoop(engine, clock, policy, sequences, requests, max_batch=max_batch) for policy in policies]
     running = list(loops)
     while running:
         running = [loop for loop in running if loop.step(aside=True)]
     return {loop.policy: loop.figures() for loop in loops}
+
+
+def _rate(row: dict[str, Any]) -> float:
+    """A row's tokens/s over every round: its tokens ÷ its seconds."""
+    made = sum(x["tokens_per_s"] * x["steps"] * x["ms_per_step"] for x in row["rounds"])
+    return made / sum(x["steps"] * x["ms_per_step"] for x in row["rounds"])
 
 
 def standing(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -237,15 +241,10 @@ def standing(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         fixed = [r for r in level if r["policy"].startswith("fixed:")]
         if not fixed:
             continue
-
-        def rate(r: dict[str, Any]) -> float:  # over every round: tokens ÷ seconds
-            made = sum(x["tokens_per_s"] * x["steps"] * x["ms_per_step"] for x in r["rounds"])
-            return made / sum(x["steps"] * x["ms_per_step"] for x in r["rounds"])
-
+        best = max(fixed, key=_rate)
         for r in level:
-            if r in fixed:
+            if r["policy"].startswith("fixed:"):
                 continue
-            best = max(fixed, key=rate)
             rounds = [
                 x["tokens_per_s"] / max(f["rounds"][i]["tokens_per_s"] for f in fixed)
                 for i, x in enumerate(r["rounds"])
@@ -260,7 +259,7 @@ def standing(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "sequences": n,
                     "policy": r["policy"],
                     "best_fixed": best["policy"],
-                    "vs_best_fixed": rate(r) / rate(best),
+                    "vs_best_fixed": _rate(r) / _rate(best),
                     "rounds": rounds,
                     "chunks": chunks,
                 }
