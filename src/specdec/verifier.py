@@ -16,7 +16,7 @@ from specdec.drafters.base import Draft
 from specdec.logits_rules import LogitsRules, RulesState
 from specdec.output_format import FormatMatcher
 from specdec.records import Verdict
-from specdec.runtime.base import KVCache, ModelRunner, eos_ids_of
+from specdec.runtime.base import KVCache, ModelRunner, eos_ids_of, token_tensor
 from specdec.runtime.prefix_cache import BLOCK
 from specdec.sampling import SamplingParams, TokenLogprob, probs_by_settings, token_logprobs
 from specdec.target_side import Cache, TargetSide, Verifying
@@ -49,7 +49,7 @@ class ModelTarget(TargetSide):
         cache = self.runner.new_cache()
         reused = self.runner.reuse_prefix(cache, prompt_ids[:-1]) if reuse else 0
         if len(prompt_ids) - 1 > reused and not defer:
-            ids = torch.tensor(prompt_ids[reused:-1], dtype=torch.long, device=self.runner.device)
+            ids = token_tensor(prompt_ids[reused:-1], self.runner.device)
             self.runner.forward(ids, cache, last_only=True)
             self.runner.keep_prefix(cache, prompt_ids[:-1])  # for requests arriving while this one runs
         return cache, reused
@@ -75,7 +75,7 @@ class ModelTarget(TargetSide):
         try:
             for start in range(0, len(prompt_ids) - 1, PROMPT_SCORE_CHUNK):
                 piece = prompt_ids[start : min(start + PROMPT_SCORE_CHUNK, len(prompt_ids) - 1)]
-                ids = torch.tensor(piece, dtype=torch.long, device=self.runner.device)
+                ids = token_tensor(piece, self.runner.device)
                 logits = self.runner.forward(ids, kv, last_only=False)
                 out.extend(token_logprobs(logits, prompt_ids[start + 1 : start + 1 + len(piece)], params, k))
         finally:

@@ -9,7 +9,7 @@ from typing import cast
 import torch
 
 from specdec.drafters.base import Draft, DraftAsk, Drafter, Pick, lockstep
-from specdec.runtime.base import KVCache, ModelRunner
+from specdec.runtime.base import KVCache, ModelRunner, token_tensor
 from specdec.runtime.prefix_cache import BLOCK
 from specdec.sampling import SamplingParams, probs_by_settings, sample_rows
 
@@ -35,7 +35,7 @@ class ModelDrafter(Drafter):
         # runner's prefix cache holds of it is copied, not computed.
         reused = self._resume(state, prompt[:-1])
         if len(prompt) - 1 > reused:
-            ids = torch.tensor(prompt[reused:-1], dtype=torch.long, device=self.runner.device)
+            ids = token_tensor(prompt[reused:-1], self.runner.device)
             self.runner.forward(ids, state.cache, last_only=True)
             self.runner.keep_prefix(state.cache, prompt[:-1])  # for requests arriving while this one runs
 
@@ -119,9 +119,7 @@ class ModelDrafter(Drafter):
                     ahead[i] = [Pick(t, p, p) for t, p in zip(toks, ps)]
                     picks[i] = ahead[i][0]
             if slow:
-                blocks = [
-                    (torch.tensor(ids, dtype=torch.long, device=device), cache) for ids, cache in map(catch_up, slow)
-                ]
+                blocks = [(token_tensor(ids, device), cache) for ids, cache in map(catch_up, slow)]
                 logits = self.runner.forward_batch(blocks, last_only=True)
                 picks.update(zip(slow, self._pick(asks, slow, logits, drafted)))
             return [picks[i] for i in rows]
@@ -132,9 +130,7 @@ class ModelDrafter(Drafter):
             slow = [i for i in rows if i not in ahead]
             picks = {i: ahead[i][len(drafted[i])] for i in rows if i in ahead}
             if slow:
-                blocks = [
-                    (torch.tensor([drafted[i][-1]], dtype=torch.long, device=device), asks[i].state.cache) for i in slow
-                ]
+                blocks = [(token_tensor([drafted[i][-1]], device), asks[i].state.cache) for i in slow]
                 picks.update(
                     zip(slow, self._pick(asks, slow, self.runner.forward_batch(blocks, last_only=True), drafted))
                 )

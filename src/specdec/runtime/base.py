@@ -11,6 +11,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -132,8 +133,18 @@ class ModelRunner(ABC):
             raise ValueError(f"fork_cache: {len(tokens)} tokens given for a cache holding {cache.length}")
         new = self.new_cache()
         if tokens:
-            self.forward(torch.tensor(list(tokens), dtype=torch.long, device=self.device), new, last_only=True)
+            self.forward(token_tensor(list(tokens), self.device), new, last_only=True)
         return new
+
+
+def token_tensor(tokens: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``torch.tensor(tokens, dtype=torch.long, device=device)``, built by numpy on the CPU, which keeps the GIL.
+
+    ``torch.tensor`` lets the GIL go while it copies; in a server the event loop, another thread, then takes it for its
+    whole burst of work and the engine's thread waits (tests/test_gil_hygiene.py). A request's prefill and catch-up
+    make their tensors here."""
+    ids = torch.from_numpy(np.fromiter(tokens, dtype=np.int64, count=len(tokens)))
+    return ids if torch.device(device).type == "cpu" else ids.to(device)
 
 
 def check_batch_one(ids: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.errors import ContextLengthError, ModelLoadError, UnsupportedError
-from specdec.runtime.base import KVCache, ModelRunner, check_batch_one, eos_ids_of
+from specdec.runtime.base import KVCache, ModelRunner, check_batch_one, eos_ids_of, token_tensor
 from specdec.runtime.hf import check_checkpoint_dir
 from specdec.runtime.native_config import (
     DEFAULT_CACHE_LIMIT,
@@ -459,7 +459,7 @@ class NativeRunner(ModelRunner):
             caches.append(c)
         if sum(len(p) for p in pending) > CHUNK:  # a long catch-up (after a rollback to 0): all but the last now
             long = [i for i, p in enumerate(pending) if len(p) > 1]
-            self.forward_batch([(torch.tensor(pending[i][:-1]), caches[i]) for i in long], last_only=True)
+            self.forward_batch([(token_tensor(pending[i][:-1]), caches[i]) for i in long], last_only=True)
             for i in long:
                 pending[i] = pending[i][-1:]
         for p, c, tau in zip(pending, caches, taus):
