@@ -687,9 +687,9 @@ def test_a_pass_curve_answers_from_its_cache_what_it_would_compute_afresh() -> N
 
 
 def test_a_plain_batch_probes_one_deeper_whatever_its_costs_predict() -> None:
-    """Drafting priced far above its worth (costs learnt at a bad moment): the batch plan goes plain, but one step
-    in EXPLORE_EVERY drafts one token anyway, so the draft's cost gets measured again (a server at 4 clients had
-    stayed plain for good)."""
+    """Drafting priced far above its worth (costs learnt at a bad moment): the batch plan goes plain, but a step now
+    and then drafts one token anyway (after EXPLORE_EVERY steps, then twice as far apart while each confirms the
+    plan), so the draft's cost gets measured again (a server at 4 clients had stayed plain for good)."""
     from specdec.policy.adaptive import EXPLORE_EVERY
 
     policy = AdaptivePolicy()
@@ -698,11 +698,11 @@ def test_a_plain_batch_probes_one_deeper_whatever_its_costs_predict() -> None:
     for i in range(4):
         policy.begin(ctx_for(f"b{i}", 0, 0, 0))
     taus = []
-    for step in range(3 * EXPLORE_EVERY):
+    for step in range(4 * EXPLORE_EVERY):
         plan = policy.plan([ctx_for(f"b{i}", step, step, step) for i in range(4)])
         taus.append(max(d.tau for d in plan))
-    assert taus.count(0) >= 2 * EXPLORE_EVERY  # plain, as predicted ...
-    assert 2 <= sum(t > 0 for t in taus) <= 4  # ... but one step in EXPLORE_EVERY drafts
+    assert taus.count(0) >= 3 * EXPLORE_EVERY  # plain, as predicted ...
+    assert 2 <= sum(t > 0 for t in taus) <= 4  # ... but a step now and then drafts (8 steps in, then 16 later)
 
 
 def test_a_drafting_batch_explores_one_deeper_and_halfway_down_in_turn() -> None:
@@ -722,7 +722,7 @@ def test_a_drafting_batch_explores_one_deeper_and_halfway_down_in_turn() -> None
         policy.begin(ctx)
     policy._batch_depth = 6
     explored: list[tuple[int, int]] = []  # (the exploring step's depth, the plan's)
-    for step in range(6 * EXPLORE_EVERY):
+    for step in range(16 * EXPLORE_EVERY):  # (the explorations space out while the depth holds: 8, 16, 32 ... apart)
         plan = policy.plan([ctx_for(f"s{k}", step, 8 * step, step) for k in range(16)])
         depth = max(d.tau for d in plan)
         if "explore" in plan[0].reason:  # against the depth the plan searched (kept for the steps after it)
@@ -750,6 +750,53 @@ def test_a_drafting_batch_explores_one_deeper_and_halfway_down_in_turn() -> None
     up = [d > base for d, base in explored]
     assert any(up) and not all(up), explored
     assert not any(a and b for a, b in zip(up, up[1:])), explored
+
+
+def test_a_batchs_explorations_space_out_while_they_confirm_its_depth_and_come_back_when_it_moves() -> None:
+    """An exploring step runs a depth predicted worse than the plan's. While the plan after one keeps the depth, the
+    next comes twice as many steps later than the last did, up to EXPLORE_EVERY_SETTLED; a plan that moves the depth
+    brings them back to EXPLORE_EVERY apart. The batch of the test above: its plans move the depth in their first
+    steps and then hold it, so both rules act. Deterministic (no random draws): cannot flake."""
+    from specdec.policy.adaptive import EXPLORE_EVERY, EXPLORE_EVERY_SETTLED, REPLAN_EVERY
+
+    policy = AdaptivePolicy()
+    policy.prime(MeasuredCosts({16: 2.0e-3, 128: 2.2e-3}, {}, {16: (0.1e-3, 0.01e-3)}))
+    for k in range(16):
+        policy.begin(ctx_for(f"s{k}", 0, 0, 0))
+    explored: list[int] = []  # the steps that explored
+    depths: list[int] = []  # the plan's depth after each step's plan
+    for step in range(30 * EXPLORE_EVERY):
+        plan = policy.plan([ctx_for(f"s{k}", step, 8 * step, step) for k in range(16)])
+        depth = max(d.tau for d in plan)
+        if "explore" in plan[0].reason:
+            explored.append(step)
+        depths.append(policy._batch_depth)
+        policy.observe_step(
+            [
+                replace(
+                    record_for(f"s{k}", step + 1, d.tau, min(d.tau, 5)),
+                    draft_time=0.1e-3 + 0.01e-3 * depth,
+                    verify_time=2.0e-3 + 0.002e-3 * 16 * (depth + 1),
+                    other_time=0.5e-3,
+                    batch_size=16,
+                    rows=16 * (depth + 1),
+                    drafting=16,
+                    draft_passes=depth,
+                    draft_fed=16,
+                )
+                for k, d in enumerate(plan)
+            ]
+        )
+    gap, moved, settled = EXPLORE_EVERY, 0, 0
+    for a, b in zip(explored, explored[1:]):
+        # the plan after an exploration is the one REPLAN_EVERY steps later (16 sequences: plans replayed between)
+        if depths[a + REPLAN_EVERY] != depths[a]:
+            gap, moved = EXPLORE_EVERY, moved + 1
+        else:
+            gap = min(2 * gap, EXPLORE_EVERY_SETTLED)
+        settled += gap == EXPLORE_EVERY_SETTLED
+        assert b - a == gap, (explored, depths)
+    assert moved >= 1 and settled >= 3, (explored, depths)  # both rules acted
 
 
 def replace_times(record: StepRecord, *, draft: float) -> StepRecord:
