@@ -253,7 +253,7 @@ class AdaptivePolicy(Policy):
         self._explore_down = False  # the next exploration looks halfway down (they alternate)
         self._explore_gap = EXPLORE_EVERY  # batch steps from one exploration to the next (``plan``)
         self._explored_depth: int | None = None  # the depth planned at the last exploration, until the next plan
-        self._batch_steps = 0  # steps planned for a batch (``plan``): one in EXPLORE_EVERY runs one deeper
+        self._batch_steps = 0  # steps planned for a batch (``plan``): its explorations come ``_explore_gap`` apart
         self._step_bias = [0.0, 0.0]  # decayed (measured - priced seconds, weight) of batch steps (``step_bias``)
         self._policy_time = [0.0, 0.0]  # decayed (seconds, weight) of the policy's own work a batch step
         self._batch_planned = False  # a batch plan has been made: its steps teach the step bias
