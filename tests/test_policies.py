@@ -13,6 +13,7 @@ from specdec.errors import InvalidRequestError
 from specdec.policy import (
     AdaptivePolicy,
     ConfidencePolicy,
+    Decision,
     FleetBudget,
     FleetBudgetPolicy,
     HeuristicPolicy,
@@ -705,6 +706,26 @@ def test_a_plain_batch_probes_one_deeper_whatever_its_costs_predict() -> None:
     assert 2 <= sum(t > 0 for t in taus) <= 4  # ... but a step now and then drafts (8 steps in, then 16 later)
 
 
+def flat_batch_records(plan: list[Decision], step: int) -> list[StepRecord]:
+    """The records of a 16-sequence step run as ``plan`` decided, on flat costs (drafts and rows nearly free): its
+    requests s0..s15, each draft keeping 5 tokens at most and every one below that."""
+    depth = max(d.tau for d in plan)
+    return [
+        replace(
+            record_for(f"s{k}", step, d.tau, min(d.tau, 5)),
+            draft_time=0.1e-3 + 0.01e-3 * depth,
+            verify_time=2.0e-3 + 0.002e-3 * 16 * (depth + 1),
+            other_time=0.5e-3,
+            batch_size=16,
+            rows=16 * (depth + 1),
+            drafting=16,
+            draft_passes=depth,
+            draft_fed=16,
+        )
+        for k, d in enumerate(plan)
+    ]
+
+
 def test_a_drafting_batch_explores_one_deeper_and_halfway_down_in_turn() -> None:
     """A batch drafting deep on flat predictions (drafts and rows nearly free, 5 tokens of a draft kept): its exploring
     steps look one deeper and halfway down in turn (from depth 6: 7, then 3; halfway down alone where one deeper is
@@ -727,23 +748,7 @@ def test_a_drafting_batch_explores_one_deeper_and_halfway_down_in_turn() -> None
         depth = max(d.tau for d in plan)
         if "explore" in plan[0].reason:  # against the depth the plan searched (kept for the steps after it)
             explored.append((depth, policy._batch_depth))
-        accepted = [min(d.tau, 5) for d in plan]  # a draft keeps 5 tokens at most, every one below that
-        policy.observe_step(
-            [
-                replace(
-                    record_for(f"s{k}", step + 1, d.tau, n),
-                    draft_time=0.1e-3 + 0.01e-3 * depth,
-                    verify_time=2.0e-3 + 0.002e-3 * 16 * (depth + 1),
-                    other_time=0.5e-3,
-                    batch_size=16,
-                    rows=16 * (depth + 1),
-                    drafting=16,
-                    draft_passes=depth,
-                    draft_fed=16,
-                )
-                for k, (d, n) in enumerate(zip(plan, accepted))
-            ]
-        )
+        policy.observe_step(flat_batch_records(plan, step + 1))
     assert len(explored) >= 4
     assert all(d in (base + 1, (base + 1) // 2) for d, base in explored), explored
     # both ways (the mutant, one deeper only, never explores below its depth), and never one deeper twice running
@@ -767,26 +772,10 @@ def test_a_batchs_explorations_space_out_while_they_confirm_its_depth_and_come_b
     depths: list[int] = []  # the plan's depth after each step's plan
     for step in range(30 * EXPLORE_EVERY):
         plan = policy.plan([ctx_for(f"s{k}", step, 8 * step, step) for k in range(16)])
-        depth = max(d.tau for d in plan)
         if "explore" in plan[0].reason:
             explored.append(step)
         depths.append(policy._batch_depth)
-        policy.observe_step(
-            [
-                replace(
-                    record_for(f"s{k}", step + 1, d.tau, min(d.tau, 5)),
-                    draft_time=0.1e-3 + 0.01e-3 * depth,
-                    verify_time=2.0e-3 + 0.002e-3 * 16 * (depth + 1),
-                    other_time=0.5e-3,
-                    batch_size=16,
-                    rows=16 * (depth + 1),
-                    drafting=16,
-                    draft_passes=depth,
-                    draft_fed=16,
-                )
-                for k, d in enumerate(plan)
-            ]
-        )
+        policy.observe_step(flat_batch_records(plan, step + 1))
     gap, moved, settled = EXPLORE_EVERY, 0, 0
     for a, b in zip(explored, explored[1:]):
         # the plan after an exploration is the one REPLAN_EVERY steps later (16 sequences: plans replayed between)
