@@ -83,7 +83,7 @@ class ModelRunner(ABC):
         if len(keep) != len(blocks):
             raise ValueError(f"forward_blocks: {len(keep)} keep counts for {len(blocks)} blocks")
         device = self.device
-        tensors = [(torch.tensor(list(ids), dtype=torch.long, device=device), cache) for ids, cache in blocks]
+        tensors = [(token_tensor(list(ids), device), cache) for ids, cache in blocks]
         return torch.cat(self.forward_batch(tensors, keep=keep))
 
     def argmax_rows(self, logits: torch.Tensor) -> list[int]:
@@ -133,7 +133,7 @@ class ModelRunner(ABC):
             raise ValueError(f"fork_cache: {len(tokens)} tokens given for a cache holding {cache.length}")
         new = self.new_cache()
         if tokens:
-            self.forward(token_tensor(list(tokens), self.device), new, last_only=True)
+            self.forward(token_tensor(tokens, self.device), new, last_only=True)
         return new
 
 

@@ -411,8 +411,7 @@ def kernel_argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> list[int]:
     the checks: each torch call costs microseconds on the caches a pass has just flushed."""
     n, v = logits.shape
     out = array.array("q", bytes(8 * n))
-    fn = _HELD[id(lib)].sd_argmax_rows if id(lib) in _HELD else lib.sd_argmax_rows
-    fn(logits.data_ptr(), n, v, out.buffer_info()[0], pass_threads())
+    (_HELD.get(id(lib)) or lib).sd_argmax_rows(logits.data_ptr(), n, v, out.buffer_info()[0], pass_threads())
     best = out.tolist()
     for r, b in enumerate(best):
         if b < 0:  # a NaN in the row: torch's answer
