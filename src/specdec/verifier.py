@@ -106,8 +106,14 @@ class ModelTarget(TargetSide):
         plain = [g.params.greedy and g.rules_state is None for g in live]
         # Greedy rows without logit rules: one argmax over the whole pass (a row's argmax is its own).
         best = self.runner.argmax_rows(flat) if any(plain) else []
-        target_logits: list[torch.Tensor] = []
-        for g, d, lo, hi in zip(live, drafts, starts, starts[1:]):
+        # Each sequence's rows of the pass, as its request reads them (after its logit rules); None for a plain greedy
+        # one that wants no log probabilities, which reads only its argmax (a torch slice costs microseconds a
+        # sequence on the caches the pass has just flushed).
+        target_logits: list[torch.Tensor | None] = []
+        for g, d, is_plain, lo, hi in zip(live, drafts, plain, starts, starts[1:]):
+            if is_plain and g.logprobs is None:
+                target_logits.append(None)
+                continue
             logits = flat[lo:hi]
             if g.rules_state is not None:  # each row processed with its own context (context + the block before it)
                 logits = g.rules_state.apply(logits, d.tokens)
@@ -117,12 +123,13 @@ class ModelTarget(TargetSide):
             if is_plain:
                 verdicts.append(verdict_greedy(d.tokens, best[lo:hi]))
             elif g.params.greedy:  # the argmax of each row (after its logit rules), then plain comparisons
+                assert logits is not None
                 verdicts.append(verdict_greedy(d.tokens, logits.argmax(dim=-1).tolist()))
             else:
                 verdicts.append(None)
         sampled = [s for s, v in enumerate(verdicts) if v is None]
         if sampled:  # every sampled sequence's verdict in one go (``verify_blocks``)
-            rows = [target_logits[s] for s in sampled]
+            rows = [cast(torch.Tensor, target_logits[s]) for s in sampled]
             probs = probs_by_settings(rows, [live[s].params for s in sampled]).split([len(r) for r in rows])
             sampled_blocks = [_sampled_block(live[s], drafts[s], p) for s, p in zip(sampled, probs)]
             for s, v in zip(sampled, verify_blocks(sampled_blocks)):
@@ -130,7 +137,9 @@ class ModelTarget(TargetSide):
         # Emitted token j comes from row j (the correction/bonus token too: p's log probability there).
         done = cast(list[Verdict], verdicts)
         logprobs = [
-            token_logprobs(logits, v.tokens, g.params, g.logprobs) if g.logprobs is not None else None
+            token_logprobs(logits, v.tokens, g.params, g.logprobs)
+            if g.logprobs is not None and logits is not None
+            else None
             for g, v, logits in zip(live, done, target_logits)
         ]
         return done, logprobs
