@@ -731,13 +731,13 @@ class FusedLlama:
         self,
         pending: list[list[int]],
         positions: list[int],
-        caches: list[torch.Tensor],
+        caches: list[int],
         taus: list[int],
         rules: list[DraftRuleC | None],
         vocab_used: int,
     ) -> tuple[list[list[int]], list[list[float]], list[int]]:
         """A whole greedy lockstep draft of several sequences in one call: sequence s feeds ``pending[s]`` (at
-        least one token) at ``positions[s]..`` into ``caches[s]``, then drafts up to ``taus[s]`` tokens (argmax over
+        least one token) at ``positions[s]..`` into the cache tensor at address ``caches[s]``, then drafts up to ``taus[s]`` tokens (argmax over
         the first ``vocab_used`` logits), stopping early where ``rules[s]`` says (evaluated as the drafting loop
         does). Returns each sequence's tokens and their top probabilities (every token an argmax was taken for: the
         drafted ones, and one a MinConfidence rule dropped), and how many tokens it wrote to its cache (its pending
@@ -756,7 +756,7 @@ class FusedLlama:
         meta = array.array("q", off)
         meta.extend(positions)
         meta.extend(taus)
-        meta.extend([c.data_ptr() for c in caches])
+        meta.extend(caches)
         for p in pending:
             meta.extend(p)
         out_i = array.array("q", [-1]) * (n * max_tau + 2 * n)
