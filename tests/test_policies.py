@@ -1169,3 +1169,65 @@ def test_a_batch_plan_made_with_many_prompt_rows_replays_the_depth_of_a_step_wit
         assert "replayed without the 207 prompt rows" in replayed[0].reason
     policy.plan(steps)  # planned afresh, on a step without prompt rows (this one explores one deeper): depth 1 again
     assert policy._batch_depth == 1
+
+
+# A pass table measured on the AMX build (session 57, the default target, 64 tokens of context): 17 rows cost what 32 do,
+# the second row group whole.
+GROUPED_PASSES = {1: 1.26e-3, 8: 1.58e-3, 16: 1.86e-3, 17: 2.43e-3, 32: 2.42e-3, 64: 3.81e-3, 128: 6.51e-3}
+
+
+def test_a_pass_past_one_row_group_is_priced_as_the_second_group_not_as_a_share_of_it() -> None:
+    """On the AMX build a pass of 17-32 rows runs two row groups of tiles: 20 rows cost what 32 do (4 sequences at depth
+    4 measured 4.33 ms against 3.04 at depth 3, 16 rows, in a server's trace). Read on a line from 16 to 32 rows, a
+    20-row pass was priced a quarter of the way, and the error moved to the steps' excess, pricing 16 rows too dear
+    alike: a policy at 4 clients ran depths 4-7 at 0.80-0.92x a fixed τ = 3. With the target's row groups
+    (``MeasuredCosts.row_granule``) the first row past the first group is measured and no price is read across that
+    edge; past the second group (balanced groups of fewer rows, a further one costing a share of one) the line stands."""
+    from specdec.policy.estimates import BatchCosts
+
+    grouped = BatchCosts(measured_passes=dict(GROUPED_PASSES), granule=16)
+    smooth = BatchCosts(measured_passes={r: s for r, s in GROUPED_PASSES.items() if r != 17})
+    assert grouped.measured_pass(16) == smooth.measured_pass(16) == 1.86e-3  # the first group: as measured
+    assert grouped.measured_pass(12) == smooth.measured_pass(12)
+    assert grouped.measured_pass(20) == pytest.approx(2.43e-3, abs=0.02e-3)  # between 17 and 32
+    assert smooth.measured_pass(20) == pytest.approx(2.0e-3, abs=0.01e-3)  # a quarter of the way: 18% too cheap
+    unmeasured = BatchCosts(measured_passes=dict(smooth.measured_passes), granule=16)  # a cost file without 17
+    assert unmeasured.measured_pass(20) == unmeasured.measured_pass(32) == 2.42e-3
+    for rows in (40, 48, 62, 80):  # past the second group: the line between the sizes measured
+        assert grouped.measured_pass(rows) == pytest.approx(smooth.measured_pass(rows))
+
+    # The policy takes the groups from the measured costs; a setting can turn them off.
+    policy = AdaptivePolicy()
+    policy.prime(MeasuredCosts(GROUPED_PASSES, {}, SHAPE_LINES, row_granule=16))
+    assert policy.batch_costs.granule == 16 and policy.batch_costs.verify.granule == 16
+    off = AdaptivePolicy(row_granule=0)
+    off.prime(MeasuredCosts(GROUPED_PASSES, {}, SHAPE_LINES, row_granule=16))
+    assert off.batch_costs.granule == 0 and off.batch_costs.verify.granule == 0
+    with pytest.raises(InvalidRequestError, match="row_granule"):
+        AdaptivePolicy(row_granule=-1)
+
+
+def test_the_steps_pass_curve_reads_a_size_only_from_its_own_row_group() -> None:
+    """The curve the steps teach (``CurveEWMA``) fits each size over the sizes seen near it; across a row group's edge
+    that fit pulled 16 rows, run rarely (a policy at depths 4-7 explores depth 3 now and then), toward the dear
+    20-24-row passes beside it. With the groups set, 16 rows read the first group's sizes only, 20 and 24 the
+    second's."""
+    from specdec.policy.estimates import CurveEWMA
+
+    def curve(granule: int) -> CurveEWMA:
+        c = CurveEWMA()
+        c.set_granule(granule)
+        for i in range(20):
+            for rows, seconds in ((12, 2.9e-3), (16, 3.0e-3), (20, 4.3e-3), (24, 4.5e-3), (32, 5.0e-3)):
+                if rows != 16 or i % 10 == 0:  # 16 rows twice
+                    c.observe(rows, seconds)
+        return c
+
+    grouped, smooth = curve(16), curve(0)
+    assert grouped(16, 0.0) == pytest.approx(3.0e-3, rel=0.03)
+    assert smooth(16, 0.0) > 3.2e-3  # pulled up by 20 and 24 rows
+    assert grouped(20, 0.0) == pytest.approx(4.3e-3, rel=0.03)
+    # An unseen size next to a group's edge: its own group's neighbours, not a line across the edge
+    assert grouped(18, 0.0) == pytest.approx(4.3e-3, rel=0.05)
+    assert smooth(18, 0.0) < 3.9e-3
+    assert grouped(14, 0.0) == pytest.approx(2.95e-3, rel=0.03)

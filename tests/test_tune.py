@@ -232,6 +232,41 @@ def test_costs_a_busy_machine_measured_are_refused() -> None:
     assert implausible_costs(free) == "a draft over 16 sequences measured no cost per further forward"
 
 
+def test_a_pass_past_a_row_group_may_cost_a_whole_further_group() -> None:
+    """On the AMX build a pass of 17 rows runs a second row group of tiles and can cost what 32 rows do (1.3-1.5x 16
+    rows, measured): with the target's row groups in the measurement (``row_granule``) that is no sign of a busy
+    machine; without them it still is."""
+    from specdec.tune import implausible_costs
+
+    grouped = {"rows_table": {8: 1.58e-3, 16: 1.86e-3, 17: 2.80e-3, 32: 2.82e-3, 64: 4.9e-3}, "row_granule": 16}
+    assert implausible_costs(grouped) is None
+    assert "17 rows" in str(implausible_costs({**grouped, "row_granule": 0}))
+    assert "17 rows" in str(
+        implausible_costs({**grouped, "rows_table": {16: 1.86e-3, 17: 4.6e-3}})
+    )  # > 2 groups' worth
+
+
+def test_the_measured_passes_take_the_first_row_past_a_group_and_say_the_groups(tiny_models: dict[str, Path]) -> None:
+    """Where the target runs its passes in row groups (``row_granule``: the CPU kernel's AMX build, 16 rows), the costs
+    measured for a batching policy include the first row past a group (what a further group costs) and say the
+    groups, and the policy reads its passes by them; elsewhere neither."""
+    from specdec.api import load
+    from specdec.tune import costs_of, measure_batched_costs
+
+    engine = load(tiny_models["llama"], tiny_models["draft"], dtype="float32", policy="adaptive")
+    assert engine.target.row_granule == 0  # fp32 weights: no tiles
+    plain = measure_batched_costs(engine, rows=(1, 8, 32), rounds=1, min_seconds=0.0)
+    assert sorted(plain["rows_table"]) == [1, 8, 32] and plain["row_granule"] == 0
+    engine.target.row_granule = 16  # as a bf16 target on the AMX build
+    grouped = measure_batched_costs(engine, rows=(1, 8, 32), rounds=1, min_seconds=0.0)
+    assert sorted(grouped["rows_table"]) == [1, 8, 17, 32] and grouped["row_granule"] == 16
+    costs = costs_of(grouped)
+    assert costs.row_granule == 16 and costs_of(plain).row_granule == 0
+    engine.prime(costs)
+    policy = engine.policy
+    assert policy.batch_costs.granule == 16  # type: ignore[attr-defined]
+
+
 def test_a_server_measures_again_while_the_machine_is_busy(
     tiny_models: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

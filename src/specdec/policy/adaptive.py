@@ -220,7 +220,11 @@ class AdaptivePolicy(Policy):
         min_backoff: int = 4,
         max_backoff: int = 16,
         probe_tau: int = 1,
+        row_granule: int | None = None,
     ) -> None:
+        """``row_granule``: the rows of the target's row groups, for the price of a pass (a pass of more rows than
+        one group pays for the second about whole); None: as the measured costs say (``prime``), 0: none (a pass's
+        price smooth in its rows)."""
         if not isinstance(max_tau, int) or max_tau < 1:
             raise InvalidRequestError(f"max_tau must be an integer >= 1, got {max_tau}", "max_tau")
         if not 0 <= margin < 1:
@@ -229,6 +233,9 @@ class AdaptivePolicy(Policy):
             raise InvalidRequestError(f"slo_p95_s must be > 0 seconds, got {slo_p95_s}", "slo_p95_s")
         if not 0 < prior < 1:
             raise InvalidRequestError(f"prior acceptance must be in (0, 1), got {prior}", "prior")
+        if row_granule is not None and (not isinstance(row_granule, int) or row_granule < 0):
+            raise InvalidRequestError(f"row_granule must be an integer >= 0, got {row_granule!r}", "row_granule")
+        self.row_granule = row_granule
         self.max_tau, self.margin, self.prior, self.early_stop = max_tau, margin, prior, early_stop
         self.bucket_edges = tuple(sorted(bucket_edges))
         self.slo_p95_s = slo_p95_s
@@ -679,6 +686,9 @@ class AdaptivePolicy(Policy):
         with once the steps have measured what they cost beyond them (``ExcessFit``), learnt afresh from new shapes."""
         self.learn()
         batch_costs = self.batch_costs
+        granule = costs.row_granule if self.row_granule is None else self.row_granule
+        batch_costs.granule = granule
+        batch_costs.verify.set_granule(granule)
         for rows, seconds in costs.passes.items():
             batch_costs.verify.observe(int(rows), float(seconds))
         for sequences, seconds in costs.draft_forwards.items():

@@ -43,6 +43,9 @@ class MeasuredCosts:
     passes: Mapping[int, float] = field(default_factory=dict)
     draft_forwards: Mapping[int, float] = field(default_factory=dict)
     draft_lines: Mapping[int, tuple[float, float]] = field(default_factory=dict)
+    # The target's ``row_granule``: a pass of more rows than one group of this many pays for the second about whole
+    # (the CPU kernel's AMX build: 16); 0: its cost grows smoothly with the rows.
+    row_granule: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.passes or self.draft_forwards or self.draft_lines)

@@ -379,6 +379,22 @@ class CurveEWMA:
     _within_cache: dict[int, float] = field(default_factory=dict, repr=False, compare=False)
     # Each size's neighbourhood for ``_local``: (size seen, its nearness, its distance), until a new size is seen.
     _near: dict[int, list[tuple[int, float, int]]] = field(default_factory=dict, repr=False, compare=False)
+    # Row groups (``set_granule``; 0: none): a size within one group is read only from sizes within one, a larger one
+    # only from larger ones.
+    granule: int = field(default=0, compare=False)
+
+    def set_granule(self, granule: int) -> None:
+        """Read a size within one row group of ``granule`` rows only from sizes within one, a larger size only from
+        larger ones (a pass past one group pays for the second about whole: a fit or a line across that edge priced the
+        first group's last rows too dear and the second's first ones too cheap); 0: from every size near it."""
+        if granule != self.granule:
+            self.granule = granule
+            self._near.clear()
+            self._within_cache.clear()
+
+    def _group(self, size: int) -> int:
+        """0 for a size within one row group, 1 beyond (the edge that costs a whole group: ``measured_pass``)."""
+        return 1 if self.granule and size > self.granule else 0
 
     def observe(self, size: int, seconds: float, weight: float = 1.0) -> None:
         if size not in self._at:
@@ -469,8 +485,11 @@ class CurveEWMA:
             return []
         scale = 1.0 / math.log(self.window)
         logs, here = self._logs, math.log(size)
+        group = self._group(size)
         out = []
         for s in sizes[lo:hi]:
+            if self.granule and self._group(s) != group:
+                continue
             nearness = 1.0 - abs(logs[s] - here) * scale
             if nearness > MIN_NEARNESS:
                 out.append((s, nearness, s - size))
@@ -519,6 +538,12 @@ class CurveEWMA:
             return None
         lo, hi = sizes[i - 1], sizes[j]
         a, b = self._at[lo][1], self._at[hi][1]
+        if self.granule:  # not across a group's edge: the seen size of its own group, where one side has one
+            group = self._group(size)
+            if self._group(lo) != group and self._group(hi) == group:
+                return b
+            if self._group(hi) != group and self._group(lo) == group:
+                return a
         return a + (b - a) * (size - lo) / (hi - lo)
 
 
@@ -683,6 +708,14 @@ def _shrunk(entry: list[float], k: float, toward: tuple[float, float]) -> tuple[
     )
 
 
+def _read(table: dict[int, float], size: int) -> float:
+    """``table`` (sizes measured, not empty) at ``size``: linear between the sizes around it (``_span``)."""
+    lo, hi = _span(table, size)
+    if lo == hi:
+        return table[lo]
+    return max(table[lo] + (size - lo) * (table[hi] - table[lo]) / (hi - lo), 1e-9)
+
+
 def _span(table: dict[int, Any], size: int) -> tuple[int, int]:
     """The measured sizes of ``table`` (not empty) to read ``size`` from: itself twice where measured, the least twice
     below it (flat), the two around it between, the last two beyond (a line along them)."""
@@ -711,6 +744,9 @@ class BatchCosts:
     # by rows, a target pass.
     measured_lines: dict[int, tuple[float, float]] = field(default_factory=dict)
     measured_passes: dict[int, float] = field(default_factory=dict)
+    # The target's row groups (``MeasuredCosts.row_granule``; 0: none): a pass of more rows than one group pays for the
+    # second about whole, so no price is read across that edge (``measured_pass``, and the steps' curve ``verify``).
+    granule: int = 0
     # What the steps measure beyond those shapes, by sequences and the shape's milliseconds (``ExcessFit``).
     excess: ExcessFit = field(default_factory=batch_excess_fit)
 
@@ -751,12 +787,17 @@ class BatchCosts:
 
     def measured_pass(self, rows: int) -> float:
         """Seconds of a target pass of ``rows`` as measured apart from the steps (``measured_passes``, not empty):
-        linear between the sizes measured, flat below the least, along the last two beyond."""
+        linear between the sizes measured, flat below the least, along the last two beyond. With row groups
+        (``granule``: ``measure_batched_costs`` then measures the first row past the first group too), a pass of more
+        rows than one group is never read on a line from one of a single group: a line from 16 to 32 rows priced 20
+        rows a quarter of the way where they cost what 32 do. (Past the second group the groups are balanced, of fewer
+        rows each, and a further group costs a share of one: measured, 48 rows + 1 1.11x, + 16 1.22x; the line from
+        32 to 64 rows stands.)"""
         table = self.measured_passes
-        lo, hi = _span(table, rows)
-        if lo == hi:
-            return table[lo]
-        return max(table[lo] + (rows - lo) * (table[hi] - table[lo]) / (hi - lo), 1e-9)
+        g = self.granule
+        if g and g < rows < 2 * g and g + 1 not in table:  # the second group's first row not measured: its last
+            return _read(table, 2 * g)
+        return _read(table, rows)
 
     def measured_shape(self, rows: int, depth: int, drafting: int) -> float:
         """Seconds of a step's pass of ``rows`` and its draft of ``depth`` forwards over ``drafting`` sequences as

@@ -44,6 +44,9 @@ class ModelRunner(ABC):
     dtype: torch.dtype
     eos_token_ids: frozenset[int] = frozenset()  # from config.json / generation_config.json
     batches: bool = False  # True where forward_batch runs all its blocks in one pass (else one pass per block)
+    # Rows a pass's products take in one group, where a pass of more rows than one group pays for the second about
+    # whole (the CPU kernel's AMX build: 16); 0 where its cost grows smoothly with the rows.
+    row_granule: int = 0
 
     @abstractmethod
     def new_cache(self) -> KVCache: ...

@@ -41,6 +41,7 @@ from specdec.runtime.native_config import (
     rope_tables,
 )
 from specdec.runtime.native_kernel import (
+    AMX_ROWS,
     CHUNK,
     WEIGHT_TYPES,
     DraftRuleC,
@@ -48,6 +49,7 @@ from specdec.runtime.native_kernel import (
     argmax_rows,
     kernel_argmax_rows,
     kernel_available,
+    kernel_isa,
     kernel_status,
 )
 from specdec.runtime.native_ops import DenseOps, HalfOps, Ops, choose_ops, half_fits, prepare_layer
@@ -174,6 +176,9 @@ class NativeRunner(ModelRunner):
         self.backend = "cpu-kernel" if fused is not None else f"torch-{ops.__name__}"
         self._compiled: dict[int, Callable[..., torch.Tensor]] = {}
         self.batches = fused is not None  # the CPU kernel runs rows of many sequences in one pass
+        # bf16 weights on the AMX build multiply on the tile unit in row groups of up to 16: a pass of 17 rows runs two
+        # groups (docs/policy.md, "Row groups in the price of a pass").
+        self.row_granule = AMX_ROWS if fused is not None and dtype == torch.bfloat16 and kernel_isa() == "amx" else 0
         self._spare: list[torch.Tensor] = []  # released cache tensors, reused by new_cache (slots)
         # Positions a cache tensor holds: max_context, rounded up to whole key blocks for the CPU kernel.
         self.cache_positions = max_context if fused is None else fused.positions

@@ -61,6 +61,8 @@ WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int
 KV_TYPES = {t: WEIGHT_TYPES[t] for t in (torch.float32, torch.bfloat16, torch.float16)}
 # Prompts longer than this are prefilled in chunks of this many tokens (bounds the scratch memory).
 CHUNK = 128
+# Rows of an AMX tile: the AMX build multiplies bf16 weights in balanced row groups of at most this many rows.
+AMX_ROWS = 16
 ENV_SWITCH = "SPECDEC_CPU_KERNEL"
 
 
