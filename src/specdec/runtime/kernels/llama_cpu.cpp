@@ -137,20 +137,22 @@ static inline float hsum8(__m256 v) {
 }
 
 // exp(x) for x <= 0 (softmax) and moderate |x| (silu): range reduction by ln 2 and a degree-6
-// polynomial; relative error ~2e-7. Deterministic: the same input always gives the same output.
+// polynomial; relative error ~2e-7. Deterministic: the same input always gives the same output. Its constants, shared
+// by the 8- and 16-lane versions (which must compute the same values lane by lane):
+struct ExpC {
+    static constexpr float hi = 88.3762626647949f, lo = -87.3365447504f, log2e = 1.44269504088896341f;
+    static constexpr float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;  // ln 2 in two parts
+    static constexpr float p[6] = {1.9875691500E-4f, 1.3981999507E-3f, 8.3334519073E-3f,
+                                   4.1665795894E-2f, 1.6666665459E-1f, 5.0000001201E-1f};
+};
 static inline __m256 exp8(__m256 x) {
-    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-87.3365447504f);
-    x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
-    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(ExpC::hi)), _mm256_set1_ps(ExpC::lo));
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(ExpC::log2e)),
                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(ExpC::ln2_hi), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(ExpC::ln2_lo), x);
+    __m256 y = _mm256_set1_ps(ExpC::p[0]);
+    for (int k = 1; k < 6; k++) y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(ExpC::p[k]));
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
@@ -159,21 +161,24 @@ static inline __m256 exp8(__m256 x) {
 #ifdef SD_AVX512BF16
 // exp8 on 16 lanes: the same operations lane by lane, so the same result bit for bit.
 static inline __m512 exp16(__m512 x) {
-    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-87.3365447504f);
-    x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
-    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(ExpC::hi)), _mm512_set1_ps(ExpC::lo));
+    __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(ExpC::log2e)),
                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(ExpC::ln2_hi), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(ExpC::ln2_lo), x);
+    __m512 y = _mm512_set1_ps(ExpC::p[0]);
+    for (int k = 1; k < 6; k++) y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(ExpC::p[k]));
     y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fx), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// A 16-lane vector's upper 8 lanes (AVX512F only: no AVX512DQ extract).
+static inline __m256 upper8(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+// acc + v's lanes 0-7, then + its lanes 8-15: 16 entries added to an 8-lane sum in the order the 8-lane loop adds them.
+static inline __m256 add_halves(__m256 acc, __m512 v) {
+    return _mm256_add_ps(_mm256_add_ps(acc, _mm512_castps512_ps256(v)), upper8(v));
 }
 #endif
 
@@ -1353,7 +1358,7 @@ static float softmax_weights(float* scores, int64_t n) {
 #ifdef SD_AVX512BF16
     __m512 m16 = _mm512_set1_ps(-INFINITY);
     for (; i + 16 <= n; i += 16) m16 = _mm512_max_ps(_mm512_loadu_ps(scores + i), m16);
-    m = _mm256_max_ps(_mm512_castps512_ps256(m16), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(m16), 1)));
+    m = _mm256_max_ps(_mm512_castps512_ps256(m16), upper8(m16));
 #endif
     for (; i + 8 <= n; i += 8) m = _mm256_max_ps(_mm256_loadu_ps(scores + i), m);
     float lanes[8];
@@ -1371,8 +1376,7 @@ static float softmax_weights(float* scores, int64_t n) {
     for (; j + 16 <= n; j += 16) {
         const __m512 e = softmax_exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + j), mx16));
         _mm512_storeu_ps(scores + j, e);
-        acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
-        acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+        acc = add_halves(acc, e);
     }
 #endif
     for (; j + 8 <= n; j += 8) {
@@ -1833,9 +1837,7 @@ static void top_of(const float* l, int64_t v, int64_t* token, float* top) {
     {  // the same exp lane by lane, the two halves added in index order: the same sum
         const __m512 mx16 = _mm512_set1_ps(mx);
         for (; i + 16 <= v; i += 16) {
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(l + i), mx16));
-            acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
-            acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+            acc = add_halves(acc, exp16(_mm512_sub_ps(_mm512_loadu_ps(l + i), mx16)));
         }
     }
 #endif
