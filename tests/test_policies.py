@@ -1185,13 +1185,15 @@ def test_a_pass_past_one_row_group_is_priced_as_the_second_group_not_as_a_share_
     edge; past the second group (balanced groups of fewer rows, a further one costing a share of one) the line stands."""
     from specdec.policy.estimates import BatchCosts
 
-    grouped = BatchCosts(measured_passes=dict(GROUPED_PASSES), granule=16)
+    grouped = BatchCosts(measured_passes=dict(GROUPED_PASSES))
+    grouped.set_granule(16)
     smooth = BatchCosts(measured_passes={r: s for r, s in GROUPED_PASSES.items() if r != 17})
     assert grouped.measured_pass(16) == smooth.measured_pass(16) == 1.86e-3  # the first group: as measured
     assert grouped.measured_pass(12) == smooth.measured_pass(12)
     assert grouped.measured_pass(20) == pytest.approx(2.43e-3, abs=0.02e-3)  # between 17 and 32
     assert smooth.measured_pass(20) == pytest.approx(2.0e-3, abs=0.01e-3)  # a quarter of the way: 18% too cheap
-    unmeasured = BatchCosts(measured_passes=dict(smooth.measured_passes), granule=16)  # a cost file without 17
+    unmeasured = BatchCosts(measured_passes=dict(smooth.measured_passes))  # a cost file without 17
+    unmeasured.set_granule(16)
     assert unmeasured.measured_pass(20) == unmeasured.measured_pass(32) == 2.42e-3
     for rows in (40, 48, 62, 80):  # past the second group: the line between the sizes measured
         assert grouped.measured_pass(rows) == pytest.approx(smooth.measured_pass(rows))

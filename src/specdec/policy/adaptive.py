@@ -686,9 +686,7 @@ class AdaptivePolicy(Policy):
         with once the steps have measured what they cost beyond them (``ExcessFit``), learnt afresh from new shapes."""
         self.learn()
         batch_costs = self.batch_costs
-        granule = costs.row_granule if self.row_granule is None else self.row_granule
-        batch_costs.granule = granule
-        batch_costs.verify.set_granule(granule)
+        batch_costs.set_granule(costs.row_granule if self.row_granule is None else self.row_granule)
         for rows, seconds in costs.passes.items():
             batch_costs.verify.observe(int(rows), float(seconds))
         for sequences, seconds in costs.draft_forwards.items():

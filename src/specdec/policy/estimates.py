@@ -488,7 +488,7 @@ class CurveEWMA:
         group = self._group(size)
         out = []
         for s in sizes[lo:hi]:
-            if self.granule and self._group(s) != group:
+            if self._group(s) != group:  # (all 0 without row groups)
                 continue
             nearness = 1.0 - abs(logs[s] - here) * scale
             if nearness > MIN_NEARNESS:
@@ -744,9 +744,6 @@ class BatchCosts:
     # by rows, a target pass.
     measured_lines: dict[int, tuple[float, float]] = field(default_factory=dict)
     measured_passes: dict[int, float] = field(default_factory=dict)
-    # The target's row groups (``MeasuredCosts.row_granule``; 0: none): a pass of more rows than one group pays for the
-    # second about whole, so no price is read across that edge (``measured_pass``, and the steps' curve ``verify``).
-    granule: int = 0
     # What the steps measure beyond those shapes, by sequences and the shape's milliseconds (``ExcessFit``).
     excess: ExcessFit = field(default_factory=batch_excess_fit)
 
@@ -779,6 +776,16 @@ class BatchCosts:
             shape = self.measured_shape(step.rows or step.tau + 1, passes, step.drafting)
             measured = step.draft_time + step.verify_time + steady.other_time
             self.excess.observe(max(1, step.batch_size), shape * EXCESS_SHAPE_UNIT, measured - shape)
+
+    @property
+    def granule(self) -> int:
+        """The target's row groups (``MeasuredCosts.row_granule``; 0: none), kept by the steps' curve ``verify``."""
+        return self.verify.granule
+
+    def set_granule(self, granule: int) -> None:
+        """A pass of more rows than one group of ``granule`` pays for the second about whole: no price is read across
+        that edge, neither of the measured passes (``measured_pass``) nor of the steps' curve (``verify``)."""
+        self.verify.set_granule(granule)
 
     @property
     def shaped(self) -> bool:
