@@ -381,6 +381,25 @@ def test_product_rows_are_independent_of_the_row_count(isa: str, dtype: torch.dt
             assert torch.equal(pw.matmul(x[t : t + 1], bias=b, threads=1), whole[t : t + 1]), (m, n, t)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_products_without_a_bias_are_the_sums_a_bias_is_added_to(isa: str, dtype: torch.dtype) -> None:
+    """A product with nothing added to its sums (no bias, not accumulating) stores them as they are, straight from the
+    tile unit on the AMX build where a group's panels are all outputs and the reduction is whole 16-pair steps (n a
+    multiple of 32): the same sums bit for bit as the product with a bias has before adding it, for every row count
+    1..70 (several row groups, paired and alone), and panel-group tails (m = 200, 130) taking the buffered path."""
+    gen = torch.Generator().manual_seed(12)
+    for m, n in [(200, 96), (130, 64), (64, 32), (97, 72)]:
+        w = torch.randn(m, n, generator=gen)
+        b = torch.randn(m, generator=gen)
+        x = torch.randn(70, n, generator=gen)
+        pw = nk.PackedWeight(w, dtype)
+        with_bias = pw.matmul(x, bias=b, threads=2)
+        bare = pw.matmul(x, threads=2)
+        assert torch.equal(bare + b, with_bias), (m, n)
+        for k in (1, 15, 16, 17, 31, 32, 33, 48, 64, 65, 70):
+            assert torch.equal(pw.matmul(x[:k], threads=1 + k % 3), bare[:k]), (m, n, k)
+
+
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.int8], ids=["fp32", "bf16", "fp16", "int8"])
 def test_a_late_threads_share_taken_by_the_others_gives_the_same_sums_once(isa: str, dtype: torch.dtype) -> None:
     """A product's units are shared out with stealing: with the team's first thread held back 3 ms before its own
