@@ -9,7 +9,15 @@ from typing import Any
 import pytest
 
 from specdec.api import default_target, load_tokenizer
-from specdec.text import OutputText, StopMatcher, TextDecoder, fast_decoder, fast_encoder
+from specdec.text import (
+    OutputText,
+    StopMatcher,
+    TextDecoder,
+    _byte_level_chars,
+    byte_level_pieces,
+    fast_decoder,
+    fast_encoder,
+)
 
 
 def tokenizers(tiny_models: dict[str, Path]) -> list[Any]:
@@ -81,6 +89,68 @@ def test_the_fast_decode_path_gives_the_wrapper_s_text(tiny_models: dict[str, Pa
             pos = min(len(ids), pos + rng.randint(1, 4))
             final = pos == len(ids)
             assert dec.text_for(ids[:pos], final) == whole(tok, ids[:pos], final), (seed, pos)
+
+
+def byte_tokens(tok: Any) -> list[int]:
+    """Each byte's own token (byte-level vocabularies have all 256)."""
+    chars = _byte_level_chars()
+    return [int(tok.backend_tokenizer.token_to_id(c)) for c in sorted(chars, key=chars.__getitem__)]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_byte_level_pieces_give_the_library_s_text(tiny_models: dict[str, Path], seed: int) -> None:
+    """A byte-level tokenizer's text from its tokens' bytes (``BytePieces``, one decoding in Python) equals the
+    ``tokenizers`` library's decode: every id alone (special ones skipped), random runs of ids, and runs of byte tokens
+    that cut characters, carry lone continuation bytes or bytes UTF-8 never uses (each invalid sequence one U+FFFD, as
+    the library replaces them)."""
+    rng = random.Random(seed)  # deterministic: no false failures
+    for tok in tokenizers(tiny_models):
+        pieces, decode = byte_level_pieces(tok), fast_decoder(tok)
+        assert pieces is not None and decode is not None, tok.name_or_path
+        vocab = tok.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+        for i in range(vocab):
+            assert pieces.text([i]) == decode([i], skip_special_tokens=True), i
+        for _ in range(2000):
+            ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+            assert pieces.text(ids) == decode(ids, skip_special_tokens=True), ids
+        tricky = [0xC3, 0xA9, 0xE2, 0x82, 0xAC, 0xF0, 0x9F, 0x99, 0x82, 0x80, 0xBF, 0xC0, 0xC1, 0xED, 0xA0, 0xF4, 0x90]
+        tricky += [0xF5, 0xFF, 0x41]
+        byte_ids = byte_tokens(tok)
+        for _ in range(3000):
+            run = [rng.choice(tricky) if rng.random() < 0.7 else rng.randrange(256) for _ in range(rng.randint(1, 9))]
+            ids = [byte_ids[b] for b in run]
+            assert pieces.text(ids) == decode(ids, skip_special_tokens=True), run
+
+
+def test_added_tokens_and_other_decoders(tmp_path: Path) -> None:
+    """Added tokens (a special one skipped; plain ones with spaces and non-ASCII, written as they are) keep the
+    library's text through the pieces; a tokenizer whose decoder is not byte-level alone decodes through the library."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from specdec.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer(tmp_path / "bpe")
+    tok.add_tokens(["<tool call>", "ünï ✓", "x"])
+    tok.add_special_tokens({"additional_special_tokens": ["<|sep|>"]})
+    pieces, decode = byte_level_pieces(tok), fast_decoder(tok)
+    assert decode is not None
+    vocab = tok.backend_tokenizer.get_vocab_size(with_added_tokens=True)
+    rng = random.Random(3)  # deterministic: no false failures
+    runs = [[i] for i in range(vocab)] + [[rng.randrange(vocab) for _ in range(8)] for _ in range(500)]
+    for ids in runs:  # the pieces where their probes agreed, else the library: the library's text either way
+        assert TextDecoder(tok).text_for(ids, final=True) == decode(ids, skip_special_tokens=True), ids
+    # With tokenizers 0.2x the pieces hold (an added token decodes as itself); a release that decoded them otherwise
+    # would fail the probes and leave the library's decode, which the loop above checks either way.
+    assert pieces is not None
+    assert pieces.text(tok.convert_tokens_to_ids(["<tool call>", "<|sep|>", "ünï ✓"])) == "<tool call>ünï ✓"
+
+    wordpiece = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    wordpiece.pre_tokenizer = pre_tokenizers.Whitespace()
+    wordpiece.decoder = decoders.WordPiece()
+    other = PreTrainedTokenizerFast(tokenizer_object=wordpiece, clean_up_tokenization_spaces=False)
+    assert fast_decoder(other) is not None and byte_level_pieces(other) is None
+    assert TextDecoder(other).text_for([1, 2, 1], final=True) == other.decode([1, 2, 1])
 
 
 def test_a_tokenizer_that_cleans_up_spaces_keeps_the_wrapper(tiny_models: dict[str, Path]) -> None:

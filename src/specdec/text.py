@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import random
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,8 +27,11 @@ class TextDecoder:
         self._ids: list[int] = []  # ids whose text is cached
         self._text = ""
         self._backend = fast_decoder(tokenizer)
+        self._bytes = byte_level_pieces(tokenizer) if self._backend is not None else None
 
     def _decode(self, ids: list[int]) -> str:
+        if self._bytes is not None:
+            return self._bytes.text(ids)
         if self._backend is not None:
             return str(self._backend(ids, skip_special_tokens=True))
         text: str = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -52,7 +58,13 @@ class TextDecoder:
         continuation rewrites it (the caller then decodes the whole sequence). An overlap that starts inside a
         character (byte tokens of one character, common in CJK text) decodes its first bytes to U+FFFD where the
         whole text has the character: only its text after them has to end ``text`` (UTF-8 finds its way back at
-        the next character), else every step of such a text would decode the whole sequence."""
+        the next character), else every step of such a text would decode the whole sequence.
+
+        A byte-level tokenizer's text is its tokens' bytes decoded (``BytePieces``), and a text that does not end in
+        U+FFFD ends on a whole character, so the decoding of what follows starts afresh there: ``text`` + the text of
+        ``more``, one decoding and no overlap (callers pass only such texts: a text ending in U+FFFD is never kept)."""
+        if self._bytes is not None and not text.endswith("\ufffd"):
+            return text + self._bytes.text(more)
         head, whole = self._decode(overlap), self._decode(overlap + more)
         if whole.startswith(head) and text.endswith(head.lstrip("\ufffd")):
             return text + whole[len(head) :]
@@ -122,6 +134,110 @@ def fast_decoder(tokenizer: Any) -> Any:
     if getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return None
     return backend.decode
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """The byte-level alphabet (GPT-2's): the character each byte is written as in a token, inverted. Printable
+    bytes stand for themselves; the others (controls, space, 127-160, 173) for the characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {chr(b): b for b in printable}
+    extra = 0
+    for b in range(256):
+        if chr(b) not in chars or chars[chr(b)] != b:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class BytePieces:
+    """The text of ids under a tokenizer whose decoder is byte-level alone (GPT-2, Llama 3, Qwen2 and the shipped pair):
+    each id's bytes (its token's characters mapped back through the byte-level alphabet; a token with a character
+    outside it, an added one, as its own UTF-8; a special token, or an id the vocabulary lacks, as nothing), joined
+    and decoded with each invalid or cut UTF-8 sequence as U+FFFD, as the ``tokenizers`` library's decoder does.
+
+    A step's text is then one join and one decoding in Python (``TextDecoder.continued``), where the library's
+    ``decode`` took two calls a sequence and step (each ~1.5 µs warm, several on the caches a pass has just flushed).
+    ``byte_level_pieces`` makes one only where it gives the library's text on probes."""
+
+    def __init__(self, backend: Any, special: set[int]) -> None:
+        self._pieces = _Pieces(backend, special)
+        self._get = self._pieces.__getitem__
+
+    def piece(self, i: int) -> bytes:
+        return self._get(i)
+
+    def text(self, ids: Sequence[int]) -> str:
+        return b"".join(map(self._get, ids)).decode("utf-8", "replace")
+
+
+class _Pieces(dict[int, bytes]):
+    """Each id's bytes, found on its first use (``BytePieces``)."""
+
+    def __init__(self, backend: Any, special: set[int]) -> None:
+        super().__init__()
+        self._backend, self._special, self._chars = backend, special, _byte_level_chars()
+
+    def __missing__(self, i: int) -> bytes:
+        token = None if i in self._special or i < 0 else self._backend.id_to_token(i)
+        chars = self._chars
+        if token is None:
+            piece = b""
+        elif all(c in chars for c in token):
+            piece = bytes(chars[c] for c in token)
+        else:
+            piece = token.encode("utf-8")
+        self[i] = piece
+        return piece
+
+
+_BYTE_PIECES: weakref.WeakKeyDictionary[Any, BytePieces | None] = weakref.WeakKeyDictionary()
+
+
+def byte_level_pieces(tokenizer: Any) -> BytePieces | None:
+    """A ``BytePieces`` for ``tokenizer`` (one per tokenizer, kept), or None unless its fast tokenizer decodes byte-level
+    alone and the pieces give its own ``decode``'s text (skipping special tokens) on probes: every added token, byte
+    tokens that cut characters or are not UTF-8 at all, and random runs of its vocabulary."""
+    try:
+        return _BYTE_PIECES[tokenizer]
+    except KeyError:
+        pass
+    except TypeError:  # not weakly referable: made afresh
+        return _make_byte_pieces(tokenizer)
+    pieces = _make_byte_pieces(tokenizer)
+    _BYTE_PIECES[tokenizer] = pieces
+    return pieces
+
+
+def _make_byte_pieces(tokenizer: Any) -> BytePieces | None:
+    backend = _backend(tokenizer)
+    decode = fast_decoder(tokenizer)
+    if backend is None or decode is None or not callable(getattr(backend, "id_to_token", None)):
+        return None
+    try:
+        spec = json.loads(backend.to_str())
+        decoder = spec.get("decoder") or {}
+        if decoder.get("type") != "ByteLevel":
+            return None
+        added = spec.get("added_tokens") or []
+        special = {int(a["id"]) for a in added if a.get("special")}
+        pieces = BytePieces(backend, special)
+        vocab = int(backend.get_vocab_size(with_added_tokens=True))
+        rng = random.Random(0)
+        sample = [int(a["id"]) for a in added] + [rng.randrange(vocab) for _ in range(256)]
+        chars = _byte_level_chars()
+        byte_ids = [backend.token_to_id(c) for c in sorted(chars, key=chars.__getitem__)]  # byte b's token, or None
+        probes: list[list[int]] = [[i] for i in sample]
+        probes += [[rng.choice(sample) for _ in range(rng.randrange(2, 12))] for _ in range(64)]
+        if all(i is not None for i in byte_ids):
+            # "é" cut after its first byte, a lone continuation byte, an invalid lead byte, "€" cut, then whole
+            for run in ([0xC3], [0xA9, 0x41], [0xFF, 0x41], [0xE2, 0x82], [0xE2, 0x82, 0xAC], [0xF0, 0x9F, 0x99, 0x82]):
+                probes.append([int(byte_ids[b]) for b in run])
+            probes += [[int(byte_ids[rng.randrange(256)]) for _ in range(8)] for _ in range(32)]
+        if any(pieces.text(p) != str(decode(p, skip_special_tokens=True)) for p in probes):
+            return None
+    except Exception:  # noqa: BLE001 - any doubt: the library's decode
+        return None
+    return pieces
 
 
 # Texts on which a fast encoder must give the wrapper's ids before it is trusted (spaces, code, non-ASCII).
