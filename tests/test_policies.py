@@ -880,6 +880,34 @@ def test_a_batch_plan_prices_its_steps_with_what_they_measured_beyond_the_curves
     assert "tokens in 14.00 ms predicted (step bias +6.00 ms)" in plan[0].reason
 
 
+def test_the_step_bias_is_left_out_where_steps_are_priced_by_their_measured_shapes_and_excess() -> None:
+    """Where a step is priced as its measured shapes plus the excess the steps measured beyond them (a server that
+    measured its passes at start: ``BatchCosts.shaped_excess``), that excess is what the steps cost beyond their
+    prices, and the step bias (a constant on every depth) would count it twice: it is not added, however much the
+    steps measured beyond their prices. Learnt from transients (a 20 ms pass where 9 is usual), it pushed the batch
+    plans deep and kept them there (docs/policy.md, session 58). Without measured shapes the bias still prices every
+    depth; ``step_bias=False`` never adds it."""
+    ctxs = [ctx_for(f"s{i}", 0, 0, 0) for i in range(16)]
+    shaped = primed_for_batch(ctxs)
+    passes = {16: 4e-3, 32: 5e-3, 48: 6e-3, 64: 7e-3, 80: 8e-3}
+    shaped.prime(MeasuredCosts(passes, {16: 1e-3}, draft_lines={16: (1e-3, 1e-3)}))
+    assert shaped.batch_costs.shaped
+    for _ in range(4):  # the steps' excess beyond their shapes, warm
+        shaped.batch_costs.excess.observe(16, 6.0, 1e-3)
+    assert shaped.batch_costs.shaped_excess
+    shaped._step_bias = [5 * 6e-3, 5.0]
+    assert shaped.step_bias() == 0.0
+    assert "(step bias +0.00 ms)" in shaped.plan(ctxs)[0].reason
+
+    unshaped = primed_for_batch(ctxs)
+    assert not unshaped.batch_costs.shaped_excess
+    unshaped._step_bias = [5 * 6e-3, 5.0]
+    assert unshaped.step_bias() == pytest.approx(6e-3)
+    off = AdaptivePolicy(step_bias=False)
+    off._step_bias = [5 * 6e-3, 5.0]
+    assert off.step_bias() == 0.0
+
+
 def test_a_request_joining_a_replayed_batch_plan_gets_a_plan_of_its_own() -> None:
     """A batch plan is replayed for the steps after it; a request that joins meanwhile runs at the batch's depth with a
     plan of its own (its expected tokens by τ), as each request the plan made was given: its outcomes are tested

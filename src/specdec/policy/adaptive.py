@@ -221,10 +221,12 @@ class AdaptivePolicy(Policy):
         max_backoff: int = 16,
         probe_tau: int = 1,
         row_granule: int | None = None,
+        step_bias: bool = True,
     ) -> None:
         """``row_granule``: the rows of the target's row groups, for the price of a pass (a pass of more rows than
         one group pays for the second about whole); None: as the measured costs say (``prime``), 0: none (a pass's
-        price smooth in its rows)."""
+        price smooth in its rows). ``step_bias``: a batch plan adds the step bias to every depth's price where its
+        prices are not its measured shapes plus the steps' excess beyond them (``step_bias``); False: never."""
         if not isinstance(max_tau, int) or max_tau < 1:
             raise InvalidRequestError(f"max_tau must be an integer >= 1, got {max_tau}", "max_tau")
         if not 0 <= margin < 1:
@@ -236,6 +238,7 @@ class AdaptivePolicy(Policy):
         if row_granule is not None and (not isinstance(row_granule, int) or row_granule < 0):
             raise InvalidRequestError(f"row_granule must be an integer >= 0, got {row_granule!r}", "row_granule")
         self.row_granule = row_granule
+        self.use_step_bias = bool(step_bias)
         self.max_tau, self.margin, self.prior, self.early_stop = max_tau, margin, prior, early_stop
         self.bucket_edges = tuple(sorted(bucket_edges))
         self.slo_p95_s = slo_p95_s
@@ -511,7 +514,8 @@ class AdaptivePolicy(Policy):
         # Every depth up to the caps priced, then the search (``_search_depth``) from the depth the last plan chose.
         # Each step's price is raised by the step bias, what the batch's steps' drafts and passes have measured beyond
         # their prices at the rows they ran (what the curves do not see yet): the ratio of tokens to the priced seconds
-        # alone leans shallow wherever such a cost is real.
+        # alone leans shallow wherever such a cost is real. Not where the prices are the measured shapes and the
+        # steps' excess beyond them, which holds that cost already (``step_bias``).
         bias = self.step_bias()
         # Each depth's ratio is then scaled by what the steps run at that depth measured against their predictions
         # (``DepthCalibration``): the curves and the acceptance estimates err more the deeper they price.
@@ -705,7 +709,18 @@ class AdaptivePolicy(Policy):
         in it, that work at its mean a step: ``_learn_from``), 0 until STEP_BIAS_WARM steps' worth is measured.
         Never below 0: curves that price too high (priors, before their sizes are measured) correct themselves as the
         steps run, and a negative bias favours the shortest steps (a batch of 4 without a cost file served 0.64x the
-        best fixed τ for a whole load level)."""
+        best fixed τ for a whole load level).
+
+        0 where a step is priced as its measured shapes plus the excess the steps measured beyond them
+        (``BatchCosts.shaped_excess``: a server that measured its passes at start, or read a cost file): that excess is
+        the steps' cost beyond their prices already, and a constant on top counted it twice. Learnt from a server's
+        transients besides (a 20 ms pass where 9 is usual, a round's 16 requests joining at once), it went to +2 ms at
+        16 clients and priced every shallow depth as that much dearer: the plans went to depth 7 and their depth's
+        calibration kept them there (0.75-0.91x τ = 3 in fresh servers' load tests). Left out there, the policy
+        served 1.03-1.33x what it served with it at 4, 16 and 32 clients, all 12 levels of four pairs of fresh servers
+        side by side (1 client 0.96-1.19x; docs/policy.md, session 58). Learnt all the same (``_learn_step``)."""
+        if not self.use_step_bias or self.batch_costs.shaped_excess:
+            return 0.0
         total, weight = self._step_bias
         return max(0.0, total / weight) if weight >= STEP_BIAS_WARM else 0.0
 

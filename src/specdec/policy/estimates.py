@@ -788,6 +788,11 @@ class BatchCosts:
         self.verify.set_granule(granule)
 
     @property
+    def shaped_excess(self) -> bool:
+        """Whether a step is priced as its measured shapes plus what the steps measured beyond them (``pricer``)."""
+        return self.shaped and self.excess.weight >= EXCESS_WARM
+
+    @property
     def shaped(self) -> bool:
         """Whether a pass's and a draft's shapes were measured apart from the steps (``prime``)."""
         return bool(self.measured_passes and self.measured_lines)
@@ -850,7 +855,7 @@ class BatchCosts:
         them, a step is its pass's and its draft's measured shapes plus what the steps measure beyond those
         (``excess``, by the step's sequences and shape); otherwise its pass, draft and rest from the curves the
         steps taught, size by size."""
-        if self.shaped and self.excess.weight >= EXCESS_WARM:
+        if self.shaped_excess:
             excess = self.excess
 
             def shaped(rows: int, depth: int, drafting: int) -> float:
