@@ -139,13 +139,10 @@ def fast_decoder(tokenizer: Any) -> Any:
 def _byte_level_chars() -> dict[str, int]:
     """The byte-level alphabet (GPT-2's): the character each byte is written as in a token, inverted. Printable
     bytes stand for themselves; the others (controls, space, 127-160, 173) for the characters from U+0100 on."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
     chars = {chr(b): b for b in printable}
-    extra = 0
-    for b in range(256):
-        if chr(b) not in chars or chars[chr(b)] != b:
-            chars[chr(256 + extra)] = b
-            extra += 1
+    others = [b for b in range(256) if b not in printable]
+    chars.update((chr(256 + k), b) for k, b in enumerate(others))
     return chars
 
 
