@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 import weakref
@@ -27,7 +28,7 @@ class TextDecoder:
         self._ids: list[int] = []  # ids whose text is cached
         self._text = ""
         self._backend = fast_decoder(tokenizer)
-        self._bytes = byte_level_pieces(tokenizer) if self._backend is not None else None
+        self._bytes = byte_level_pieces(tokenizer)
 
     def _decode(self, ids: list[int]) -> str:
         if self._bytes is not None:
@@ -136,6 +137,7 @@ def fast_decoder(tokenizer: Any) -> Any:
     return backend.decode
 
 
+@functools.cache
 def _byte_level_chars() -> dict[str, int]:
     """The byte-level alphabet (GPT-2's): the character each byte is written as in a token, inverted. Printable
     bytes stand for themselves; the others (controls, space, 127-160, 173) for the characters from U+0100 on."""
@@ -146,33 +148,23 @@ def _byte_level_chars() -> dict[str, int]:
     return chars
 
 
-class BytePieces:
+class BytePieces(dict[int, bytes]):
     """The text of ids under a tokenizer whose decoder is byte-level alone (GPT-2, Llama 3, Qwen2 and the shipped pair):
     each id's bytes (its token's characters mapped back through the byte-level alphabet; a token with a character
-    outside it, an added one, as its own UTF-8; a special token, or an id the vocabulary lacks, as nothing), joined
-    and decoded with each invalid or cut UTF-8 sequence as U+FFFD, as the ``tokenizers`` library's decoder does.
+    outside it, an added one, as its own UTF-8; a special token, or an id the vocabulary lacks, as nothing; found on
+    its first use and kept, id -> bytes), joined and decoded with each invalid or cut UTF-8 sequence as U+FFFD, as the
+    ``tokenizers`` library's decoder does.
 
     A step's text is then one join and one decoding in Python (``TextDecoder.continued``), where the library's
     ``decode`` took two calls a sequence and step (each ~1.5 µs warm, several on the caches a pass has just flushed).
     ``byte_level_pieces`` makes one only where it gives the library's text on probes."""
 
     def __init__(self, backend: Any, special: set[int]) -> None:
-        self._pieces = _Pieces(backend, special)
-        self._get = self._pieces.__getitem__
-
-    def piece(self, i: int) -> bytes:
-        return self._get(i)
-
-    def text(self, ids: Sequence[int]) -> str:
-        return b"".join(map(self._get, ids)).decode("utf-8", "replace")
-
-
-class _Pieces(dict[int, bytes]):
-    """Each id's bytes, found on its first use (``BytePieces``)."""
-
-    def __init__(self, backend: Any, special: set[int]) -> None:
         super().__init__()
         self._backend, self._special, self._chars = backend, special, _byte_level_chars()
+
+    def text(self, ids: Sequence[int]) -> str:
+        return b"".join(map(self.__getitem__, ids)).decode("utf-8", "replace")
 
     def __missing__(self, i: int) -> bytes:
         token = None if i in self._special or i < 0 else self._backend.id_to_token(i)
