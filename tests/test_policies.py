@@ -25,7 +25,8 @@ from specdec.policy import (
     make_policy,
     split_policy_specs,
 )
-from specdec.policy.adaptive import POLICY_TIME_DECAY, STEP_BIAS_DECAY
+from specdec.policy.adaptive import STEP_BIAS_DECAY
+from specdec.policy.estimates import POLICY_TIME_DECAY
 from specdec.records import GenerationStats, StepRecord
 
 pytestmark = pytest.mark.rules
@@ -490,54 +491,102 @@ def test_a_measured_draft_slope_prices_the_depths_steps_never_ran() -> None:
     )
 
 
-def test_excess_fit_recovers_a_line_and_keeps_its_slopes_at_zero_or_above() -> None:
-    """The excess beyond the measured shapes as a + b·x1 + c·x2 (decayed least squares, the slopes ridged toward 0):
-    recovered from steps whose sizes vary; a slope the data would make negative is held at 0 (a size must
+def test_excess_fit_recovers_a_line_and_keeps_its_slope_at_zero_or_above() -> None:
+    """The excess beyond what was measured apart as a + c·x (decayed least squares, the slope ridged toward its
+    prior): recovered from steps whose size varies; a slope the data would make negative is held at 0 (a size must
     not look cheaper the larger it is) and the level refitted without it. Seeded data, no noise: cannot flake."""
     from specdec.policy.estimates import ExcessFit
 
     rng = random.Random(0)
     fit = ExcessFit()
-    assert fit.coefficients() == (0.0, 0.0, 0.0) and fit.weight == 0.0
+    assert fit.coefficients() == (0.0, 0.0) and fit.weight == 0.0
     for _ in range(300):
-        n = rng.randint(4, 16)
-        tokens = n * rng.uniform(1.0, 6.0)
-        fit.observe(n, tokens, 2e-3 + 0.1e-3 * n + 0.03e-3 * tokens)
-    a, b, c = fit.coefficients()
-    assert (a, b, c) == pytest.approx((2e-3, 0.1e-3, 0.03e-3), rel=0.02)
-    assert fit(16, 48) == pytest.approx(2e-3 + 1.6e-3 + 1.44e-3, rel=0.01)
+        shape = rng.uniform(3.0, 16.0)
+        fit.observe(shape, 2e-3 + 0.25e-3 * shape)
+    a, c = fit.coefficients()
+    assert (a, c) == pytest.approx((2e-3, 0.25e-3), rel=0.04)  # the ridge pulls the slope ~2% toward 0 here
+    assert fit(12.0) == pytest.approx(2e-3 + 3e-3, rel=0.01)
 
     falling = ExcessFit()
     for i in range(200):
-        tokens = 20 + i % 40
-        falling.observe(16, tokens, 6e-3 - 0.05e-3 * tokens)  # dearer the fewer tokens: noise, not a cost
-    a, b, c = falling.coefficients()
-    assert b == 0.0 and c == 0.0
+        shape = 4.0 + i % 12
+        falling.observe(shape, 6e-3 - 0.2e-3 * shape)  # dearer the shorter the step: noise, not a cost
+    a, c = falling.coefficients()
+    assert c == 0.0
     weights = [falling.decay ** (199 - i) for i in range(200)]  # the level: the mean excess, as decayed
-    mean = sum(w * (6e-3 - 0.05e-3 * (20 + i % 40)) for i, w in enumerate(weights)) / sum(weights)
+    mean = sum(w * (6e-3 - 0.2e-3 * (4.0 + i % 12)) for i, w in enumerate(weights)) / sum(weights)
     assert a == pytest.approx(mean, rel=1e-6)
 
 
 def test_a_batch_planners_excess_fit_keeps_a_shape_slope_where_its_steps_ran_one_depth() -> None:
-    """Steps of one depth alone (one shape, 13 ms, 16 sequences) that measured 8 ms beyond it: the batch planner's fit
-    (its shape slope ridged toward EXCESS_SHAPE_PRIOR) prices a shallower step's shape (5 ms) below the deep one's
-    excess by about the prior's slope, where a fit ridged toward 0 prices every shape at the same 8 ms (the constant
+    """Steps of one depth alone (one shape, 13 ms) whose drafts and passes measured 3 ms beyond it: the batch planner's
+    fit (its shape slope ridged toward EXCESS_SHAPE_PRIOR) prices a shallower step's shape (5 ms) below the deep one's
+    excess by about the prior's slope, where a fit ridged toward 0 prices every shape at the same 3 ms (the constant
     that made every shallower depth look dear). Spread data still moves the slope where it is. No noise: cannot
     flake."""
     from specdec.policy.estimates import EXCESS_SHAPE_PRIOR, ExcessFit, batch_excess_fit
 
     flat, planner = ExcessFit(), batch_excess_fit()
     for _ in range(200):
-        flat.observe(16, 13.0, 8e-3)
-        planner.observe(16, 13.0, 8e-3)
-    assert flat(16, 5.0) == pytest.approx(8e-3, rel=1e-3)
-    assert planner(16, 13.0) == pytest.approx(8e-3, rel=1e-3)
-    assert planner(16, 5.0) == pytest.approx(8e-3 - 8 * EXCESS_SHAPE_PRIOR, rel=0.02)
+        flat.observe(13.0, 3e-3)
+        planner.observe(13.0, 3e-3)
+    assert flat(5.0) == pytest.approx(3e-3, rel=1e-3)
+    assert planner(13.0) == pytest.approx(3e-3, rel=1e-3)
+    assert planner(5.0) == pytest.approx(3e-3 - 8 * EXCESS_SHAPE_PRIOR, rel=0.02)
     spread = batch_excess_fit()
     for i in range(300):
         shape = 4.0 + i % 12
-        spread.observe(16, shape, 3e-3 + 0.1e-3 * shape)
-    assert spread.coefficients()[2] == pytest.approx(0.1e-3, rel=0.1)  # the prior pulls it ~5% here
+        spread.observe(shape, -1e-3 + 0.1e-3 * shape)
+    assert spread.coefficients()[1] == pytest.approx(0.1e-3, rel=0.1)  # the prior pulls it ~5% here
+
+
+def test_a_batch_step_is_priced_as_its_shapes_their_excess_by_the_shape_and_a_rest_by_its_sequences() -> None:
+    """The two parts of what a server's steps cost beyond their quiet shapes, each learnt against its own size: the
+    drafts' and passes' excess grows with the shape (a share of the kernel's time goes to the event loop), the rest
+    with the sequences (commits, detokenising, messages). A server's levels run more sequences and longer steps
+    together: 4 sequences at depth 7 and 16 at depth 7, each step's kernel excess 20% of its shape less 0.5 ms and its
+    rest 0.3 + 0.1 ms a sequence. Priced, a 16-sequence step at depth 2 (never run) costs its shape, its excess at
+    that shape and the 16 sequences' rest; fitted as one line in both sizes the excess would have gone on either
+    size (the fit before session 59 put it on the sequences: that depth priced by the deep steps' excess). Seeded
+    data, no noise: cannot flake."""
+    from specdec.policy.estimates import EXCESS_WARM, StepCosts
+
+    policy = shaped_policy()
+    batch = policy.batch_costs
+
+    def shape(depth: int, n: int) -> float:
+        return batch.measured_shape(n * (depth + 1), depth, n)
+
+    def kernel_excess(s: float) -> float:
+        return 0.2 * s - 0.5e-3
+
+    for i in range(300):
+        n = 4 if i % 2 else 16
+        draft = batch.measured_shape(0, 7, n) - batch.measured_pass(0)
+        rows = n * 8
+        records = [
+            replace(
+                record_for(f"s{k}", i + 1, 7, 3),
+                other_time=0.3e-3 + 0.1e-3 * n,
+                draft_time=draft,
+                verify_time=batch.measured_pass(rows) + kernel_excess(shape(7, n)),
+                batch_size=n,
+                rows=rows,
+                drafting=n,
+                draft_passes=7,
+                draft_fed=2 * n,
+            )
+            for k in range(n)
+        ]
+        batch.observe_step(records)
+    assert batch.excess.weight >= EXCESS_WARM and batch.shaped_excess
+    price = batch.pricer(16, StepCosts())
+    for depth in (2, 7):
+        truth = shape(depth, 16) + kernel_excess(shape(depth, 16)) + 0.3e-3 + 1.6e-3
+        assert price(16 * (depth + 1), depth, 16) == pytest.approx(truth, rel=0.02)
+    assert batch.pricer(4, StepCosts())(8, 1, 4) == pytest.approx(
+        shape(1, 4) + kernel_excess(shape(1, 4)) + 0.7e-3, rel=0.02
+    )
 
 
 # Shapes measured apart from the steps, for the excess tests: a target pass by rows, a draft line by sequences.
@@ -854,7 +903,7 @@ def test_a_batch_plan_prices_its_steps_with_what_they_measured_beyond_the_curves
     assert policy._step_bias[1] == 0.0
     policy.learn()
     assert policy.batch_costs.other(16, 0.0) == pytest.approx(7e-3)  # the step's rest: not 0.4 ms, not 150 ms
-    assert policy._policy_time == pytest.approx([0.5e-3, 1.0])
+    assert policy.batch_costs.policy_time == pytest.approx([0.5e-3, 1.0])
     assert policy._step_bias[1] == pytest.approx(1.0)
     # 12 ms of draft and pass measured, 6 priced; its rest less the policy's work in it, plus that work's mean a step
     # before this one (none yet): 6.5 ms.
@@ -870,7 +919,7 @@ def test_a_batch_plan_prices_its_steps_with_what_they_measured_beyond_the_curves
     policy.observe_step(fresh)
     policy.learn()
     assert policy._step_bias[0] == pytest.approx(STEP_BIAS_DECAY**16 * 12.5e-3 + (1e-3 + 11e-3 + 8e-3 - price))
-    assert policy._policy_time == pytest.approx([POLICY_TIME_DECAY * 0.5e-3 + 3e-3, POLICY_TIME_DECAY + 1.0])
+    assert policy.batch_costs.policy_time == pytest.approx([POLICY_TIME_DECAY * 0.5e-3 + 3e-3, POLICY_TIME_DECAY + 1.0])
 
     biased = primed_for_batch(ctxs)
     biased._step_bias = [5 * 6e-3, 5.0]  # five steps' worth, 6 ms over their prices
@@ -893,7 +942,7 @@ def test_the_step_bias_is_left_out_where_steps_are_priced_by_their_measured_shap
     shaped.prime(MeasuredCosts(passes, {16: 1e-3}, draft_lines={16: (1e-3, 1e-3)}))
     assert shaped.batch_costs.shaped
     for _ in range(4):  # the steps' excess beyond their shapes, warm
-        shaped.batch_costs.excess.observe(16, 6.0, 1e-3)
+        shaped.batch_costs.excess.observe(6.0, 1e-3)
     assert shaped.batch_costs.shaped_excess
     shaped._step_bias = [5 * 6e-3, 5.0]
     assert shaped.step_bias() == 0.0

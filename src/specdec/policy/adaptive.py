@@ -74,7 +74,6 @@ DEPTH_MARGIN = 0.03
 # steps' worth is measured.
 STEP_BIAS_DECAY = 0.999
 STEP_BIAS_WARM = 4.0
-POLICY_TIME_DECAY = 0.97  # per batch step: the mean of the policy's own work spans a few replanning cycles
 DEPTH_PATIENCE = 3  # the batch planner prices depths up to this many beyond the last plan's
 
 
@@ -265,7 +264,6 @@ class AdaptivePolicy(Policy):
         self._explored_depth: int | None = None  # the depth planned at the last exploration, until the next plan
         self._batch_steps = 0  # steps planned for a batch (``plan``): its explorations come ``_explore_gap`` apart
         self._step_bias = [0.0, 0.0]  # decayed (measured - priced seconds, weight) of batch steps (``step_bias``)
-        self._policy_time = [0.0, 0.0]  # decayed (seconds, weight) of the policy's own work a batch step
         self._batch_planned = False  # a batch plan has been made: its steps teach the step bias
         # measured ÷ predicted goodput of the batch steps, by depth, one calibration per class of batch size
         # (``depth_calibration``): what the plans' prices miss the deeper they reach, and the more sequences drafting
@@ -774,17 +772,15 @@ class AdaptivePolicy(Policy):
             # A step of the batch plan being served, against its price at the rows it ran (a replayed plan's step
             # differs from the plan's), by the curves before its records teach them. Steps with prompt rows or a
             # draft's catch-up are left out: that work is a request's, once, not every step's (``plan`` keeps it out
-            # of the goodput too). The step's rest is its own less the policy's work in it, plus that work's mean
-            # a step: the policy replans once every REPLAN_EVERY steps (a fresh plan and the learning of the steps
-            # replayed before it, ~0.5 ms at 4 sequences), and an exploring step always comes with a fresh plan, so
-            # taken whole its depth measured ~10% slower than it ran and was not explored again; taken as priced
-            # (2026-11-25 to 26), what the rest grows by with the tokens a step makes (commits, detokenising, a
-            # server's messages: 0.15 ms a depth at 16 sequences through the server) was in no depth's measure.
+            # of the goodput too). The step's rest is its own with the policy's work in it at its mean
+            # (``BatchCosts.steady_rest_seconds``); taken as priced (2026-11-25 to 26), what the rest grows by with the
+            # tokens a step makes (commits, detokenising, a server's messages: 0.15 ms a depth at 16 sequences through
+            # the server) was in no depth's measure.
             batch_costs = self.batch_costs
             if steady is None:
                 rest = batch_costs.rest(step.batch_size, self.costs)
             else:
-                rest = steady.other_time - steady.policy_time + self._policy_time[0] / max(self._policy_time[1], 1e-9)
+                rest = batch_costs.steady_rest_seconds(steady)
             made = tokens_made(records)
             price = batch_costs.pricer(step.batch_size, self.costs)(step.rows, step.draft_passes, step.drafting)
             self._learn_step(
@@ -794,9 +790,6 @@ class AdaptivePolicy(Policy):
                 made,
                 sum(_expected_tokens(req, r.tau) for req, r in zip(reqs, records)),
             )
-        if steady is not None:
-            p = self._policy_time
-            p[0], p[1] = POLICY_TIME_DECAY * p[0] + steady.policy_time, POLICY_TIME_DECAY * p[1] + 1.0
         self.batch_costs.observe_step(records)  # one-sequence steps too: the low end of the cost curves
         if step.batch_size == 1 and (step.rows or step.tau + 1) == step.tau + 1:  # not a prompt's first step
             # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.

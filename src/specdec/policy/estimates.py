@@ -548,82 +548,80 @@ class CurveEWMA:
 
 
 EXCESS_WARM = 3.0  # steps' worth an ExcessFit needs before a batch plan prices with it
-EXCESS_SHAPE_UNIT = 1e3  # an ExcessFit's second size, a step's shape, in milliseconds (its ridge is in ms²)
-# The slope a batch planner's ExcessFit is ridged toward on the shape: a server's steps measured ~0.3 ms beyond their
-# shapes per ms of shape (16 clients, session 48; 4 clients, session 47). Ridged toward 0, steps of one depth alone
-# (a policy runs one, and explores one deeper) fitted the excess as a constant, which prices every shallower depth
-# too dear by as much as it amortises: after a server's lighter loads a policy at 16 clients held depths 5-6 at
-# 0.79-0.83x the tokens of τ = 2 (session 51). Data spread over depths moves the slope where it is.
-EXCESS_SHAPE_PRIOR = 0.3e-3  # seconds of excess per millisecond of shape
+EXCESS_SHAPE_UNIT = 1e3  # the kernel's ExcessFit's size, a step's shape, in milliseconds (its ridge is in ms²)
+# The slope a batch planner's kernel excess is ridged toward on the shape: a server's drafts and passes measured
+# 0.15-0.25 ms beyond their shapes per ms of shape (the event loop and the clients take the cores from the kernel for
+# a share of the step: a traced server at 1-16 clients, session 59; with the rest in it the whole excess grew ~0.3 ms
+# per ms, sessions 47-48). Ridged toward 0, steps of one depth alone (a policy runs one, and explores one deeper)
+# fitted the excess as a constant, which prices every shallower depth too dear by as much as it amortises: after a
+# server's lighter loads a policy at 16 clients held depths 5-6 at 0.79-0.83x the tokens of τ = 2 (session 51). Data
+# spread over shapes moves the slope where it is.
+EXCESS_SHAPE_PRIOR = 0.2e-3  # seconds of excess per millisecond of shape
+POLICY_TIME_DECAY = 0.97  # per batch step: the mean of the policy's own work spans a few replanning cycles
 
 
 def batch_excess_fit() -> ExcessFit:
-    """The ExcessFit a batch planner learns a step's excess with (its shape slope ridged toward EXCESS_SHAPE_PRIOR)."""
-    return ExcessFit(prior=(0.0, EXCESS_SHAPE_PRIOR))
+    """The ExcessFit a batch planner learns its drafts' and passes' excess with: by the step's shape in milliseconds,
+    its slope ridged toward EXCESS_SHAPE_PRIOR."""
+    return ExcessFit(prior=EXCESS_SHAPE_PRIOR)
+
+
+def rest_fit() -> ExcessFit:
+    """The ExcessFit a batch planner learns a step's rest with (all but its draft and pass): by the step's sequences,
+    its slope free (ridged weakly toward 0)."""
+    return ExcessFit(ridge=4.0)
 
 
 class ExcessFit:
-    """Seconds a step measures beyond the shapes of its pass and draft measured apart from the steps
-    (``BatchCosts.measured_passes`` and ``measured_lines``), as a line in two of the step's sizes, e(x1, x2) = a + b·x1
-    + c·x2 (the step's sequences and its shape in milliseconds): decayed least squares, b and c ridged toward `prior` and
+    """Seconds a step spends beyond what was measured apart from the steps, as a line in one of the step's sizes,
+    e(x) = a + c·x: decayed least squares, c ridged toward ``prior`` (``ridge`` is in the size's units squared) and
     kept at 0 or above (a machine's noise must not make a size look cheaper the larger it is).
 
-    A server's steps cost more than their shapes measured quietly: its event loop streams the last step's tokens while
-    the pass and the draft run, and its rest between steps commits them (at 16 sequences on 2 cores, ~3.6 ms beyond a
-    plain step's shapes, ~4 beyond a depth-2 step's and 5-6 beyond depths 3-5, the draft's part landing on the pass
-    when nothing drafts). Learnt size by size (the curves), each size kept what it cost when last run, and sizes not
-    run again (a start's cold passes: 48 rows priced at 10.7 ms where they take 7.7) priced the shallow depths out
-    (``docs/policy.md``, session 33); learnt as one excess over every step, part of it grows with the step: traced
-    servers measured it at 3.25 ms beyond τ = 3's shapes and 5.2-7.4 beyond depths 7-8 (4 clients, session 47), ~7.3
-    beyond shapes of 6.5-7.8 ms and ~9 beyond shapes of ~13 ms (16 clients, session 48), so a constant fitted on the
-    deep steps a policy runs priced the shallow depths 30-40% too dear, and they were never run to correct it. Its
-    second size was the tokens a step makes (the rest commits and detokenises them): within a depth they move with
-    acceptance, not with the cost, and the fit found no slope there (``docs/policy.md``, session 48). ``prior``: what
-    the slopes are ridged toward (a batch planner's: ``batch_excess_fit``)."""
+    A batch planner keeps two (``BatchCosts``): its drafts' and passes' time beyond their shapes measured quietly, by
+    the shape (a server's event loop streams the last step's tokens and its clients send the next requests while the
+    kernel runs, taking the cores from it for a share of the step), and a step's rest, by its sequences (commits,
+    detokenising, the server's messages: a cost per sequence). Fitted as one line in both sizes (until session 59) the
+    two were one excess, and sizes that grow together (a server's busier levels run more sequences and longer steps)
+    left the fit free to put it all on either: traced at 1-16 clients, it put 0.2-0.4 ms on each sequence and none on
+    the shape, priced a 16-sequence step of depth 2 at 13 ms where such steps took 8.3 (depth 7: 20 against 19), and
+    the plans held depth 7 at 0.8x the tokens of τ = 2 or 3. Learnt size by size (the curves), each size kept what it
+    cost when last run, and sizes not run again (a start's cold passes: 48 rows priced at 10.7 ms where they take 7.7)
+    priced the shallow depths out (``docs/policy.md``, session 33); learnt as a level, a constant fitted on the deep
+    steps a policy runs priced the shallow depths 30-40% too dear (sessions 47-48), and they were never run to
+    correct it."""
 
-    def __init__(
-        self, decay: float = 0.98, ridge: tuple[float, float] = (4.0, 16.0), prior: tuple[float, float] = (0.0, 0.0)
-    ) -> None:
+    def __init__(self, decay: float = 0.98, ridge: float = 16.0, prior: float = 0.0) -> None:
         self.decay, self.ridge, self.prior = decay, ridge, prior
-        # decayed Σ of w, x1, x2, y, x1², x1·x2, x2², x1·y, x2·y
-        self._sums = [0.0] * 9
-        self._fit: tuple[float, float, float] | None = None
+        self._sums = [0.0] * 5  # decayed Σ of w, x, y, x², x·y
+        self._fit: tuple[float, float] | None = None
 
     @property
     def weight(self) -> float:
         return self._sums[0]
 
-    def observe(self, x1: float, x2: float, seconds: float) -> None:
+    def observe(self, x: float, seconds: float) -> None:
         self._fit = None
         keep, s = self.decay, self._sums
-        for i, v in enumerate((1.0, x1, x2, seconds, x1 * x1, x1 * x2, x2 * x2, x1 * seconds, x2 * seconds)):
+        for i, v in enumerate((1.0, x, seconds, x * x, x * seconds)):
             s[i] = keep * s[i] + v
 
-    def coefficients(self) -> tuple[float, float, float]:
-        """(a, b, c), refitted after an observation."""
+    def coefficients(self) -> tuple[float, float]:
+        """(a, c), refitted after an observation."""
         if self._fit is not None:
             return self._fit
-        n, s1, s2, sy, s11, s12, s22, s1y, s2y = self._sums
+        n, sx, sy, sxx, sxy = self._sums
         if n <= 0.0:
-            return 0.0, 0.0, 0.0
-        m1, m2, my = s1 / n, s2 / n, sy / n
-        # centred (co)variances times n, each slope's ridge added to its own, toward its prior
-        (r1, r2), (p1, p2) = self.ridge, self.prior
-        v11, v12, v22 = s11 - n * m1 * m1 + r1, s12 - n * m1 * m2, s22 - n * m2 * m2 + r2
-        c1, c2 = s1y - n * m1 * my + r1 * p1, s2y - n * m2 * my + r2 * p2
-        det = v11 * v22 - v12 * v12
-        b, c = (c1 * v22 - c2 * v12) / det, (c2 * v11 - c1 * v12) / det
-        if b < 0.0 or c < 0.0:  # one slope alone (the other at 0), the better of the two that stay at 0 or above
-            b1, c2_ = max(c1 / v11, 0.0), max(c2 / v22, 0.0)
-            gain_b = b1 * (2 * c1 - b1 * v11)  # what each slope alone takes off the squared residuals
-            gain_c = c2_ * (2 * c2 - c2_ * v22)
-            b, c = (b1, 0.0) if gain_b >= gain_c else (0.0, c2_)
-        self._fit = (my - b * m1 - c * m2, b, c)
+            return 0.0, 0.0
+        mx, my = sx / n, sy / n
+        # centred variance and covariance times n, the ridge added toward the prior slope
+        c = (sxy - n * mx * my + self.ridge * self.prior) / (sxx - n * mx * mx + self.ridge)
+        c = max(c, 0.0)
+        self._fit = (my - c * mx, c)
         return self._fit
 
-    def __call__(self, x1: float, x2: float) -> float:
-        a, b, c = self.coefficients()
-        return a + b * x1 + c * x2
+    def __call__(self, x: float) -> float:
+        a, c = self.coefficients()
+        return a + c * x
 
 
 DRAFT_ROW_GROWTH = 0.05  # until measured: a lockstep draft forward costs 5% more per further sequence
@@ -744,8 +742,12 @@ class BatchCosts:
     # by rows, a target pass.
     measured_lines: dict[int, tuple[float, float]] = field(default_factory=dict)
     measured_passes: dict[int, float] = field(default_factory=dict)
-    # What the steps measure beyond those shapes, by sequences and the shape's milliseconds (``ExcessFit``).
+    # What the steps measure beyond those shapes (``ExcessFit``): their drafts and passes by the shape's milliseconds,
+    # their rest by sequences.
     excess: ExcessFit = field(default_factory=batch_excess_fit)
+    rests: ExcessFit = field(default_factory=rest_fit)
+    # decayed (seconds, weight) of the policy's own work in a batch step's rest (``steady_rest_seconds``)
+    policy_time: list[float] = field(default_factory=lambda: [0.0, 0.0])
 
     def observe(self, record: StepRecord) -> None:
         """A record alone: a step of its own (a batched step's records come together, ``observe_step``)."""
@@ -760,8 +762,9 @@ class BatchCosts:
         every step of a server at 7 clients 2-7 ms too high, and a step's fixed cost amortised over more tokens made
         the batch plans go deeper than paid: docs/policy.md), and one admitted just before the step only the moment
         since (taken as the least, 0.4 ms where a 16-sequence server's steps had 1.2-2 ms). A step of first steps
-        only leaves the rest unlearnt. Where the shapes were measured (``shaped``), a steady step (its rest known, no
-        prompt rows, no draft catch-up) also teaches ``excess`` what it cost beyond them."""
+        only leaves the rest unlearnt. Where the shapes were measured (``shaped``), a steady step of a batch (its rest
+        known, no prompt rows, no draft catch-up) also teaches ``excess`` what its draft and pass cost beyond them and
+        ``rests`` its rest (``steady_rest_seconds``)."""
         step = records[0]
         self.verify.observe(step.rows or step.tau + 1, step.verify_time)
         passes = step.draft_passes or step.tau
@@ -772,10 +775,23 @@ class BatchCosts:
         steady = steady_rest(records)
         if steady is not None:
             self.other.observe(max(1, step.batch_size), steady.other_time)
-        if self.shaped and steady is not None and steady_draft(step):
+        if steady is None or step.batch_size < 2:
+            return
+        if self.shaped and steady_draft(step):
             shape = self.measured_shape(step.rows or step.tau + 1, passes, step.drafting)
-            measured = step.draft_time + step.verify_time + steady.other_time
-            self.excess.observe(max(1, step.batch_size), shape * EXCESS_SHAPE_UNIT, measured - shape)
+            self.excess.observe(shape * EXCESS_SHAPE_UNIT, step.draft_time + step.verify_time - shape)
+            self.rests.observe(step.batch_size, self.steady_rest_seconds(steady))
+        p = self.policy_time
+        p[0], p[1] = POLICY_TIME_DECAY * p[0] + steady.policy_time, POLICY_TIME_DECAY * p[1] + 1.0
+
+    def steady_rest_seconds(self, steady: StepRecord) -> float:
+        """A batch step's rest (``steady_rest``'s record's) as a plan prices it: less the policy's own work in it, plus
+        that work's mean a step (``policy_time``, learnt from the batch steps before). The policy replans once every
+        few steps (a fresh plan and the learning of the steps replayed before it, ~0.5 ms at 4 sequences), and an
+        exploring step always comes with a fresh plan: taken whole, its depth measured ~10% slower than it ran and
+        was not explored again."""
+        p = self.policy_time
+        return steady.other_time - steady.policy_time + p[0] / max(p[1], 1e-9)
 
     @property
     def granule(self) -> int:
@@ -853,14 +869,14 @@ class BatchCosts:
 
         Where the shapes were measured apart from the steps (``prime``) and the steps have measured enough beyond
         them, a step is its pass's and its draft's measured shapes plus what the steps measure beyond those
-        (``excess``, by the step's sequences and shape); otherwise its pass, draft and rest from the curves the
+        (``excess``, by the shape) and its rest (``rests``, by its sequences); otherwise its pass, draft and rest from the curves the
         steps taught, size by size."""
         if self.shaped_excess:
-            excess = self.excess
+            excess, rest = self.excess, max(self.rests(sequences), 0.0)
 
             def shaped(rows: int, depth: int, drafting: int) -> float:
                 shape = self.measured_shape(rows, depth, drafting)
-                return max(shape + excess(sequences, shape * EXCESS_SHAPE_UNIT), 1e-9)
+                return max(shape + excess(shape * EXCESS_SHAPE_UNIT), 1e-9) + rest
 
             return shaped
         v0, v1 = solo.line()
