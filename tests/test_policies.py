@@ -806,6 +806,27 @@ def test_a_drafting_batch_explores_one_deeper_and_halfway_down_in_turn() -> None
     assert not any(a and b for a, b in zip(up, up[1:])), explored
 
 
+def test_with_row_groups_a_look_down_lands_where_the_next_depth_would_begin_a_group() -> None:
+    """Where a pass pays for each group of 16 rows it begins (the AMX build), an exploration below the depth looks at
+    the deepest depth at most halfway down whose next depth begins a further group: 4 sequences at depth 7 (32 rows,
+    two groups) look at depth 3 (16 rows, one group), not at 4 (20 rows: a second group for 4 more rows, the price of
+    depth 7's pass for fewer tokens), and from depth 9 at 3 too; 16 sequences at depth 7 at 4 (80 rows, five groups
+    full), at depth 3 at 2; 5 sequences at depth 7 at 2 (15 rows). Without groups, halfway down. Deterministic."""
+    from specdec.policy.adaptive import _look_down
+
+    def rows(n: int, other: int = 0) -> list[int]:
+        return [other + n * (d + 1) for d in range(12)]
+
+    assert _look_down(rows(4), 7, 16) == 3
+    assert _look_down(rows(4), 9, 16) == 3
+    assert _look_down(rows(16), 7, 16) == 4
+    assert _look_down(rows(16), 3, 16) == 2
+    assert _look_down(rows(5), 7, 16) == 2
+    assert _look_down(rows(1), 7, 16) == 4  # every depth in one group: halfway
+    assert _look_down(rows(4), 7, 0) == 4 and _look_down(rows(16), 3, 0) == 2
+    assert _look_down(rows(4, other=6), 7, 16) == 1  # another policy's 6 rows: depth 2's 18 rows begin a second group
+
+
 def test_a_batchs_explorations_space_out_while_they_confirm_its_depth_and_come_back_when_it_moves() -> None:
     """An exploring step runs a depth predicted worse than the plan's. While the plan after one keeps the depth, the
     next comes twice as many steps later than the last did, up to EXPLORE_EVERY_SETTLED; a plan that moves the depth
