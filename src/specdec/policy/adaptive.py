@@ -273,6 +273,8 @@ class AdaptivePolicy(Policy):
         self._reuse: dict[str, Decision] = {}  # the last batch plan, by request
         self._joined: dict[str, Decision] = {}  # ... and the decisions of requests that joined its replays since
         self._reuse_until = 0  # ... replayed through this batch step
+        # the plan's exploring depth and its requests' decisions there, for the plan's next step
+        self._explore_next: tuple[int, dict[str, Decision]] | None = None
         self._explored = 0  # the batch step that last explored (one deeper, or halfway down: ``plan``)
         self._explore_down = False  # the next exploration looks halfway down (they alternate)
         self._explore_gap = EXPLORE_EVERY  # batch steps from one exploration to the next (``plan``)
@@ -483,6 +485,7 @@ class AdaptivePolicy(Policy):
         self._batch_steps += 1
         if self._batch_steps <= self._reuse_until and abs(len(ctxs) - len(self._reuse)) * 4 <= len(self._reuse):
             return self._replay(ctxs, n)
+        self._explore_next = None  # a plan's exploration not run (its next step was planned afresh): dropped
         self.learn()
         reqs: list[_Request] = []
         own: list[Decision | None] = []
@@ -585,19 +588,27 @@ class AdaptivePolicy(Policy):
             else:
                 self._explore_gap = EXPLORE_EVERY
             self._explored_depth = None
-        explore = False
+        # A batch that replays its plan (REPLAN_MIN sequences or more) explores on the step after the plan's, from the
+        # depth it replays (``steady``): the plan's own step carries the policy's fresh plan and its learning of the
+        # steps replayed before it (0.5-1.8 ms of the worker's Python at 4-16 sequences through a server, the event
+        # loop's backlog then running beside the next pass), and in five traced servers such steps' drafts and passes
+        # measured 0-15% slower than the replayed steps' at the same batch and depth: a bias against every depth
+        # explored.
+        reuse = len(ctxs) >= REPLAN_MIN
+        base, base_rates = (steady, steady_rates) if reuse else (depth, rates)
+        explore, target = False, base
         if self._batch_steps - self._explored >= self._explore_gap:
-            up = depth + 1 < len(by_depth) and (
-                rates[depth + 1] >= 0.9 * rates[depth] or depth == 0 or not self.batch_costs.draft_forward.seen
+            up = base + 1 < len(by_depth) and (
+                base_rates[base + 1] >= 0.9 * base_rates[base] or base == 0 or not self.batch_costs.draft_forward.seen
             )
-            down = depth >= 2
+            down = base >= 2
             if down and (self._explore_down or not up):
                 rows = [other_rows + sum(taus) + len(taus) for taus in by_depth]
-                depth, explore, self._explore_down = _look_down(rows, depth, self.batch_costs.granule), True, False
+                target, explore, self._explore_down = _look_down(rows, base, self.batch_costs.granule), True, False
             elif up:
-                depth, explore, self._explore_down = depth + 1, True, True
+                target, explore, self._explore_down = base + 1, True, True
             if explore:
-                self._explored = self._batch_steps
+                self._explored = self._batch_steps  # (the plan's step: explorations come whole plans apart)
                 self._explored_depth = steady
         self._batch_depth = steady
         self._batch_planned = True
@@ -639,15 +650,18 @@ class AdaptivePolicy(Policy):
                     out.append(Decision(tau, reason))
             return out
 
-        out = decisions(depth, explore)
         # A batch of REPLAN_MIN or more keeps this plan for the next REPLAN_EVERY - 1 steps at its steady depth (without
-        # an exploring step's further token, and without this step's prompt rows): its inputs move slowly, and
+        # this step's prompt rows), the first of them exploring where this plan explores: its inputs move slowly, and
         # re-deriving them costs tens of microseconds per request.
-        reuse = len(ctxs) >= REPLAN_MIN
-        kept_plan = decisions(steady, False, replayed=True) if reuse and (explore or steady != depth) else out
+        now = explore and not reuse  # a batch that does not replay explores on the plan's own step
+        out = decisions(target if now else depth, now)
+        kept_plan = decisions(steady, False, replayed=True) if reuse and steady != depth else out
         self._reuse = {ctx.request_id: d for ctx, d in zip(ctxs, kept_plan)}
         self._joined = {}
         self._reuse_until = self._batch_steps + (REPLAN_EVERY - 1 if reuse else 0)
+        if explore and reuse:
+            explored = decisions(target, True, replayed=True)
+            self._explore_next = target, {ctx.request_id: d for ctx, d in zip(ctxs, explored)}
         return out
 
     def _batch_horizon(self) -> int:
@@ -668,6 +682,14 @@ class AdaptivePolicy(Policy):
         since the batch's depth without a stop rule, a budget-bound one its own decision afresh."""
         out = []
         reuse, joined = self._reuse, self._joined
+        # The plan's exploration, on its first replayed step: its requests at the depth explored, and so a request that
+        # joins there (with more requests than ``max_batch`` the steps rotate, and the plan's next step may hold none of
+        # its requests: 32 clients at a batch of 16).
+        pending, self._explore_next = self._explore_next, None
+        exploring = None
+        if pending is not None:
+            exploring, explored = pending
+            reuse = {**reuse, **explored}
         for ctx in ctxs:
             req = self._request(ctx)
             d = reuse.get(ctx.request_id)
@@ -688,6 +710,10 @@ class AdaptivePolicy(Policy):
                 self._plan_in_batch(req, ctx, min(self._batch_horizon(), ctx.max_tau))
                 d = Decision(min(self._batch_depth, self.max_tau, ctx.max_tau), f"batch of {n}: joined, at its depth")
                 joined[ctx.request_id] = d
+                if exploring is not None:
+                    d = Decision(
+                        min(exploring, self.max_tau, ctx.max_tau), f"batch of {n}: joined, explore; at {exploring}"
+                    )
             else:
                 req.steps += 1
                 if d.tau > ctx.max_tau:

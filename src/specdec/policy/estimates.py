@@ -762,8 +762,8 @@ class BatchCosts:
         every step of a server at 7 clients 2-7 ms too high, and a step's fixed cost amortised over more tokens made
         the batch plans go deeper than paid: docs/policy.md), and one admitted just before the step only the moment
         since (taken as the least, 0.4 ms where a 16-sequence server's steps had 1.2-2 ms). A step of first steps
-        only leaves the rest unlearnt. Where the shapes were measured (``shaped``), a steady step of a batch (its rest
-        known, no prompt rows, no draft catch-up) also teaches ``excess`` what its draft and pass cost beyond them and
+        only leaves the rest unlearnt. Where the shapes were measured (``shaped``), a steady step (its rest known, no
+        prompt rows, no draft catch-up) also teaches ``excess`` what its draft and pass cost beyond them and
         ``rests`` its rest (``steady_rest_seconds``)."""
         step = records[0]
         self.verify.observe(step.rows or step.tau + 1, step.verify_time)
@@ -775,21 +775,26 @@ class BatchCosts:
         steady = steady_rest(records)
         if steady is not None:
             self.other.observe(max(1, step.batch_size), steady.other_time)
-        if steady is None or step.batch_size < 2:
+        if steady is None:
             return
         if self.shaped and steady_draft(step):
+            # one-sequence steps too: a server's first batch plans then price with what its lone requests measured
             shape = self.measured_shape(step.rows or step.tau + 1, passes, step.drafting)
             self.excess.observe(shape * EXCESS_SHAPE_UNIT, step.draft_time + step.verify_time - shape)
-            self.rests.observe(step.batch_size, self.steady_rest_seconds(steady))
-        p = self.policy_time
-        p[0], p[1] = POLICY_TIME_DECAY * p[0] + steady.policy_time, POLICY_TIME_DECAY * p[1] + 1.0
+            self.rests.observe(max(1, step.batch_size), self.steady_rest_seconds(steady))
+        if step.batch_size > 1:  # a lone request plans every step: its work is in its own rest
+            p = self.policy_time
+            p[0], p[1] = POLICY_TIME_DECAY * p[0] + steady.policy_time, POLICY_TIME_DECAY * p[1] + 1.0
 
     def steady_rest_seconds(self, steady: StepRecord) -> float:
-        """A batch step's rest (``steady_rest``'s record's) as a plan prices it: less the policy's own work in it, plus
-        that work's mean a step (``policy_time``, learnt from the batch steps before). The policy replans once every
+        """A step's rest (``steady_rest``'s record's) as a plan prices it: a batch step's less the policy's own work in
+        it, plus that work's mean a batch step (``policy_time``, learnt from the batch steps before); a lone request's
+        as measured (it plans every step). The policy replans once every
         few steps (a fresh plan and the learning of the steps replayed before it, ~0.5 ms at 4 sequences), and an
         exploring step always comes with a fresh plan: taken whole, its depth measured ~10% slower than it ran and
         was not explored again."""
+        if steady.batch_size < 2:
+            return steady.other_time
         p = self.policy_time
         return steady.other_time - steady.policy_time + p[0] / max(p[1], 1e-9)
 
