@@ -275,8 +275,8 @@ class AdaptivePolicy(Policy):
         self._reuse_until = 0  # ... replayed through this batch step
         # the plan's exploring depth and its requests' decisions there, for the plan's next step
         self._explore_next: tuple[int, dict[str, Decision]] | None = None
-        self._explored = 0  # the batch step that last explored (one deeper, or halfway down: ``plan``)
-        self._explore_down = False  # the next exploration looks halfway down (they alternate)
+        self._explored = 0  # the batch step whose plan last explored (one deeper, or down: ``plan``)
+        self._explore_down = False  # the next exploration looks down (they alternate)
         self._explore_gap = EXPLORE_EVERY  # batch steps from one exploration to the next (``plan``)
         self._explored_depth: int | None = None  # the depth planned at the last exploration, until the next plan
         self._batch_steps = 0  # steps planned for a batch (``plan``): its explorations come ``_explore_gap`` apart
@@ -515,11 +515,13 @@ class AdaptivePolicy(Policy):
 
         price = self.batch_costs.pricer(n, self.costs)
 
+        def rows_of(taus: list[int], prompt_rows: int = 0) -> int:  # the pass's rows (the other sequences' too)
+            return other_rows + prompt_rows + sum(taus) + len(taus)
+
         def priced(taus: list[int], prompt_rows: int = prompt_rows) -> tuple[float, float]:  # expected tokens, seconds
-            rows = other_rows + prompt_rows + sum(taus) + len(taus)
             got = sum(g[t] for g, t in zip(gains, taus))
             # the other sequences' rows make a token each at least
-            return got, price(rows, max(taus, default=0), len(taus) - taus.count(0))
+            return got, price(rows_of(taus, prompt_rows), max(taus, default=0), len(taus) - taus.count(0))
 
         # The prompt rows' own seconds (what they add to a plain pass of the others' rows): in every depth's step.
         sunk = 0.0
@@ -572,9 +574,9 @@ class AdaptivePolicy(Policy):
         # A plain batch looks one deeper whatever predicted: drafting costs learnt at a bad moment (a cold start, a
         # busy machine) would otherwise never be measured again, and a server at 4 clients stayed plain for good
         # at 0.55x the speed of drafting 3 tokens.
-        # Every other exploration looks halfway down instead (a drafting depth of 2 or more; whatever predicted): the
-        # excess a server's steps cost beyond their measured shapes (``ExcessFit``) is fitted on the shapes the steps
-        # run, and from deep steps alone, one deeper now and then, its slope was shrunk to a level that priced every
+        # Every other exploration looks down instead, halfway or to a row group's edge (``_look_down``; a drafting
+        # depth of 2 or more; whatever predicted): the excess a server's steps cost beyond their measured shapes
+        # (``ExcessFit``) is fitted on the shapes the steps run, and from deep steps alone, one deeper now and then, its slope was shrunk to a level that priced every
         # shallow depth too dear. Through a server at 16 clients a plan went from depth 3 to 7-8 within its first
         # plans, priced depth 3 at 22 ms a step where τ = 3's steps took 15, and stayed there (0.83-0.92x τ = 3 in four
         # load tests); a step at half the depth spreads the shapes the slope is learnt from.
@@ -603,7 +605,7 @@ class AdaptivePolicy(Policy):
             )
             down = base >= 2
             if down and (self._explore_down or not up):
-                rows = [other_rows + sum(taus) + len(taus) for taus in by_depth]
+                rows = [rows_of(taus) for taus in by_depth]
                 target, explore, self._explore_down = _look_down(rows, base, self.batch_costs.granule), True, False
             elif up:
                 target, explore, self._explore_down = base + 1, True, True

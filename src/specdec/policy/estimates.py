@@ -789,10 +789,10 @@ class BatchCosts:
     def steady_rest_seconds(self, steady: StepRecord) -> float:
         """A step's rest (``steady_rest``'s record's) as a plan prices it: a batch step's less the policy's own work in
         it, plus that work's mean a batch step (``policy_time``, learnt from the batch steps before); a lone request's
-        as measured (it plans every step). The policy replans once every
-        few steps (a fresh plan and the learning of the steps replayed before it, ~0.5 ms at 4 sequences), and an
-        exploring step always comes with a fresh plan: taken whole, its depth measured ~10% slower than it ran and
-        was not explored again."""
+        as measured (it plans every step). A batch's policy replans once every few steps (a fresh plan and the learning
+        of the steps replayed before it, ~0.5 ms at 4 sequences): taken whole, the steps planned afresh measured their
+        depth ~10% slower than it ran (while explorations ran on those steps, a depth explored was not explored
+        again)."""
         if steady.batch_size < 2:
             return steady.other_time
         p = self.policy_time
@@ -874,8 +874,8 @@ class BatchCosts:
 
         Where the shapes were measured apart from the steps (``prime``) and the steps have measured enough beyond
         them, a step is its pass's and its draft's measured shapes plus what the steps measure beyond those
-        (``excess``, by the shape) and its rest (``rests``, by its sequences); otherwise its pass, draft and rest from the curves the
-        steps taught, size by size."""
+        (``excess``, by the shape) and its rest (``rests``, by its sequences); otherwise its pass, draft and rest from
+        the curves the steps taught, size by size."""
         if self.shaped_excess:
             excess, rest = self.excess, max(self.rests(sequences), 0.0)
 
