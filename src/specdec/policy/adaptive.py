@@ -198,6 +198,22 @@ def _shift_terms(rates: list[float]) -> list[tuple[float, float]]:
     return out
 
 
+def _count(rates: PositionRates, tau: int, n_accepted: int) -> None:
+    """``rates.update(tau, n_accepted)``, inline (``AdaptivePolicy._learn_outcomes``): the same arithmetic."""
+    rates.version += 1
+    decay, wins, trials = rates.decay, rates.wins, rates.trials
+    tested = n_accepted + 1 if n_accepted < tau else tau
+    if tested > rates.max_pos:
+        tested = rates.max_pos
+    passed = n_accepted if n_accepted < tested else tested
+    for k in range(passed):
+        wins[k] = decay * wins[k] + 1.0
+        trials[k] = decay * trials[k] + 1.0
+    if passed < tested:  # the first rejected
+        wins[passed] = decay * wins[passed]
+        trials[passed] = decay * trials[passed] + 1.0
+
+
 @dataclass
 class _Plan:
     rates: list[float]  # conditional acceptance by draft position 1..K
@@ -839,49 +855,68 @@ class AdaptivePolicy(Policy):
             # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.
             forwards = step.tau if steady_draft(step) else 0  # a switch's catch-up is not a depth's cost
             self.costs.observe(step.tau, forwards, step.draft_time, step.verify_time, step.other_time)
+        self._learn_outcomes(reqs, records)
+
+    def _learn_outcomes(self, reqs: Sequence[_Request | None], records: Sequence[StepRecord]) -> None:
+        """Each drafted record's outcome, in order: acceptance by position (shared and the request's own), the shift
+        test against the rates the step was planned with, a probe's backoff, the A/B of the stop rule, the draft's
+        confidence.
+
+        One loop over a step's records with the counts updated in place (``PositionRates.update`` and
+        ``ConfidenceCalibration.update``'s arithmetic, in the same order): a batch step's learning is 16 records or
+        more of a few positions each, and calls and lookups per record were most of it (the policy's work is Python
+        the step's thread runs between the kernel's calls, with the GIL held: docs/policy.md, session 60)."""
+        glob, buckets, calibration = self.global_rates, self.bucket_rates, self.calibration
+        cal_wins, cal_trials, cal_decay = calibration.wins, calibration.trials, calibration.decay
         for req, record in zip(reqs, records):
-            if record.tau:
-                self._learn_outcome(req, record)
-
-    def _learn_outcome(self, req: _Request | None, record: StepRecord) -> None:
-        """A drafted record's outcome: acceptance by position (shared and the request's own), the shift test against
-        the rates the step was planned with, a probe's backoff, the A/B of the stop rule, the draft's confidence."""
-        tau, n_accepted = record.tau, record.n_accepted
-        if req is not None and req.arm is not None:
-            self.arms.observe(req.arm, len(record.emitted), record.total_time)
-        tested = min(n_accepted + 1, tau)
-        # The rates the step was planned with (the plan's; else derived now, before this outcome is counted).
-        if req is None:
-            terms = []
-        elif req.plan is not None and len(req.plan.rates) >= tested:
-            terms = req.plan.shift_terms()[:tested]
-        else:
-            terms = _shift_terms(self.rates(req, tested))
-        self.global_rates.update(tau, n_accepted)
-        if req is not None:
-            self.bucket_rates[req.bucket].update(tau, n_accepted)
-            req.rates.update(tau, n_accepted)
-            self._detect_shift(req, record, terms)
-            if req.probing:
-                req.probing = False
-                # All accepted: probe again at once; some: soon; none: back off further.
-                if n_accepted == tau:
-                    req.backoff = 1
+            tau = record.tau
+            if not tau:
+                continue
+            n_accepted = record.n_accepted
+            tested = n_accepted + 1 if n_accepted < tau else tau
+            if req is None:
+                _count(glob, tau, n_accepted)
+            else:
+                if req.arm is not None:
+                    self.arms.observe(req.arm, len(record.emitted), record.total_time)
+                # The rates the step was planned with (the plan's; else derived now, before this outcome is counted).
+                plan = req.plan
+                if plan is not None and len(plan.rates) >= tested:
+                    terms = plan.shift_terms()
                 else:
-                    req.backoff = self.min_backoff if n_accepted else min(2 * req.backoff, self.max_backoff)
-        if record.draft_token_probs:
-            self.calibration.update(record.draft_token_probs, tau, n_accepted)
+                    terms = _shift_terms(self.rates(req, tested))
+                _count(glob, tau, n_accepted)
+                _count(buckets[req.bucket], tau, n_accepted)
+                _count(req.rates, tau, n_accepted)
+                self._detect_shift(req, record, terms, tested)
+                if req.probing:
+                    req.probing = False
+                    # All accepted: probe again at once; some: soon; none: back off further.
+                    if n_accepted == tau:
+                        req.backoff = 1
+                    else:
+                        req.backoff = self.min_backoff if n_accepted else min(2 * req.backoff, self.max_backoff)
+            probs = record.draft_token_probs
+            if probs:  # ConfidenceCalibration.update
+                calibration._likelihoods = None
+                for k in range(tested if tested < len(probs) else len(probs)):
+                    b = int(probs[k] * 10)
+                    if b > 9:
+                        b = 9
+                    cal_wins[b] = cal_decay * cal_wins[b] + (1.0 if k < n_accepted else 0.0)
+                    cal_trials[b] = cal_decay * cal_trials[b] + 1.0
 
-    def _detect_shift(self, req: _Request, record: StepRecord, terms: list[tuple[float, float]]) -> None:
+    def _detect_shift(self, req: _Request, record: StepRecord, terms: list[tuple[float, float]], tested: int) -> None:
         """Two-sided Bernoulli CUSUM on the positions this step tested, against the rates it was planned
-        with (``terms``: ``_shift_terms`` of them): a stretch where the draft does much better or worse (code <->
+        with (``terms``: ``_shift_terms`` of them, the first ``tested`` read): a stretch where the draft does much better or worse (code <->
         prose) is flagged within 2-3 outcomes, and the request's own statistics restart from the steps since the
         shift began."""
         # The alternative q = σ(logit p ± SHIFT) = p·e^±S / (1 − p + p·e^±S), so the log-likelihood ratios are
         # log(q/p) = ±S − L± for a pass and log((1 − q)/(1 − p)) = −L± for a failure, L± = log(1 + p·(e^±S − 1)).
         up, down = req.cusum_up, req.cusum_down
         passed = record.n_accepted
-        for k, (l_up, l_down) in enumerate(terms):
+        for k in range(tested):
+            l_up, l_down = terms[k]
             if k < passed:
                 up, down = up + SHIFT - l_up, down - SHIFT - l_down
             else:
