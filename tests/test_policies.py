@@ -540,6 +540,27 @@ def test_a_batch_planners_excess_fit_keeps_a_shape_slope_where_its_steps_ran_one
     assert spread.coefficients()[1] == pytest.approx(0.1e-3, rel=0.1)  # the prior pulls it ~5% here
 
 
+def test_a_first_batch_after_lone_requests_prices_its_rest_as_a_share_more_per_sequence_not_proportionally() -> None:
+    """A server's lone requests teach the rest of a one-sequence step (0.6 ms here); the first batch of 16 that follows
+    has no rest of its own measured yet. Priced proportionally (16 x 0.6 = 9.6 ms), every plain or shallow step looked
+    as dear as that fixed cost, and a fresh server's first plans at 16 clients went 5-7 deep; a step of 16 sequences
+    rests 1.2-1.6 ms through a server. Each further sequence adds REST_SEQUENCE_GROWTH of a lone one's rest until
+    measured; a measured size still reads as measured. Deterministic."""
+    from specdec.policy.estimates import REST_SEQUENCE_GROWTH, BatchCosts, StepCosts
+
+    costs = BatchCosts()
+    for step in range(1, 6):
+        costs.observe_step([replace(record_for("lone", step, 2, 2), other_time=0.6e-3, batch_size=1, rows=3)])
+    rest = costs.rest(16, StepCosts())
+    assert rest == pytest.approx(0.6e-3 * (1 + REST_SEQUENCE_GROWTH * 15), rel=0.05)
+    assert 1.0e-3 < rest < 2.5e-3
+    for step in range(6, 12):  # a batch of 16's own rests, once measured, are what it reads
+        costs.observe_step(
+            [replace(record_for(f"s{k}", step, 2, 2), other_time=1.4e-3, batch_size=16, rows=48) for k in range(16)]
+        )
+    assert costs.rest(16, StepCosts()) == pytest.approx(1.4e-3, rel=0.05)
+
+
 def test_a_batch_step_is_priced_as_its_shapes_their_excess_by_the_shape_and_a_rest_by_its_sequences() -> None:
     """The two parts of what a server's steps cost beyond their quiet shapes, each learnt against its own size: the
     drafts' and passes' excess grows with the shape (a share of the kernel's time goes to the event loop), the rest

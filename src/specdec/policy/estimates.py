@@ -625,6 +625,12 @@ class ExcessFit:
 
 
 DRAFT_ROW_GROWTH = 0.05  # until measured: a lockstep draft forward costs 5% more per further sequence
+# Until measured: a step's rest (all but its draft and pass: commits, detokenising, records, the server's messages) grows
+# by this share of a lone request's per further sequence. Measured, a step of 16 sequences rests 1.2-1.6 ms through a
+# server where a lone request's steps rest ~0.6 ms (0.06-0.1 ms a further sequence; in process 55-75 µs a sequence at 16
+# sequences). Proportional (the curves' default), a server's first batch of 16 after lone requests priced its rest
+# at 16 x 0.62 = 10 ms, and every plain or shallow step as dear as that: its first plans went 5-7 deep (session 60).
+REST_SEQUENCE_GROWTH = 0.1
 
 
 def steady_draft(record: StepRecord) -> bool:
@@ -737,7 +743,8 @@ class BatchCosts:
     draft_forward: CurveEWMA = field(default_factory=lambda: CurveEWMA(growth=DRAFT_ROW_GROWTH))  # drafting -> s
     # Each count of drafting sequences' draft seconds by depth (the cold first forward apart from the others).
     draft_lines: dict[int, DraftLine] = field(default_factory=dict)
-    other: CurveEWMA = field(default_factory=CurveEWMA)  # sequences -> seconds of the rest of the step
+    # sequences -> seconds of the rest of the step, each further sequence adding a share of one's until measured
+    other: CurveEWMA = field(default_factory=lambda: CurveEWMA(growth=REST_SEQUENCE_GROWTH))
     # Measured apart from the steps (``prime``): by sequences drafting, a draft's first forward and each further one;
     # by rows, a target pass.
     measured_lines: dict[int, tuple[float, float]] = field(default_factory=dict)
