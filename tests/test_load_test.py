@@ -125,6 +125,31 @@ def test_the_modes_take_turns_in_an_order_rotated_each_round() -> None:
     assert order([], 2) == []
 
 
+def test_each_level_warms_every_mode_before_its_measured_rounds() -> None:
+    """A level's first batches of its size pay one-off costs, which landed on whichever mode ran first: each level
+    starts with one unmeasured burst per mode, then its rotated rounds; none with --level-warmup 0."""
+    schedule = _module().level_schedule
+    modes = ["plain", "spec", "tau2"]
+    got = schedule(modes, [1, 16], 2, 16)
+    assert got[:3] == [("warm", m, 1) for m in modes]
+    assert got[3:9] == [("round", m, 1) for m in ["plain", "spec", "tau2", "spec", "tau2", "plain"]]
+    assert got[9:12] == [("warm", m, 16) for m in modes] and len(got) == 18
+    assert (
+        all(kind == "round" for kind, _, _ in schedule(modes, [1, 16], 2, 0)) and len(schedule(modes, [4], 3, 0)) == 9
+    )
+
+
+def test_a_negative_level_warmup_is_one_line_of_error() -> None:
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--url", "http://127.0.0.1:9", "--level-warmup", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "--level-warmup: expected 0 or more new tokens, got -1" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
 def test_the_summary_reads_the_batching_goals_level_by_level() -> None:
     """Policy ÷ the best of plain and fixed τ (overall and round by round), the best batched mode and the policy ÷
     --max-batch 1, the policy's p95; a level without the policy is left out, a ratio without its modes is None."""
