@@ -198,22 +198,6 @@ def _shift_terms(rates: list[float]) -> list[tuple[float, float]]:
     return out
 
 
-def _count(rates: PositionRates, tau: int, n_accepted: int) -> None:
-    """``rates.update(tau, n_accepted)``, inline (``AdaptivePolicy._learn_outcomes``): the same arithmetic."""
-    rates.version += 1
-    decay, wins, trials = rates.decay, rates.wins, rates.trials
-    tested = n_accepted + 1 if n_accepted < tau else tau
-    if tested > rates.max_pos:
-        tested = rates.max_pos
-    passed = n_accepted if n_accepted < tested else tested
-    for k in range(passed):
-        wins[k] = decay * wins[k] + 1.0
-        trials[k] = decay * trials[k] + 1.0
-    if passed < tested:  # the first rejected
-        wins[passed] = decay * wins[passed]
-        trials[passed] = decay * trials[passed] + 1.0
-
-
 @dataclass
 class _Plan:
     rates: list[float]  # conditional acceptance by draft position 1..K
@@ -862,9 +846,9 @@ class AdaptivePolicy(Policy):
         test against the rates the step was planned with, a probe's backoff, the A/B of the stop rule, the draft's
         confidence.
 
-        One loop over a step's records with the counts updated in place (``PositionRates.update`` and
-        ``ConfidenceCalibration.update``'s arithmetic, in the same order): a batch step's learning is 16 records or
-        more of a few positions each, and calls and lookups per record were most of it (the policy's work is Python
+        One loop over a step's records, the confidence bins updated in place (``ConfidenceCalibration.update``'s
+        arithmetic, in the same order): a batch step's learning is 16 records or more of a few positions each, and
+        calls, slices and lookups per record were most of it (the policy's work is Python
         the step's thread runs between the kernel's calls, with the GIL held: docs/policy.md, session 60)."""
         glob, buckets, calibration = self.global_rates, self.bucket_rates, self.calibration
         cal_wins, cal_trials, cal_decay = calibration.wins, calibration.trials, calibration.decay
@@ -875,7 +859,7 @@ class AdaptivePolicy(Policy):
             n_accepted = record.n_accepted
             tested = n_accepted + 1 if n_accepted < tau else tau
             if req is None:
-                _count(glob, tau, n_accepted)
+                glob.update(tau, n_accepted)
             else:
                 if req.arm is not None:
                     self.arms.observe(req.arm, len(record.emitted), record.total_time)
@@ -885,9 +869,9 @@ class AdaptivePolicy(Policy):
                     terms = plan.shift_terms()
                 else:
                     terms = _shift_terms(self.rates(req, tested))
-                _count(glob, tau, n_accepted)
-                _count(buckets[req.bucket], tau, n_accepted)
-                _count(req.rates, tau, n_accepted)
+                glob.update(tau, n_accepted)
+                buckets[req.bucket].update(tau, n_accepted)
+                req.rates.update(tau, n_accepted)
                 self._detect_shift(req, record, terms, tested)
                 if req.probing:
                     req.probing = False

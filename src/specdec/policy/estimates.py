@@ -55,7 +55,9 @@ class PositionRates:
     def update(self, tau: int, n_accepted: int) -> None:
         self.version += 1
         decay, wins, trials = self.decay, self.wins, self.trials
-        tested = min(n_accepted + 1, tau, self.max_pos)
+        tested = n_accepted + 1 if n_accepted < tau else tau  # min(n_accepted + 1, tau, max_pos), without the call
+        if tested > self.max_pos:
+            tested = self.max_pos
         passed = n_accepted if n_accepted < tested else tested
         for k in range(passed):
             wins[k] = decay * wins[k] + 1.0
