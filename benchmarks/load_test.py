@@ -452,8 +452,8 @@ def level_schedule(modes: list[str], concurrency: list[int], rounds: int, warmup
     every mode runs one unmeasured burst of as many requests as clients (``warmup`` new tokens each; none at 0): a
     level's first batches of its size pay one-off costs (cache slots and buffers first used at that size), and on a
     fresh server at 16 clients the mode that ran first read ~5% below its round after (session 60, 90 runs: the
-    policy's first round 0.876 of the best fixed τ on average, its second 0.924); the burst also gives each mode's server,
-    and the policy, the level's load before its clock starts. Then the rounds (``round_order``)."""
+    policy's first round 0.876 of the best fixed τ on average, its second 0.924); the burst also gives each mode's
+    server, and the policy, the level's load before its clock starts. Then the rounds (``round_order``)."""
     out: list[tuple[str, str, int]] = []
     for c in concurrency:
         if warmup > 0:

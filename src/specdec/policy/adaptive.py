@@ -576,10 +576,11 @@ class AdaptivePolicy(Policy):
         # at 0.55x the speed of drafting 3 tokens.
         # Every other exploration looks down instead, halfway or to a row group's edge (``_look_down``; a drafting
         # depth of 2 or more; whatever predicted): the excess a server's steps cost beyond their measured shapes
-        # (``ExcessFit``) is fitted on the shapes the steps run, and from deep steps alone, one deeper now and then, its slope was shrunk to a level that priced every
-        # shallow depth too dear. Through a server at 16 clients a plan went from depth 3 to 7-8 within its first
-        # plans, priced depth 3 at 22 ms a step where τ = 3's steps took 15, and stayed there (0.83-0.92x τ = 3 in four
-        # load tests); a step at half the depth spreads the shapes the slope is learnt from.
+        # (``ExcessFit``) is fitted on the shapes the steps run, and from deep steps alone, one deeper now and then,
+        # its slope was shrunk to a level that priced every shallow depth too dear. Through a server at 16 clients a
+        # plan went from depth 3 to 7-8 within its first plans, priced depth 3 at 22 ms a step where τ = 3's steps took
+        # 15, and stayed there (0.83-0.92x τ = 3 in four load tests); a step at half the depth spreads the shapes the
+        # slope is learnt from.
         # The explorations space out while they keep confirming the depth: each costs a step at a depth predicted
         # worse, one in 8 steps ~1% of the goodput at 16 sequences in process (``engine_steps.py --interleave``: the
         # policy exploring every 8 steps and with this backoff, 0.930 / 0.938 / 0.928 against 0.969 / 0.931 / 0.930 of
@@ -846,21 +847,17 @@ class AdaptivePolicy(Policy):
         test against the rates the step was planned with, a probe's backoff, the A/B of the stop rule, the draft's
         confidence.
 
-        One loop over a step's records, the confidence bins updated in place (``ConfidenceCalibration.update``'s
-        arithmetic, in the same order): a batch step's learning is 16 records or more of a few positions each, and
-        calls, slices and lookups per record were most of it (the policy's work is Python
-        the step's thread runs between the kernel's calls, with the GIL held: docs/policy.md, session 60)."""
+        One loop over a step's records: a batch step's learning is 16 records or more of a few positions each, and
+        calls, slices and lookups per record were most of it (the policy's work is Python the step's thread runs
+        between the kernel's calls, with the GIL held: docs/policy.md, session 60)."""
         glob, buckets, calibration = self.global_rates, self.bucket_rates, self.calibration
-        cal_wins, cal_trials, cal_decay = calibration.wins, calibration.trials, calibration.decay
         for req, record in zip(reqs, records):
             tau = record.tau
             if not tau:
                 continue
             n_accepted = record.n_accepted
             tested = n_accepted + 1 if n_accepted < tau else tau
-            if req is None:
-                glob.update(tau, n_accepted)
-            else:
+            if req is not None:
                 if req.arm is not None:
                     self.arms.observe(req.arm, len(record.emitted), record.total_time)
                 # The rates the step was planned with (the plan's; else derived now, before this outcome is counted).
@@ -869,7 +866,8 @@ class AdaptivePolicy(Policy):
                     terms = plan.shift_terms()
                 else:
                     terms = _shift_terms(self.rates(req, tested))
-                glob.update(tau, n_accepted)
+            glob.update(tau, n_accepted)
+            if req is not None:
                 buckets[req.bucket].update(tau, n_accepted)
                 req.rates.update(tau, n_accepted)
                 self._detect_shift(req, record, terms, tested)
@@ -880,21 +878,14 @@ class AdaptivePolicy(Policy):
                         req.backoff = 1
                     else:
                         req.backoff = self.min_backoff if n_accepted else min(2 * req.backoff, self.max_backoff)
-            probs = record.draft_token_probs
-            if probs:  # ConfidenceCalibration.update
-                calibration._likelihoods = None
-                for k in range(tested if tested < len(probs) else len(probs)):
-                    b = int(probs[k] * 10)
-                    if b > 9:
-                        b = 9
-                    cal_wins[b] = cal_decay * cal_wins[b] + (1.0 if k < n_accepted else 0.0)
-                    cal_trials[b] = cal_decay * cal_trials[b] + 1.0
+            if record.draft_token_probs:
+                calibration.update(record.draft_token_probs, tau, n_accepted)
 
     def _detect_shift(self, req: _Request, record: StepRecord, terms: list[tuple[float, float]], tested: int) -> None:
-        """Two-sided Bernoulli CUSUM on the positions this step tested, against the rates it was planned
-        with (``terms``: ``_shift_terms`` of them, the first ``tested`` read): a stretch where the draft does much better or worse (code <->
-        prose) is flagged within 2-3 outcomes, and the request's own statistics restart from the steps since the
-        shift began."""
+        """Two-sided Bernoulli CUSUM on the ``tested`` positions this step tested, against the rates it was planned
+        with (``terms``: ``_shift_terms`` of them, the first ``tested`` read; a plan's may hold more): a stretch where
+        the draft does much better or worse (code <-> prose) is flagged within 2-3 outcomes, and the request's own
+        statistics restart from the steps since the shift began."""
         # The alternative q = σ(logit p ± SHIFT) = p·e^±S / (1 − p + p·e^±S), so the log-likelihood ratios are
         # log(q/p) = ±S − L± for a pass and log((1 − q)/(1 − p)) = −L± for a failure, L± = log(1 + p·(e^±S − 1)).
         up, down = req.cusum_up, req.cusum_down

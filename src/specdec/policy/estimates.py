@@ -241,7 +241,8 @@ class ConfidenceCalibration:
     def update(self, record_probs: list[float], tau: int, n_accepted: int) -> None:
         self._likelihoods = None
         decay, wins, trials = self.decay, self.wins, self.trials
-        for k in range(min(n_accepted + 1, tau, len(record_probs))):
+        tested = n_accepted + 1 if n_accepted < tau else tau  # min(n_accepted + 1, tau, len(probs)), without the call
+        for k in range(tested if tested < len(record_probs) else len(record_probs)):
             b = int(record_probs[k] * 10)
             if b > 9:
                 b = 9
@@ -627,11 +628,12 @@ class ExcessFit:
 
 
 DRAFT_ROW_GROWTH = 0.05  # until measured: a lockstep draft forward costs 5% more per further sequence
-# Until measured: a step's rest (all but its draft and pass: commits, detokenising, records, the server's messages) grows
-# by this share of a lone request's per further sequence. Measured, a step of 16 sequences rests 1.2-1.6 ms through a
-# server where a lone request's steps rest ~0.6 ms (0.06-0.1 ms a further sequence; in process 55-75 µs a sequence at 16
-# sequences). Proportional (the curves' default), a server's first batch of 16 after lone requests priced its rest
-# at 16 x 0.62 = 10 ms, and every plain or shallow step as dear as that: its first plans went 5-7 deep (session 60).
+# Until measured: a step's rest (all but its draft and pass: commits, detokenising, records, the server's messages)
+# grows by this share of a lone request's per further sequence. Measured, a step of 16 sequences rests 1.2-1.6 ms
+# through a server where a lone request's steps rest ~0.6 ms (0.06-0.1 ms a further sequence; in process 55-75 µs a
+# sequence at 16 sequences). Proportional (the curves' default), a server's first batch of 16 after lone requests
+# priced its rest at 16 x 0.62 = 10 ms, and every plain or shallow step as dear as that: its first plans went 5-7 deep
+# (session 60).
 REST_SEQUENCE_GROWTH = 0.1
 
 
