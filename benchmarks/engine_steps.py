@@ -42,6 +42,7 @@ import specdec  # noqa: E402
 from specdec.engine import Engine, Generation  # noqa: E402
 from specdec.errors import InvalidRequestError  # noqa: E402
 from specdec.policy import make_policy  # noqa: E402
+from specdec.runtime.heap import freeze_heap  # noqa: E402
 from specdec.trace import JsonlTrace  # noqa: E402
 
 
@@ -327,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         engine.prime(costs)
         print(f"primed: {note}", file=sys.stderr)
     clock = NativeClock(target=engine.target, draft=getattr(engine.drafter, "runner", None))
+    # The loaded heap out of the collector's scans, as `specdec serve` keeps it (``specdec.runtime.heap``): without
+    # it a full collection walks torch's and the models' objects (~100 ms) every second or so, inside some step.
+    freeze_heap()
     rows: list[dict[str, Any]] = []
     for n in args.sequences:
         requests = args.requests or max(8, 4 * n)

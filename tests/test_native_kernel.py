@@ -732,6 +732,58 @@ def test_a_16_bit_cache_holds_the_values_rounded_to_nearest(isa: str, kv_dtype: 
     assert rel_err(got, ref) < 0.02
 
 
+@pytest.mark.parametrize("kv_dtype", KV16, ids=["bf16-cache", "fp16-cache"])
+def test_a_cache_entry_rounds_the_same_eight_at_a_time(isa: str, kv_dtype: torch.dtype) -> None:
+    """The kernel writes a row's keys and values to a 16-bit cache eight entries at a time; each entry must be what the
+    one-at-a-time rounding gives, on the cases that differ between roundings (ties to even either way, the largest
+    finite values, which round to infinity, infinities, subnormals, signed zeros, NaNs of every sign and payload) and
+    random bit patterns, at lengths with and without a tail; and, NaN aside, torch's rounding."""
+    f32 = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            float("inf"),
+            float("-inf"),
+            3.4028235e38,
+            -3.4028235e38,
+            1e-40,
+            -1e-45,
+            65504.0,
+            65520.0,
+            65519.996,
+            6.0e-8,
+            2.98e-8,
+            1e-5,
+        ]
+    )
+    ties = torch.tensor(
+        [0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001, 0x7F7F8000, 0x7F7FFFFF, 0x00008000, 0x00018000],
+        dtype=torch.int32,
+    ).view(torch.float32)  # bf16 ties (even and odd), near ties, the largest
+    nans = (
+        torch.tensor(
+            [0x7FC00000, 0xFFC00000 - 2**32, 0x7F800001, 0x7FBFFFFF, 0xFF800001 - 2**32, 0x7FFFFFFF], dtype=torch.int64
+        )
+        .to(torch.int32)
+        .view(torch.float32)
+    )
+    gen = torch.Generator().manual_seed(16)
+    noise = torch.randint(-(2**31), 2**31 - 1, (4096,), generator=gen, dtype=torch.int64).to(torch.int32)
+    x = torch.cat([f32, ties, nans, noise.view(torch.float32), torch.randn(1000, generator=gen) * 1e3])
+    for n in (x.numel(), x.numel() - 3, 7, 8, 9):
+        vec, one = nk.kv_round(x[:n], kv_dtype)
+        assert torch.equal(vec, one), n
+    vec, _ = nk.kv_round(x, kv_dtype)
+    finite = ~torch.isnan(x)
+    assert torch.equal(vec[finite], x[finite].to(kv_dtype).view(torch.int16))
+    got = vec[~finite].view(kv_dtype)
+    assert torch.isnan(got).all()  # a NaN stays a NaN
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        nk.kv_round(x, torch.float32)
+
+
 def test_the_cache_dtype_follows_the_weights_unless_named(tiny_models: dict[str, Path]) -> None:
     """ "auto": 16 bits for 16-bit weights (bf16 for bf16 and int8 weights, fp16 for fp16), fp32 for fp32; a named
     type wins; a bad name is refused; the operator path keeps its compute dtype and refuses another by name."""

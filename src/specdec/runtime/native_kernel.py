@@ -421,6 +421,27 @@ def kernel_argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> list[int]:
     return best
 
 
+def kv_round(x: torch.Tensor, kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """For tests: the fp32 entries of ``x`` rounded to a 16-bit cache type (``torch.bfloat16`` or ``torch.float16``)
+    as the kernel writes them to a cache, eight at a time (the vector path, with the one-at-a-time path for a tail)
+    and one at a time; each as raw 16-bit patterns (int16). Requires the kernel."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("kv_round needs the CPU kernel")
+    if kv_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"kv_round rounds to bfloat16 or float16, not {kv_dtype}")
+    x = x.detach().to(torch.float32).contiguous().reshape(-1)
+    vec, one = torch.empty(x.numel(), dtype=torch.int16), torch.empty(x.numel(), dtype=torch.int16)
+    fn = lib.sd_kv_round
+    fn.restype, fn.argtypes = (
+        ctypes.c_int,
+        [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p],
+    )
+    if fn(KV_TYPES[kv_dtype], x.data_ptr(), x.numel(), vec.data_ptr(), one.data_ptr()) != 0:
+        raise RuntimeError("sd_kv_round refused its arguments")
+    return vec, one
+
+
 def units_taken() -> int:
     """Units of a product's work one thread has taken from another's share since the kernel loaded (its products are
     shared out with stealing: a thread done with its own share goes on with the others' units). 0 without the kernel."""
