@@ -675,24 +675,45 @@ static inline __attribute__((always_inline)) void tile_bf16dp(const uint16_t* Xb
     SD_EMIT(acc, R, P, o, t0, r0);
 }
 
-// X rows (fp32, stride ldx) -> bf16 rows of n (round to nearest even), rows split over the team; ends with the
-// team's barrier.
-static void to_bf16_rows(const float* X, int64_t ldx, uint16_t* Xb, int64_t k, int64_t n) {
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < k; t++) {
-        const float* x = X + t * ldx;
-        uint16_t* y = Xb + t * n;
-        for (int64_t c = 0; c < n; c += 32) {
-            const int64_t r = n - c;
-            const __mmask16 lo = r >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << r) - 1u);
-            const __mmask16 hi = r >= 32 ? (__mmask16)0xFFFF : r > 16 ? (__mmask16)((1u << (r - 16)) - 1u) : (__mmask16)0;
-            const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, x + c + 16), _mm512_maskz_loadu_ps(lo, x + c));
-            const __mmask32 keep = r >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << r) - 1u);
-            _mm512_mask_storeu_epi16(y + c, keep, (__m512i)v);
-        }
+// n fp32 entries -> bf16 (round to nearest even), entry by entry: a row converted in pieces is the row converted whole.
+static inline void bf16_of(const float* x, uint16_t* y, int64_t n) {
+    for (int64_t c = 0; c < n; c += 32) {
+        const int64_t r = n - c;
+        const __mmask16 lo = r >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << r) - 1u);
+        const __mmask16 hi = r >= 32 ? (__mmask16)0xFFFF : r > 16 ? (__mmask16)((1u << (r - 16)) - 1u) : (__mmask16)0;
+        const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, x + c + 16), _mm512_maskz_loadu_ps(lo, x + c));
+        const __mmask32 keep = r >= 32 ? (__mmask32)0xFFFFFFFFu : (__mmask32)((1u << r) - 1u);
+        _mm512_mask_storeu_epi16(y + c, keep, (__m512i)v);
     }
 }
+
+// X rows (fp32, stride ldx) -> bf16 rows of n, rows split over the team; ends with the team's barrier.
+static void to_bf16_rows(const float* X, int64_t ldx, uint16_t* Xb, int64_t k, int64_t n) {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < k; t++) bf16_of(X + t * ldx, Xb + t * n, n);
+}
 #endif
+
+// Whether a forward's products of weight type `wtype` read their inputs as bf16 rows (`gemm`'s `xb`): then the phase
+// before each product writes them as it writes its fp32 outputs (`to_xb`), and the product does not convert them in
+// a phase of its own (one barrier fewer a product: 17 of a 4-layer pass's ~55).
+static inline bool inputs_bf16(int64_t wtype) {
+#ifdef SD_AVX512BF16
+    return wtype == WT_BF16;
+#else
+    (void)wtype;
+    return false;
+#endif
+}
+
+// The product inputs x[0..n) of one row (or a piece of one: `xb` at the same offset) as bf16, where `on`.
+static inline void to_xb(bool on, const float* x, uint16_t* xb, int64_t n) {
+#ifdef SD_AVX512BF16
+    if (on) bf16_of(x, xb, n);
+#else
+    (void)on, (void)x, (void)xb, (void)n;
+#endif
+}
 
 #ifdef SD_AMX
 // CPUs with AMX (Intel Sapphire Rapids and later): bf16 weights times activations rounded to bf16 on the tile unit,
@@ -970,10 +991,12 @@ extern "C" int sd_panel_group(int64_t wtype) {
 // region by the whole team; returns after the team's barrier. `xb`: scratch for X rounded to bf16 (k * n
 // entries; AVX512-BF16 products only). `stream`: the weights come from memory, not the caches (SdModel::stream).
 static void gemm(Share& sh, int64_t wtype, const float* X, int64_t ldx, const void* W, const float* b, float* Y,
-                 int64_t ldy, int64_t k, int64_t n, int64_t m, int accumulate, uint16_t* xb, int stream) {
+                 int64_t ldy, int64_t k, int64_t n, int64_t m, int accumulate, uint16_t* xb, int stream,
+                 bool xb_ready = false) {
 #ifdef SD_AVX512BF16
     if (wtype == WT_BF16) {
-        to_bf16_rows(X, ldx, xb, k, n);  // ends with the team's barrier: every row is ready
+        // xb_ready: the phase before wrote X's rows into xb (to_xb) and ended with the team's barrier
+        if (!xb_ready) to_bf16_rows(X, ldx, xb, k, n);  // ends with the team's barrier: every row is ready
         const uint16_t* Wp = (const uint16_t*)W;
         const OutSpec o = {NULL, b, Y, ldy, m, accumulate};
 #ifdef SD_AMX
@@ -992,7 +1015,7 @@ static void gemm(Share& sh, int64_t wtype, const float* X, int64_t ldx, const vo
         return;
     }
 #else
-    (void)xb;
+    (void)xb, (void)xb_ready;
 #endif
     // The weight type as a template parameter: W's elements are fp32, bf16, fp16 or int8 (then the m_padded fp32
     // scales follow the panels).
@@ -1722,6 +1745,7 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
     const int64_t per_thread = att_scratch(C, widest), ss = C + KBLOCK;
     const int64_t wt = m->wtype, kvt = m->kv_type, kvb = kv_bytes(kvt);
     const int st = m->stream != 0;
+    const bool xbf = inputs_bf16(wt);  // each product's input phase writes its bf16 rows too (to_xb)
 
     for (int64_t t = 0; t < k; t++) load_row(wt, m->embed, ids[t], m->embed_stride, x + t * d, d);
 
@@ -1746,9 +1770,12 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
             // Byte offsets of the layer's keys and values in a cache.
             const int64_t key_off = ((l * 2 + 0) * KV) * C * hd * kvb, val_off = ((l * 2 + 1) * KV) * C * hd * kvb;
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < k; t++) rms_norm(x + t * d, h + t * d, d, m->eps);
+            for (int64_t t = 0; t < k; t++) {
+                rms_norm(x + t * d, h + t * d, d, m->eps);
+                to_xb(xbf, h + t * d, xb + t * d, d);
+            }
             PHASE_DONE(PH_NORM)
-            gemm(sh, wt, h, d, L->wqkv, L->bqkv, qkv, nqkv, k, d, nqkv, 0, xb, st);
+            gemm(sh, wt, h, d, L->wqkv, L->bqkv, qkv, nqkv, k, d, nqkv, 0, xb, st, xbf);
             PHASE_DONE(PH_QKV)
             // RoPE on query and key heads; keys and values into each row's own cache at its position.
 #pragma omp for schedule(static)
@@ -1795,25 +1822,36 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
                 attend_kv(kvt, qs, (int)(a.q1 - a.q0), base + key_off + a.g * C * hd * kvb,
                           base + val_off + a.g * C * hd * kvb, first_attended(pos[a.r0], L->window), his, hd, scores,
                           ss, outs, next);
+                for (int64_t q = 0; q < a.q1 - a.q0; q++)  // a head of a row: its piece of the o product's row
+                    to_xb(xbf, outs[q], xb + (outs[q] - att), hd);
             }
             PHASE_DONE(PH_ATTENTION)
-            gemm(sh, wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1, xb, st);
+            gemm(sh, wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1, xb, st, xbf);
             PHASE_DONE(PH_O_PROJ)
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < k; t++) rms_norm(x + t * d, h + t * d, d, m->eps);
+            for (int64_t t = 0; t < k; t++) {
+                rms_norm(x + t * d, h + t * d, d, m->eps);
+                to_xb(xbf, h + t * d, xb + t * d, d);
+            }
             PHASE_DONE(PH_NORM)
-            gemm(sh, wt, h, d, L->wgu, L->bgu, gu, 2 * ff, k, d, 2 * ff, 0, xb, st);
+            gemm(sh, wt, h, d, L->wgu, L->bgu, gu, 2 * ff, k, d, 2 * ff, 0, xb, st, xbf);
             PHASE_DONE(PH_GATE_UP)
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < k; t++) silu_mul(gu + t * 2 * ff, gu + t * 2 * ff + ff, act + t * ff, ff);
+            for (int64_t t = 0; t < k; t++) {
+                silu_mul(gu + t * 2 * ff, gu + t * 2 * ff + ff, act + t * ff, ff);
+                to_xb(xbf, act + t * ff, xb + t * ff, ff);
+            }
             PHASE_DONE(PH_SILU_MUL)
-            gemm(sh, wt, act, ff, L->wd, L->bd, x, d, k, ff, d, 1, xb, st);
+            gemm(sh, wt, act, ff, L->wd, L->bd, x, d, k, ff, d, 1, xb, st, xbf);
             PHASE_DONE(PH_DOWN)
         }
         if (n_out > 0) {  // the asked rows, normalised into h[0..n_out) (free by now), then the head
 #pragma omp for schedule(static)
-            for (int64_t j = 0; j < n_out; j++) rms_norm(x + out_idx[j] * d, h + j * d, d, m->eps);
-            gemm(sh, wt, h, d, m->lm_head, NULL, logits, m->head_rows, n_out, d, m->head_rows, 0, xb, st);
+            for (int64_t j = 0; j < n_out; j++) {
+                rms_norm(x + out_idx[j] * d, h + j * d, d, m->eps);
+                to_xb(xbf, h + j * d, xb + j * d, d);
+            }
+            gemm(sh, wt, h, d, m->lm_head, NULL, logits, m->head_rows, n_out, d, m->head_rows, 0, xb, st, xbf);
             PHASE_DONE(PH_HEAD)
         }
 #undef PHASE_DONE
