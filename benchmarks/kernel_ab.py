@@ -82,15 +82,25 @@ def runner_with(fused_cls: Any, path: Path, dtype: torch.dtype, kv_dtype: str) -
 
 
 def run_pass(
-    runner: Any, caches: list[Any], rows: list[int], k: int, batch: bool, context: int, per: int = 1
+    runner: Any,
+    caches: list[Any],
+    rows: list[int],
+    k: int,
+    batch: bool,
+    context: int,
+    per: int = 1,
+    argmax: bool = False,
 ) -> torch.Tensor:
     """One pass of k rows: a block in ``caches[0]``, or (``batch``) a block of ``per`` rows in each of ``caches[:k]``
-    (k x per rows); every cache is then cropped back to ``context`` tokens."""
+    (k x per rows), then (``argmax``) its rows' argmax as greedy verification reads it; every cache is then cropped
+    back to ``context`` tokens."""
     if batch:
         blocks = [(rows[i * per : (i + 1) * per], c) for i, c in enumerate(caches[:k])]
         out = runner.forward_blocks(blocks, [per] * k)
     else:
         out = runner.forward_blocks([(rows[:k], caches[0])], [k])
+    if argmax:
+        runner.argmax_rows(out)
     for c in caches[: k if batch else 1]:
         c.crop(context)
     return out
@@ -109,6 +119,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="kernel threads (default: torch's)")
     ap.add_argument("--batch", action="store_true", help="k sequences of one row each, not a block of k rows")
     ap.add_argument("--rows", type=int, default=1, help="with --batch: rows per sequence (a verify block each)")
+    ap.add_argument(
+        "--argmax",
+        action="store_true",
+        help="each pass followed by its rows' argmax, as greedy verification reads it (from a kernel of ABI 17 on, "
+        "taken in the pass; before, a call of its own)",
+    )
     args = ap.parse_args()
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -142,7 +158,7 @@ def main() -> None:
                 r.forward(prompt, cache, last_only=True)
 
         def call(name: str, k: int) -> torch.Tensor:
-            return run_pass(runners[name], caches[name], rows, k, args.batch, args.context, args.rows)  # noqa: B023
+            return run_pass(runners[name], caches[name], rows, k, args.batch, args.context, args.rows, args.argmax)  # noqa: B023
 
         # Same logits? (A and B round differently; report the largest relative difference at k = max.)
         outs = {name: call(name, k_max) for name in runners}

@@ -878,6 +878,67 @@ def test_the_kernels_argmax_is_torchs() -> None:
     assert nk.argmax_rows(torch.empty(0, 8)) == []
 
 
+def tied_head_checkpoint(root: Path, nan_token: int | None = None) -> Path:
+    """vocab 300 (the head's last group of 64 outputs and its last panel of 16 part-filled), a tied head whose rows
+    70, 71 and 250 are one large row and rows 260 and 270 another, so wherever one of them is a row's maximum its
+    twins tie with it exactly (within a slot of the argmax in parts, across slots, and in the part-filled last one),
+    and, with ``nan_token``, that head row NaN."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(
+        vocab_size=300,
+        hidden_size=72,
+        intermediate_size=100,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(9)
+    model = tf.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb[70] = emb[71] = emb[250] = torch.randn(72) * 3.0
+        emb[260] = emb[270] = torch.randn(72) * 3.0
+        if nan_token is not None:
+            emb[nan_token] = float("nan")
+    name = "tied" if nan_token is None else f"tied_nan{nan_token}"
+    model.save_pretrained(str(root / name), safe_serialization=True)
+    return root / name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_a_pass_takes_each_rows_argmax_as_torch_would(isa: str, dtype: torch.dtype, tmp_path: Path) -> None:
+    """A pass's argmax, taken in parts as the head's product finishes each group of outputs, is torch's argmax of the
+    pass's logits row by row: the first of tied maxima (within a group and across groups), the part-filled last group
+    and panel, a batch of several sequences' blocks and one row alone; greedy verification reads it. A row holding a
+    NaN gets torch's answer (the NaN's index)."""
+    path = tied_head_checkpoint(tmp_path)
+    runner = NativeRunner.from_pretrained(path, dtype=dtype, kernel=True)
+    gen = torch.Generator().manual_seed(10)
+    ids = torch.randint(1, 300, (60,), generator=gen).tolist()
+    caches = [runner.new_cache() for _ in range(5)]
+    for c, lo in zip(caches, range(0, 50, 10)):
+        runner.forward_blocks([(ids[lo : lo + 6], c)], [1])
+    tied = 0
+    for blocks in ([(ids[lo + 6 : lo + 9], c) for c, lo in zip(caches, range(0, 50, 10))], [(ids[55:56], caches[0])]):
+        logits = runner.forward_blocks(blocks, [len(b) for b, _ in blocks])
+        want = logits.argmax(dim=-1).tolist()
+        assert runner._pass_best == want  # taken in the pass
+        assert runner.pass_argmax(logits) == runner.argmax_rows(logits) == want
+        tied += sum(w in (70, 260) for w in want)
+    assert tied > 0  # the tied rows were some rows' maximum: the first of them won
+    for bad in (123, 290):  # a NaN in a whole group's slot, and in the part-filled last one
+        nan = NativeRunner.from_pretrained(tied_head_checkpoint(tmp_path, nan_token=bad), dtype=dtype, kernel=True)
+        cache = nan.new_cache()
+        logits = nan.forward_blocks([(ids[:7], cache)], [7])
+        assert nan._pass_best == [-1] * 7
+        assert nan.pass_argmax(logits) == nan.argmax_rows(logits) == logits.argmax(dim=-1).tolist() == [bad] * 7
+
+
 # ---------------------------------------------------------------------------------------------
 # int8 draft weights (per-output-channel scales)
 

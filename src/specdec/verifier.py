@@ -105,7 +105,7 @@ class ModelTarget(TargetSide):
         starts = list(itertools.accumulate(keep, initial=0))
         plain = [g.params.greedy and g.rules_state is None for g in live]
         # Greedy rows without logit rules: one argmax over the whole pass (a row's argmax is its own).
-        best = self.runner.argmax_rows(flat) if any(plain) else []
+        best = self.runner.pass_argmax(flat) if any(plain) else []
         # Each sequence's rows of the pass, as its request reads them (after its logit rules); None for a plain greedy
         # one that wants no log probabilities, which reads only its argmax (a torch slice costs microseconds a
         # sequence on the caches the pass has just flushed).

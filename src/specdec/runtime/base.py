@@ -94,6 +94,11 @@ class ModelRunner(ABC):
         maximum, ``torch.argmax``'s rule. Runtimes may compute it faster (the CPU kernel does)."""
         return logits.argmax(dim=-1).tolist()
 
+    def pass_argmax(self, logits: torch.Tensor) -> list[int]:
+        """``argmax_rows`` of the logits ``forward_blocks`` just returned, not changed since (greedy verification,
+        right after its pass). Runtimes may return what the pass computed along the way (the CPU kernel does)."""
+        return self.argmax_rows(logits)
+
     # Whether ``draft_greedy`` runs a whole greedy draft in one call (the native runtime's CPU kernel).
     drafts_natively: bool = False
 

@@ -186,6 +186,10 @@ class NativeRunner(ModelRunner):
         self.head_tokens = None if fused is None or fused.head_ids is None else list(fused.head_ids)
         self._head_index = None if self.head_tokens is None else torch.tensor(self.head_tokens)
         self._pass_logits: weakref.ref[torch.Tensor] | None = None  # the last pass's logits (forward_blocks)
+        self._pass_best: list[int] | None = None  # their rows' argmax, where the pass took it (pass_argmax)
+        # Whether a pass takes its rows' argmax (the whole head; a kernel of ABI 17 or later: benchmarks/kernel_ab.py
+        # runs an older checkout's FusedLlama under this runner)
+        self._argmax_in_pass = fused is not None and fused.head_ids is None and getattr(fused, "ARGMAX_IN_PASS", False)
         if fused is not None:
             return  # the kernel holds its own weights and tables
         # Complex RoPE needs complex arithmetic in the compute dtype: fp32/fp64, eager.
@@ -417,10 +421,19 @@ class NativeRunner(ModelRunner):
             pos_l.extend(range(pos, pos + k))
             kv_l.extend([cache.kv_at] * k)
             out_l.extend(range(row + k - min(size, k), row + k))
-        logits = self._widen(self._fused.forward_rows(ids_l, pos_l, kv_l, out_l))
+        # With the whole head, each asked row's argmax comes out of the pass (taken as the head's product finishes each
+        # group of outputs, in the computing core's cache): greedy verification reads it (argmax_rows) where a call of
+        # its own read the pass's logits again, ~75 µs a 48-row pass on the Emerald Rapids.
+        best: list[int] | None = None
+        if self._argmax_in_pass:
+            best = []
+            logits = self._fused.forward_rows(ids_l, pos_l, kv_l, out_l, best=best)
+        else:
+            logits = self._widen(self._fused.forward_rows(ids_l, pos_l, kv_l, out_l))
         for ids, cache in blocks:
             cache._length += len(ids)  # type: ignore[attr-defined]
         self._pass_logits = weakref.ref(logits)  # argmax_rows knows it suits the kernel
+        self._pass_best = best  # pass_argmax returns it for these logits
         return logits
 
     def argmax_rows(self, logits: torch.Tensor) -> list[int]:
@@ -431,6 +444,13 @@ class NativeRunner(ModelRunner):
         if self._pass_logits is not None and self._pass_logits() is logits:
             return kernel_argmax_rows(self._fused._lib, logits)
         return argmax_rows(logits)
+
+    def pass_argmax(self, logits: torch.Tensor) -> list[int]:
+        # The argmax the pass took (forward_blocks with the whole head), for its logits as the caller promises them
+        # unchanged since; a row with a NaN gets torch's answer. Anything else: argmax_rows.
+        if self._pass_best is not None and self._pass_logits is not None and self._pass_logits() is logits:
+            return [b if b >= 0 else int(logits[r].argmax()) for r, b in enumerate(self._pass_best)]
+        return self.argmax_rows(logits)
 
     def _widen(self, logits: torch.Tensor) -> torch.Tensor:
         """The kernel's logits over the whole vocabulary: -inf for the tokens a restricted head leaves out."""

@@ -39,7 +39,7 @@ from specdec.runtime.native_weights import ModelWeights
 from specdec.runtime.pages import arena_for
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 16
+ABI_VERSION = 17
 # sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 # -ffp-contract=off: a multiply followed by an add stays two roundings wherever it is inlined (GCC fuses them into
@@ -348,9 +348,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         return None, "stale kernel build (ABI version mismatch)"
     fn = lib.sd_forward_rows
     fn.restype = ctypes.c_int
-    # model, ids, pos, kv pointers, k, out_idx, n_out, logits, scratch, threads, prof
+    # model, ids, pos, kv pointers, k, out_idx, n_out, logits, scratch, threads, argmax, prof
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    fn.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    fn.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
     lib.sd_scratch_floats.restype = ctypes.c_int64
     lib.sd_weight_pairs.restype = ctypes.c_int
     lib.sd_weight_pairs.argtypes = [ctypes.c_int64]
@@ -622,6 +622,8 @@ class PackedWeight:
 class FusedLlama:
     """A checkpoint's weights laid out for ``sd_forward_rows``; one instance per runner, shared by its caches."""
 
+    ARGMAX_IN_PASS = True  # forward_rows(best=...): the pass takes its rows' argmax
+
     def __init__(
         self,
         cfg: NativeConfig,
@@ -842,10 +844,15 @@ class FusedLlama:
         caches: Sequence[int],
         out_idx: Sequence[int],
         profile: torch.Tensor | None = None,
+        best: list[int] | None = None,
     ) -> torch.Tensor:
         """One pass over rows from any number of sequences: row t is token ``ids[t]`` at ``positions[t]`` of the
         sequence whose cache tensor starts at address ``caches[t]`` (a sequence's rows consecutive and in position
         order). Returns the logits of rows ``out_idx`` (ascending; ``[len(out_idx), head_rows]``).
+
+        ``best``: a list the call fills with each returned row's argmax over its head rows (the first index of its
+        maximum, torch's rule; -1 for a row holding a NaN), taken in parts as the head's product finishes each group
+        of its outputs, while they are in the computing core's cache (``ArgParts`` in the kernel).
 
         Every row's result is independent of the other rows in the pass, bit for bit.
         Passes of more than ``CHUNK`` rows run in chunks (bounded scratch; a sequence's later rows see the
@@ -871,6 +878,8 @@ class FusedLlama:
         # A chunk's first row by address (a torch slice for it cost ~13 µs on the caches a pass has just flushed).
         out_base, row_bytes = out.data_ptr(), 4 * self.head_rows
         prof = None if profile is None else profile.data_ptr()
+        found = None if best is None else array.array("q", bytes(8 * n_out))
+        found_at = 0 if found is None else found.buffer_info()[0]
         if k <= CHUNK:
             chunks = [(0, k, 0, n_out)]
         else:  # the asked rows (ascending) that fall in each chunk, relative to it
@@ -895,6 +904,7 @@ class FusedLlama:
                 out_base + row_bytes * first,
                 self._scratch_for(n, threads).data_ptr(),
                 threads,
+                None if found is None else found_at + 8 * first,
                 prof,
             )
             if rc != 0:
@@ -902,4 +912,6 @@ class FusedLlama:
                     "CPU kernel refused the call (token ids out of range, a position beyond the cache, "
                     "or an asked row outside the pass)"
                 )
+        if best is not None and found is not None:
+            best[:] = found.tolist()
         return out

@@ -35,6 +35,7 @@
 #include <string.h>
 #include <time.h>
 
+#include <algorithm>
 #include <atomic>
 #include <type_traits>
 #include <vector>
@@ -78,7 +79,7 @@ struct SdModel {
     int64_t stream;
 };
 
-extern "C" int sd_abi_version(void) { return 16; }
+extern "C" int sd_abi_version(void) { return 17; }
 
 // Which products this build uses for bf16 weights: 1 = AVX512-BF16 dot products, 0 = AVX2 fp32.
 extern "C" int sd_bf16_dot(void) {
@@ -388,6 +389,96 @@ struct OutSpec {
     int accumulate;
 };
 
+// A product's argmax in parts (the head's, for greedy verification): as each unit of its outputs is done, every row's
+// maximum over each slot of the unit's columns (a group's, or a panel's where panels are shared out one by one) and
+// its first column, while the sums are still in this core's cache; the row's argmax is then the first of the slots'
+// maxima (argmax_of_parts). val/idx: [rows][slots]; idx -1: a NaN in the slot.
+struct ArgParts {
+    float* val;
+    int32_t* idx;
+    int64_t slots;
+};
+
+// The maximum of y[c0..c1) and the first index holding it (c0 if all are -inf), or index -1 if any is NaN: the
+// maximum in 8-lane strides (exact in any order), then its first index 8 lanes at a time.
+static inline void slot_argmax(const float* y, int64_t c0, int64_t c1, float* val, int32_t* idx) {
+#ifdef SD_AVX512BF16
+    if (c1 - c0 == 64) {  // a whole group's slot: four 16-lane vectors, one reduction, one mask of equal entries
+        const __m512 a = _mm512_loadu_ps(y + c0), b = _mm512_loadu_ps(y + c0 + 16);
+        const __m512 c = _mm512_loadu_ps(y + c0 + 32), d = _mm512_loadu_ps(y + c0 + 48);
+        const __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q) |
+                              _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q);
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(a, b), _mm512_max_ps(c, d)));
+        *val = mx;
+        if (nan) {
+            *idx = -1;
+            return;
+        }
+        const __m512 m16 = _mm512_set1_ps(mx);  // (-0 and +0 compare equal: the first zero, as below)
+        const uint64_t eq = (uint64_t)_mm512_cmp_ps_mask(a, m16, _CMP_EQ_OQ) |
+                            (uint64_t)_mm512_cmp_ps_mask(b, m16, _CMP_EQ_OQ) << 16 |
+                            (uint64_t)_mm512_cmp_ps_mask(c, m16, _CMP_EQ_OQ) << 32 |
+                            (uint64_t)_mm512_cmp_ps_mask(d, m16, _CMP_EQ_OQ) << 48;
+        *idx = (int32_t)(c0 + __builtin_ctzll(eq));  // (eq != 0: mx is one of the entries)
+        return;
+    }
+#endif
+    __m256 m8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
+    int64_t c = c0;
+    for (; c + 8 <= c1; c += 8) {
+        const __m256 v = _mm256_loadu_ps(y + c);
+        nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        m8 = _mm256_max_ps(m8, v);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m8);
+    float mx = -INFINITY;
+    for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+    bool nan = _mm256_movemask_ps(nan8) != 0;
+    for (; c < c1; c++) {
+        nan = nan || y[c] != y[c];
+        mx = y[c] > mx ? y[c] : mx;
+    }
+    *val = mx;
+    if (nan) {
+        *idx = -1;
+        return;
+    }
+    int64_t at = c0;
+    const __m256 mx8 = _mm256_set1_ps(mx);
+    for (; at + 8 <= c1; at += 8) {
+        const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(y + at), mx8, _CMP_EQ_OQ));
+        if (eq) {
+            at += __builtin_ctz((unsigned)eq);
+            break;
+        }
+    }
+    while (at < c1 && y[at] != mx) at++;
+    *idx = (int32_t)(at < c1 ? at : c0);  // (not found only when every entry is -inf... and then the first)
+}
+
+// Slot `slot` of every row of Y [k rows] over columns c0..c1 (a unit's: its sums complete for every row).
+static inline void arg_parts(const ArgParts* ap, const float* Y, int64_t ldy, int64_t k, int64_t c0, int64_t c1,
+                             int64_t slot) {
+    for (int64_t t = 0; t < k; t++)
+        slot_argmax(Y + t * ldy, c0, c1, ap->val + t * ap->slots + slot, ap->idx + t * ap->slots + slot);
+}
+
+// Row t's argmax from its slots: the first slot holding the largest maximum (strictly greater replaces), -1 if a
+// slot saw a NaN. The same answer as one pass over the row: the first index holding its maximum.
+static inline int64_t argmax_of_parts(const ArgParts* ap, int64_t t) {
+    const float* v = ap->val + t * ap->slots;
+    const int32_t* i = ap->idx + t * ap->slots;
+    float best = v[0];
+    int64_t at = i[0];
+    if (at < 0) return -1;
+    for (int64_t s = 1; s < ap->slots; s++) {
+        if (i[s] < 0) return -1;
+        if (v[s] > best) best = v[s], at = i[s];
+    }
+    return at;
+}
+
 // One vector of a tile's sums into Y at (row, col): + bias, + Y when accumulating. (By value: passing the tile's
 // accumulator array by reference made GCC keep it in memory on the AVX2 build, ~2x slower.)
 static inline __attribute__((always_inline)) void emit_vec(VF x, const OutSpec& o, int64_t row, int64_t col) {
@@ -554,7 +645,8 @@ static inline int64_t share_unit(int64_t n, int64_t nth, int64_t block, int64_t 
 // tile(IC<R>, IC<P>, t0, p) computes rows t0..t0+R x panels p..p+P into Y; CV: the weights are widened in
 // registers (see panels_max). The panels are shared out in whole groups (a group's panels are read together).
 template <bool CV, int G, class Tile>
-static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes, int stream, Tile& tile) {
+static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes, int stream, Tile& tile,
+                            const ArgParts* ap = NULL, const float* Y = NULL, int64_t ldy = 0) {
     constexpr int64_t group = G;
     const int64_t np = (m + PANEL - 1) / PANEL, ng = (np + group - 1) / group;
     const int64_t nth = omp_get_num_threads();
@@ -617,6 +709,11 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
             }
             t0 += rows;
         }
+        if (ap != NULL)  // the unit's outputs are complete for every row: their argmax in parts, one slot a group
+            for (int64_t q = u0; q < u1; q++) {
+                const int64_t c0 = q * group * PANEL, c1 = (q + 1) * group * PANEL;
+                arg_parts(ap, Y, ldy, k, c0, c1 < m ? c1 : m, q);
+            }
     });
 #pragma omp barrier
 }
@@ -704,6 +801,17 @@ static inline bool inputs_bf16(int64_t wtype) {
     (void)wtype;
     return false;
 #endif
+}
+
+// The columns of one slot of a product's argmax in parts (ArgParts) for weight type `wtype`: a group of panels where
+// the products share out whole groups (bf16 weights on the AVX512-BF16 and AMX builds), else a panel.
+static inline int64_t arg_slot_width(int64_t wtype) {
+#ifdef SD_AVX512BF16
+    if (wtype == WT_BF16) return (int64_t)BF16_GROUP * PANEL;
+#else
+    (void)wtype;
+#endif
+    return PANEL;
 }
 
 // The product inputs x[0..n) of one row (or a piece of one: `xb` at the same offset) as bf16, where `on`.
@@ -918,7 +1026,7 @@ static inline void tile_amx2(const uint16_t* Xb, int64_t ldxb, const uint16_t* W
 // tile_amx2) while its weights are in L2, each fetching a share of the next group's. Called inside the parallel
 // region by the whole team; ends with the team's barrier.
 static void products_amx(Share& sh, const uint16_t* xb, int64_t n, const uint16_t* Wp, const OutSpec& o, int64_t k,
-                         int64_t m) {
+                         int64_t m, const ArgParts* ap) {
     const int64_t G = BF16_GROUP, np = (m + PANEL - 1) / PANEL, ng = (np + G - 1) / G;
     const int64_t group_elems = G * ((n + 1) & ~(int64_t)1) * PANEL;
     const int64_t row_groups = (k + 15) / 16;
@@ -930,6 +1038,7 @@ static void products_amx(Share& sh, const uint16_t* xb, int64_t n, const uint16_
             if (row_groups == 1) {
                 if (configured != k) amx_configure((int)k), configured = k;
                 tile_amx(xb, n, Wg, n, k, o, 0, q * G * PANEL, AmxFetch{(const char*)Wg, 0, 0});
+                if (ap != NULL) arg_parts(ap, o.Y, o.ldy, k, q * G * PANEL, std::min((q + 1) * G * PANEL, m), q);
                 continue;
             }
             // The group's row groups one after another, two at a time where they have as many rows (tile_amx2), on
@@ -948,6 +1057,8 @@ static void products_amx(Share& sh, const uint16_t* xb, int64_t n, const uint16_
                     g += 1, t0 += rows;
                 }
             }
+            if (ap != NULL)  // the group's outputs are complete for every row: their argmax in one slot
+                arg_parts(ap, o.Y, o.ldy, k, q * G * PANEL, std::min((q + 1) * G * PANEL, m), q);
         }
     });
 #pragma omp barrier
@@ -992,7 +1103,7 @@ extern "C" int sd_panel_group(int64_t wtype) {
 // entries; AVX512-BF16 products only). `stream`: the weights come from memory, not the caches (SdModel::stream).
 static void gemm(Share& sh, int64_t wtype, const float* X, int64_t ldx, const void* W, const float* b, float* Y,
                  int64_t ldy, int64_t k, int64_t n, int64_t m, int accumulate, uint16_t* xb, int stream,
-                 bool xb_ready = false) {
+                 bool xb_ready = false, const ArgParts* ap = NULL) {
 #ifdef SD_AVX512BF16
     if (wtype == WT_BF16) {
         // xb_ready: the phase before wrote X's rows into xb (to_xb) and ended with the team's barrier
@@ -1001,7 +1112,7 @@ static void gemm(Share& sh, int64_t wtype, const float* X, int64_t ldx, const vo
         const OutSpec o = {NULL, b, Y, ldy, m, accumulate};
 #ifdef SD_AMX
         (void)stream;
-        products_amx(sh, xb, n, Wp, o, k, m);
+        products_amx(sh, xb, n, Wp, o, k, m, ap);
 #else
         const int64_t ps = ((n + 1) & ~(int64_t)1) * PANEL;  // elements per panel
         const int64_t G = BF16_GROUP;
@@ -1010,7 +1121,7 @@ static void gemm(Share& sh, int64_t wtype, const float* X, int64_t ldx, const vo
             tile_bf16dp<decltype(R)::value, decltype(P)::value>(xb + t0 * n, n, at, 2 * PANEL, G * 2 * PANEL, n, o, t0,
                                                                  p * PANEL);
         };
-        products<false, BF16_GROUP>(sh, k, m, ps * 2, stream, tile);
+        products<false, BF16_GROUP>(sh, k, m, ps * 2, stream, tile, ap, Y, ldy);
 #endif
         return;
     }
@@ -1028,7 +1139,8 @@ static void gemm(Share& sh, int64_t wtype, const float* X, int64_t ldx, const vo
         auto tile = [&](auto R, auto P, int64_t t0, int64_t p) {
             tile_f32<WT, decltype(R)::value, decltype(P)::value>(X + t0 * ldx, ldx, Wp + p * ps, ps, n, o, t0, p * PANEL);
         };
-        products<sizeof(typename WT::T) != 4, 1>(sh, k, m, ps * (int64_t)sizeof(typename WT::T), stream, tile);
+        products<sizeof(typename WT::T) != 4, 1>(sh, k, m, ps * (int64_t)sizeof(typename WT::T), stream, tile, ap, Y,
+                                                 ldy);
     };
     if (wtype == WT_BF16)
         run(BF16W{});
@@ -1709,9 +1821,11 @@ extern "C" int64_t sd_scratch_floats(const SdModel* m, int64_t k, int64_t thread
     const int64_t d = m->hidden, hd = m->head_dim, qkv = (m->heads + 2 * m->kv_heads) * hd;
     int64_t widest = d > m->ff ? d : m->ff;
     widest = widest > m->heads * hd ? widest : m->heads * hd;
-    // ... + bf16 copies of a product's input (k * widest 16-bit entries) + per-thread scratch (att_scratch).
+    // ... + bf16 copies of a product's input (k * widest 16-bit entries) + per-thread scratch (att_scratch) + the
+    // head's argmax in parts (k rows x a slot per panel at most: a value and an index each).
     const int64_t per_thread = att_scratch(m->max_ctx, widest);
-    return k * (d + d + qkv + m->heads * hd + 2 * m->ff + m->ff) + (k * widest + 1) / 2 + 16 + threads * per_thread;
+    return k * (d + d + qkv + m->heads * hd + 2 * m->ff + m->ff) + (k * widest + 1) / 2 + 16 + threads * per_thread +
+           2 * k * ((m->head_rows + PANEL - 1) / PANEL);
 }
 
 // Runs k rows in one pass. Row t is token ids[t] at position pos[t] of the sequence whose KV cache starts
@@ -1723,7 +1837,7 @@ extern "C" int64_t sd_scratch_floats(const SdModel* m, int64_t k, int64_t thread
 // each phase's barrier. Returns 0, or -1 on bad arguments.
 extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64_t* pos, void* const* kv, int64_t k,
                                const int64_t* out_idx, int64_t n_out, float* logits, float* scratch, int64_t threads,
-                               double* prof) {
+                               int64_t* argmax, double* prof) {
     if (k < 1 || n_out < 0 || n_out > k || threads < 1 || m->max_ctx % KBLOCK != 0) return -1;
     if (m->kv_type != WT_F32 && m->kv_type != WT_BF16 && m->kv_type != WT_F16) return -1;
     for (int64_t t = 0; t < k; t++)
@@ -1743,6 +1857,11 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
     widest = widest > H * hd ? widest : H * hd;
     float* score_base = act + k * ff + (k * widest + 1) / 2 + 16;  // [threads][per_thread]
     const int64_t per_thread = att_scratch(C, widest), ss = C + KBLOCK;
+    // argmax: the head's argmax in parts as its units are done (ArgParts), then each asked row's (argmax_of_parts)
+    const int64_t slot_w = arg_slot_width(m->wtype);
+    const ArgParts parts = {score_base + threads * per_thread,
+                            (int32_t*)(score_base + threads * per_thread + n_out * ((m->head_rows + PANEL - 1) / PANEL)),
+                            (m->head_rows + slot_w - 1) / slot_w};
     const int64_t wt = m->wtype, kvt = m->kv_type, kvb = kv_bytes(kvt);
     const int st = m->stream != 0;
     const bool xbf = inputs_bf16(wt);  // each product's input phase writes its bf16 rows too (to_xb)
@@ -1851,7 +1970,12 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
                 rms_norm(x + out_idx[j] * d, h + j * d, d, m->eps);
                 to_xb(xbf, h + j * d, xb + j * d, d);
             }
-            gemm(sh, wt, h, d, m->lm_head, NULL, logits, m->head_rows, n_out, d, m->head_rows, 0, xb, st, xbf);
+            gemm(sh, wt, h, d, m->lm_head, NULL, logits, m->head_rows, n_out, d, m->head_rows, 0, xb, st, xbf,
+                 argmax != NULL ? &parts : NULL);
+            if (argmax != NULL) {
+#pragma omp for schedule(static)
+                for (int64_t j = 0; j < n_out; j++) argmax[j] = argmax_of_parts(&parts, j);
+            }
             PHASE_DONE(PH_HEAD)
         }
 #undef PHASE_DONE
@@ -2019,7 +2143,7 @@ extern "C" int sd_draft_greedy(const SdModel* m, int64_t n, const int64_t* ids, 
     int64_t n_live = n;
     for (int64_t depth = 0; n_live > 0; depth++) {
         if (sd_forward_rows(m, row_ids.data(), row_pos.data(), row_kv.data(), k, out_idx.data(), n_live, logits,
-                            scratch, threads, NULL) != 0)
+                            scratch, threads, NULL, NULL) != 0)
             return -1;
 #pragma omp parallel for num_threads((int)threads) schedule(static) if (n_live > 1)
         for (int64_t j = 0; j < n_live; j++) {
