@@ -399,32 +399,24 @@ struct ArgParts {
     int64_t slots;
 };
 
-// The maximum of y[c0..c1) and the first index holding it (c0 if all are -inf), or index -1 if any is NaN: the
-// maximum in 8-lane strides (exact in any order), then its first index 8 lanes at a time.
-static inline void slot_argmax(const float* y, int64_t c0, int64_t c1, float* val, int32_t* idx) {
-#ifdef SD_AVX512BF16
-    if (c1 - c0 == 64) {  // a whole group's slot: four 16-lane vectors, one reduction, one mask of equal entries
-        const __m512 a = _mm512_loadu_ps(y + c0), b = _mm512_loadu_ps(y + c0 + 16);
-        const __m512 c = _mm512_loadu_ps(y + c0 + 32), d = _mm512_loadu_ps(y + c0 + 48);
-        const __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q) |
-                              _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q);
-        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(a, b), _mm512_max_ps(c, d)));
-        *val = mx;
-        if (nan) {
-            *idx = -1;
-            return;
-        }
-        const __m512 m16 = _mm512_set1_ps(mx);  // (-0 and +0 compare equal: the first zero, as below)
-        const uint64_t eq = (uint64_t)_mm512_cmp_ps_mask(a, m16, _CMP_EQ_OQ) |
-                            (uint64_t)_mm512_cmp_ps_mask(b, m16, _CMP_EQ_OQ) << 16 |
-                            (uint64_t)_mm512_cmp_ps_mask(c, m16, _CMP_EQ_OQ) << 32 |
-                            (uint64_t)_mm512_cmp_ps_mask(d, m16, _CMP_EQ_OQ) << 48;
-        *idx = (int32_t)(c0 + __builtin_ctzll(eq));  // (eq != 0: mx is one of the entries)
-        return;
-    }
-#endif
-    __m256 m8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
+// The first index of y[c0..c1) holding its maximum (c0 if every entry is -inf), or -1 if any entry is NaN; the
+// maximum in *mx. The maximum in 8-lane strides over four running maxima (max is exact in any order; one chain was
+// bound by its latency: ~7 us a row of 8,192 logits), then its first index 8 lanes at a time.
+static inline int64_t first_max(const float* y, int64_t c0, int64_t c1, float* mx_out) {
+    __m256 m4[4], nan4[4];
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; u++) m4[u] = _mm256_set1_ps(-INFINITY), nan4[u] = _mm256_setzero_ps();
     int64_t c = c0;
+    for (; c + 32 <= c1; c += 32) {
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; u++) {
+            const __m256 v = _mm256_loadu_ps(y + c + 8 * u);
+            nan4[u] = _mm256_or_ps(nan4[u], _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+            m4[u] = _mm256_max_ps(m4[u], v);
+        }
+    }
+    __m256 m8 = _mm256_max_ps(_mm256_max_ps(m4[0], m4[1]), _mm256_max_ps(m4[2], m4[3]));
+    __m256 nan8 = _mm256_or_ps(_mm256_or_ps(nan4[0], nan4[1]), _mm256_or_ps(nan4[2], nan4[3]));
     for (; c + 8 <= c1; c += 8) {
         const __m256 v = _mm256_loadu_ps(y + c);
         nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
@@ -439,22 +431,43 @@ static inline void slot_argmax(const float* y, int64_t c0, int64_t c1, float* va
         nan = nan || y[c] != y[c];
         mx = y[c] > mx ? y[c] : mx;
     }
-    *val = mx;
-    if (nan) {
-        *idx = -1;
+    *mx_out = mx;
+    if (nan) return -1;
+    const __m256 t8 = _mm256_set1_ps(mx);
+    for (c = c0; c + 8 <= c1; c += 8) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(y + c), t8, _CMP_EQ_OQ));
+        if (hit) return c + __builtin_ctz(hit);
+    }
+    for (; c < c1; c++)
+        if (y[c] == mx) return c;
+    return c0;  // (an empty range)
+}
+
+// The maximum of y[c0..c1) and the first index holding it as first_max gives them; a whole group's 64 entries on
+// AVX512 builds in four 16-lane vectors, one reduction and one mask of the entries equal to the maximum.
+static inline void slot_argmax(const float* y, int64_t c0, int64_t c1, float* val, int32_t* idx) {
+#ifdef SD_AVX512BF16
+    if (c1 - c0 == 64) {
+        const __m512 a = _mm512_loadu_ps(y + c0), b = _mm512_loadu_ps(y + c0 + 16);
+        const __m512 c = _mm512_loadu_ps(y + c0 + 32), d = _mm512_loadu_ps(y + c0 + 48);
+        const __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q) |
+                              _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(d, d, _CMP_UNORD_Q);
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(a, b), _mm512_max_ps(c, d)));
+        *val = mx;
+        if (nan) {
+            *idx = -1;
+            return;
+        }
+        const __m512 m16 = _mm512_set1_ps(mx);  // (-0 and +0 compare equal: the first zero, as first_max)
+        const uint64_t eq = (uint64_t)_mm512_cmp_ps_mask(a, m16, _CMP_EQ_OQ) |
+                            (uint64_t)_mm512_cmp_ps_mask(b, m16, _CMP_EQ_OQ) << 16 |
+                            (uint64_t)_mm512_cmp_ps_mask(c, m16, _CMP_EQ_OQ) << 32 |
+                            (uint64_t)_mm512_cmp_ps_mask(d, m16, _CMP_EQ_OQ) << 48;
+        *idx = (int32_t)(c0 + __builtin_ctzll(eq));  // (eq != 0: mx is one of the entries)
         return;
     }
-    int64_t at = c0;
-    const __m256 mx8 = _mm256_set1_ps(mx);
-    for (; at + 8 <= c1; at += 8) {
-        const int eq = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(y + at), mx8, _CMP_EQ_OQ));
-        if (eq) {
-            at += __builtin_ctz((unsigned)eq);
-            break;
-        }
-    }
-    while (at < c1 && y[at] != mx) at++;
-    *idx = (int32_t)(at < c1 ? at : c0);  // (not found only when every entry is -inf... and then the first)
+#endif
+    *idx = (int32_t)first_max(y, c0, c1, val);
 }
 
 // Slot `slot` of every row of Y [k rows] over columns c0..c1 (a unit's: its sums complete for every row).
@@ -1996,53 +2009,8 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
 extern "C" void sd_argmax_rows(const float* x, int64_t n, int64_t V, int64_t* out, int64_t threads) {
 #pragma omp parallel for num_threads((int)threads) schedule(static) if (threads > 1 && n >= ARGMAX_ROWS_PARALLEL)
     for (int64_t r = 0; r < n; r++) {
-        const float* l = x + r * V;
-        // Four running maxima (max is exact in any order; one chain was bound by its latency: ~7 us a row of 8,192
-        // logits, 0.3 ms a step's 48 rows).
-        __m256 m4[4], nan4[4];
-#pragma GCC unroll 4
-        for (int u = 0; u < 4; u++) m4[u] = _mm256_set1_ps(-INFINITY), nan4[u] = _mm256_setzero_ps();
-        int64_t i = 0;
-        for (; i + 32 <= V; i += 32) {
-#pragma GCC unroll 4
-            for (int u = 0; u < 4; u++) {
-                const __m256 v = _mm256_loadu_ps(l + i + 8 * u);
-                nan4[u] = _mm256_or_ps(nan4[u], _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-                m4[u] = _mm256_max_ps(m4[u], v);
-            }
-        }
-        __m256 m8 = _mm256_max_ps(_mm256_max_ps(m4[0], m4[1]), _mm256_max_ps(m4[2], m4[3]));
-        __m256 nan8 = _mm256_or_ps(_mm256_or_ps(nan4[0], nan4[1]), _mm256_or_ps(nan4[2], nan4[3]));
-        for (; i + 8 <= V; i += 8) {
-            const __m256 v = _mm256_loadu_ps(l + i);
-            nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-            m8 = _mm256_max_ps(m8, v);
-        }
-        float lanes[8];
-        _mm256_storeu_ps(lanes, m8);
-        float mx = -INFINITY;
-        for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
-        bool nan = _mm256_movemask_ps(nan8) != 0;
-        for (; i < V; i++) {
-            nan = nan || l[i] != l[i];
-            mx = l[i] > mx ? l[i] : mx;
-        }
-        if (nan) {
-            out[r] = -1;
-            continue;
-        }
-        const __m256 t8 = _mm256_set1_ps(mx);
-        int64_t best = -1;
-        for (i = 0; i + 8 <= V; i += 8) {
-            const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(l + i), t8, _CMP_EQ_OQ));
-            if (hit) {
-                best = i + __builtin_ctz(hit);
-                break;
-            }
-        }
-        for (; best < 0 && i < V; i++)
-            if (l[i] == mx) best = i;
-        out[r] = best < 0 ? 0 : best;  // (a row of V = 0 entries: never asked)
+        float mx;
+        out[r] = first_max(x + r * V, 0, V, &mx);
     }
 }
 
