@@ -422,8 +422,8 @@ class NativeRunner(ModelRunner):
             kv_l.extend([cache.kv_at] * k)
             out_l.extend(range(row + k - min(size, k), row + k))
         # With the whole head, each asked row's argmax comes out of the pass (taken as the head's product finishes each
-        # group of outputs, in the computing core's cache): greedy verification reads it (argmax_rows) where a call of
-        # its own read the pass's logits again, ~75 µs a 48-row pass on the Emerald Rapids.
+        # group of outputs, in the computing core's cache): greedy verification reads it (pass_argmax) where a call of
+        # its own read the pass's logits again (a 48-row pass: 25 µs in the pass against 75-135 for the call).
         best: list[int] | None = None
         if self._argmax_in_pass:
             best = []
