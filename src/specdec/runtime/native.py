@@ -51,6 +51,7 @@ from specdec.runtime.native_kernel import (
     kernel_available,
     kernel_isa,
     kernel_status,
+    nan_rows_by_torch,
 )
 from specdec.runtime.native_ops import DenseOps, HalfOps, Ops, choose_ops, half_fits, prepare_layer
 from specdec.runtime.native_weights import ModelWeights, load_weights
@@ -449,7 +450,7 @@ class NativeRunner(ModelRunner):
         # The argmax the pass took (forward_blocks with the whole head), for its logits as the caller promises them
         # unchanged since; a row with a NaN gets torch's answer. Anything else: argmax_rows.
         if self._pass_best is not None and self._pass_logits is not None and self._pass_logits() is logits:
-            return [b if b >= 0 else int(logits[r].argmax()) for r, b in enumerate(self._pass_best)]
+            return nan_rows_by_torch(self._pass_best, logits)
         return self.argmax_rows(logits)
 
     def _widen(self, logits: torch.Tensor) -> torch.Tensor:

@@ -414,11 +414,13 @@ def kernel_argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> list[int]:
     n, v = logits.shape
     out = array.array("q", bytes(8 * n))
     (_HELD.get(id(lib)) or lib).sd_argmax_rows(logits.data_ptr(), n, v, out.buffer_info()[0], pass_threads())
-    best = out.tolist()
-    for r, b in enumerate(best):
-        if b < 0:  # a NaN in the row: torch's answer
-            best[r] = int(logits[r].argmax())
-    return best
+    return nan_rows_by_torch(out.tolist(), logits)
+
+
+def nan_rows_by_torch(best: list[int], logits: torch.Tensor) -> list[int]:
+    """The kernel's argmax of each row of ``logits`` (``best``; -1 for a row holding a NaN) with such rows' torch's
+    answer instead (the index of its first NaN)."""
+    return [b if b >= 0 else int(logits[r].argmax()) for r, b in enumerate(best)]
 
 
 def kv_round(x: torch.Tensor, kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

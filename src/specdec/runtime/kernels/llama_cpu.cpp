@@ -470,11 +470,19 @@ static inline void slot_argmax(const float* y, int64_t c0, int64_t c1, float* va
     *idx = (int32_t)first_max(y, c0, c1, val);
 }
 
-// Slot `slot` of every row of Y [k rows] over columns c0..c1 (a unit's: its sums complete for every row).
-static inline void arg_parts(const ArgParts* ap, const float* Y, int64_t ldy, int64_t k, int64_t c0, int64_t c1,
-                             int64_t slot) {
+// Slot q of every row of Y [k rows][m outputs]: its columns q * width .. (q + 1) * width (the last one cut at m),
+// once the unit holding them has its sums complete for every row.
+static inline void arg_parts(const ArgParts* ap, const float* Y, int64_t ldy, int64_t k, int64_t m, int64_t width,
+                             int64_t q) {
+    const int64_t c0 = q * width, c1 = std::min(c0 + width, m);
     for (int64_t t = 0; t < k; t++)
-        slot_argmax(Y + t * ldy, c0, c1, ap->val + t * ap->slots + slot, ap->idx + t * ap->slots + slot);
+        slot_argmax(Y + t * ldy, c0, c1, ap->val + t * ap->slots + q, ap->idx + t * ap->slots + q);
+}
+
+// The floats of scratch an ArgParts of `rows` rows takes for a head of `head_rows` outputs: a value and an index per
+// slot, as many slots as panels at most (arg_slot_width).
+static inline int64_t arg_parts_floats(int64_t head_rows, int64_t rows) {
+    return 2 * rows * ((head_rows + PANEL - 1) / PANEL);
 }
 
 // Row t's argmax from its slots: the first slot holding the largest maximum (strictly greater replaces), -1 if a
@@ -723,10 +731,7 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
             t0 += rows;
         }
         if (ap != NULL)  // the unit's outputs are complete for every row: their argmax in parts, one slot a group
-            for (int64_t q = u0; q < u1; q++) {
-                const int64_t c0 = q * group * PANEL, c1 = (q + 1) * group * PANEL;
-                arg_parts(ap, Y, ldy, k, c0, c1 < m ? c1 : m, q);
-            }
+            for (int64_t q = u0; q < u1; q++) arg_parts(ap, Y, ldy, k, m, group * PANEL, q);
     });
 #pragma omp barrier
 }
@@ -1051,7 +1056,7 @@ static void products_amx(Share& sh, const uint16_t* xb, int64_t n, const uint16_
             if (row_groups == 1) {
                 if (configured != k) amx_configure((int)k), configured = k;
                 tile_amx(xb, n, Wg, n, k, o, 0, q * G * PANEL, AmxFetch{(const char*)Wg, 0, 0});
-                if (ap != NULL) arg_parts(ap, o.Y, o.ldy, k, q * G * PANEL, std::min((q + 1) * G * PANEL, m), q);
+                if (ap != NULL) arg_parts(ap, o.Y, o.ldy, k, m, G * PANEL, q);
                 continue;
             }
             // The group's row groups one after another, two at a time where they have as many rows (tile_amx2), on
@@ -1071,7 +1076,7 @@ static void products_amx(Share& sh, const uint16_t* xb, int64_t n, const uint16_
                 }
             }
             if (ap != NULL)  // the group's outputs are complete for every row: their argmax in one slot
-                arg_parts(ap, o.Y, o.ldy, k, q * G * PANEL, std::min((q + 1) * G * PANEL, m), q);
+                arg_parts(ap, o.Y, o.ldy, k, m, G * PANEL, q);
         }
     });
 #pragma omp barrier
@@ -1310,6 +1315,12 @@ static void rms_norm(const float* x, float* y, int64_t n, double eps) {
     const __m256 v = _mm256_set1_ps(inv);
     for (; c + 8 <= n; c += 8) _mm256_storeu_ps(y + c, _mm256_mul_ps(_mm256_loadu_ps(x + c), v));
     for (; c < n; c++) y[c] = x[c] * inv;
+}
+
+// A product's input row: x normalised into y and, where the products read bf16 rows (`xbf`), into xb as bf16.
+static inline void norm_input(const float* x, float* y, uint16_t* xb, int64_t n, double eps, bool xbf) {
+    rms_norm(x, y, n, eps);
+    to_xb(xbf, y, xb, n);
 }
 
 static void load_row(int64_t wtype, const void* base, int64_t row, int64_t stride, float* out, int64_t n) {
@@ -1582,9 +1593,10 @@ static float softmax_weights(float* scores, int64_t n) {
     }
     float sum = hsum8(acc);
     if (j < n) {
-        // The last n - j (< 8) scores: their exps in one exp8 (lane by lane what `x < floor ? 0 : exp1(x)` gave one at
-        // a time: the same subtraction, exp and floor), then added in position order as before. One at a time, a query of a
-        // short context spent most of its softmax in these (an exp8 each): 6.6% of a 48-row pass at 20 tokens.
+        // The last n - j (< 8) scores: their exps in one exp8 (lane by lane what `x < floor ? 0 : exp1(x)` gave one
+        // at a time: the same subtraction, exp and floor), then added in position order as before. One at a time, a
+        // query of a short context spent most of its softmax in these (an exp8 each): 6.6% of a 48-row pass at 20
+        // tokens of context.
         const int64_t rest = n - j;
         float in[8] = {0, 0, 0, 0, 0, 0, 0, 0}, ex[8];
         for (int64_t i = 0; i < rest; i++) in[i] = scores[j + i] - mx;
@@ -1731,6 +1743,14 @@ static void attend(const float* const* qs, int Q, const typename KV::T* Kh, cons
     }
 }
 
+// x[0..n) rounded to a 16-bit cache type into out: 8 entries at a time (store8: store1's values), the rest one by one.
+template <class KV>
+static inline void round_entries(const float* x, typename KV::T* out, int64_t n) {
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) _mm_storeu_si128((__m128i*)(out + c), KV::store8(_mm256_loadu_ps(x + c)));
+    for (; c < n; c++) out[c] = KV::store1(x[c]);
+}
+
 // One row's keys and values (RoPE already applied to the keys) into its sequence's cache at position p: keys into
 // their transposed block, values row-major. `keys`/`vals`: the layer's first key/value head of the cache.
 template <class KV>
@@ -1746,31 +1766,26 @@ static void cache_row(const float* row, int64_t H, int64_t KVH, int64_t hd, int6
             for (int64_t c = 0; c < hd; c++) kb[c * KBLOCK] = kr[c];
             memcpy(vr, vs, hd * sizeof(float));
         } else {
-            // 8 entries rounded at a time (store8: store1's values), the keys then written one by one (transposed)
+            round_entries<KV>(vs, vr, hd);
+            // the keys 8 at a time too, then written one by one (transposed)
             int64_t c = 0;
             for (; c + 8 <= hd; c += 8) {
                 alignas(16) T k8[8];
                 _mm_store_si128((__m128i*)k8, KV::store8(_mm256_loadu_ps(kr + c)));
                 for (int i = 0; i < 8; i++) kb[(c + i) * KBLOCK] = k8[i];
-                _mm_storeu_si128((__m128i*)(vr + c), KV::store8(_mm256_loadu_ps(vs + c)));
             }
-            for (; c < hd; c++) {
-                kb[c * KBLOCK] = KV::store1(kr[c]);
-                vr[c] = KV::store1(vs[c]);
-            }
+            for (; c < hd; c++) kb[c * KBLOCK] = KV::store1(kr[c]);
         }
     }
 }
 
-// For tests: x[0..n) rounded to a 16-bit cache type (kv_type WT_BF16 or WT_F16) as cache_row rounds them, 8 at a
-// time (store8) into vec[] and one at a time (store1) into one[]. Returns 0, or -1 for another type.
+// For tests: x[0..n) rounded to a 16-bit cache type (kv_type WT_BF16 or WT_F16) as cache_row rounds a row's values
+// (round_entries) into vec[], and one at a time (store1) into one[]. Returns 0, or -1 for another type.
 extern "C" int sd_kv_round(int64_t kv_type, const float* x, int64_t n, uint16_t* vec, uint16_t* one) {
     auto run = [&](auto kv) {
         using KV = decltype(kv);
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i*)(vec + i), KV::store8(_mm256_loadu_ps(x + i)));
-        for (; i < n; i++) vec[i] = KV::store1(x[i]);
-        for (i = 0; i < n; i++) one[i] = KV::store1(x[i]);
+        round_entries<KV>(x, vec, n);
+        for (int64_t i = 0; i < n; i++) one[i] = KV::store1(x[i]);
     };
     if (kv_type == WT_BF16) run(KvBF16{});
     else if (kv_type == WT_F16) run(KvF16{});
@@ -1838,7 +1853,7 @@ extern "C" int64_t sd_scratch_floats(const SdModel* m, int64_t k, int64_t thread
     // head's argmax in parts (k rows x a slot per panel at most: a value and an index each).
     const int64_t per_thread = att_scratch(m->max_ctx, widest);
     return k * (d + d + qkv + m->heads * hd + 2 * m->ff + m->ff) + (k * widest + 1) / 2 + 16 + threads * per_thread +
-           2 * k * ((m->head_rows + PANEL - 1) / PANEL);
+           arg_parts_floats(m->head_rows, k);
 }
 
 // Runs k rows in one pass. Row t is token ids[t] at position pos[t] of the sequence whose KV cache starts
@@ -1872,8 +1887,8 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
     const int64_t per_thread = att_scratch(C, widest), ss = C + KBLOCK;
     // argmax: the head's argmax in parts as its units are done (ArgParts), then each asked row's (argmax_of_parts)
     const int64_t slot_w = arg_slot_width(m->wtype);
-    const ArgParts parts = {score_base + threads * per_thread,
-                            (int32_t*)(score_base + threads * per_thread + n_out * ((m->head_rows + PANEL - 1) / PANEL)),
+    float* parts_base = score_base + threads * per_thread;  // arg_parts_floats(head_rows, n_out): values, then indices
+    const ArgParts parts = {parts_base, (int32_t*)(parts_base + arg_parts_floats(m->head_rows, n_out) / 2),
                             (m->head_rows + slot_w - 1) / slot_w};
     const int64_t wt = m->wtype, kvt = m->kv_type, kvb = kv_bytes(kvt);
     const int st = m->stream != 0;
@@ -1902,10 +1917,7 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
             // Byte offsets of the layer's keys and values in a cache.
             const int64_t key_off = ((l * 2 + 0) * KV) * C * hd * kvb, val_off = ((l * 2 + 1) * KV) * C * hd * kvb;
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < k; t++) {
-                rms_norm(x + t * d, h + t * d, d, m->eps);
-                to_xb(xbf, h + t * d, xb + t * d, d);
-            }
+            for (int64_t t = 0; t < k; t++) norm_input(x + t * d, h + t * d, xb + t * d, d, m->eps, xbf);
             PHASE_DONE(PH_NORM)
             gemm(sh, wt, h, d, L->wqkv, L->bqkv, qkv, nqkv, k, d, nqkv, 0, xb, st, xbf);
             PHASE_DONE(PH_QKV)
@@ -1961,10 +1973,7 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
             gemm(sh, wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1, xb, st, xbf);
             PHASE_DONE(PH_O_PROJ)
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < k; t++) {
-                rms_norm(x + t * d, h + t * d, d, m->eps);
-                to_xb(xbf, h + t * d, xb + t * d, d);
-            }
+            for (int64_t t = 0; t < k; t++) norm_input(x + t * d, h + t * d, xb + t * d, d, m->eps, xbf);
             PHASE_DONE(PH_NORM)
             gemm(sh, wt, h, d, L->wgu, L->bgu, gu, 2 * ff, k, d, 2 * ff, 0, xb, st, xbf);
             PHASE_DONE(PH_GATE_UP)
@@ -1979,10 +1988,7 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
         }
         if (n_out > 0) {  // the asked rows, normalised into h[0..n_out) (free by now), then the head
 #pragma omp for schedule(static)
-            for (int64_t j = 0; j < n_out; j++) {
-                rms_norm(x + out_idx[j] * d, h + j * d, d, m->eps);
-                to_xb(xbf, h + j * d, xb + j * d, d);
-            }
+            for (int64_t j = 0; j < n_out; j++) norm_input(x + out_idx[j] * d, h + j * d, xb + j * d, d, m->eps, xbf);
             gemm(sh, wt, h, d, m->lm_head, NULL, logits, m->head_rows, n_out, d, m->head_rows, 0, xb, st, xbf,
                  argmax != NULL ? &parts : NULL);
             if (argmax != NULL) {
