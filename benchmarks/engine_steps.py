@@ -104,13 +104,14 @@ class ClosedLoop:
         requests: int,
         chunks: int = 4,
         max_batch: int = 0,
+        prompts: list[str] | None = None,
     ):
         self.engine, self.clock, self.policy = engine, clock, policy
         self.sequences, self.requests, self.chunks = sequences, requests, chunks
         # At most this many sequences a step (0: all), the steps rotating over them as the server's scheduler does
         # with more requests than --max-batch (``Scheduler._next_batch``).
         self.max_batch, self._turn = max_batch, 0
-        self._source = itertools.cycle(PROMPTS)
+        self._source = itertools.cycle(prompts or PROMPTS)
         self.active = [self._start() for _ in range(sequences)]
         self.started = sequences
         self.steps, self.tokens, self.wall, self.native, self.policy_s = 0, 0, 0.0, 0.0, 0.0
@@ -195,7 +196,13 @@ class ClosedLoop:
 
 
 def run(
-    engine: Engine, clock: NativeClock, policy: str, sequences: int, requests: int, max_batch: int = 0
+    engine: Engine,
+    clock: NativeClock,
+    policy: str,
+    sequences: int,
+    requests: int,
+    max_batch: int = 0,
+    prompts: list[str] | None = None,
 ) -> dict[str, Any]:
     """``requests`` requests through a closed loop of ``sequences`` (``ClosedLoop``), every step counted. A policy
     named ``NAME+trace`` runs NAME with every step written to a JSONL trace (a temporary file)."""
@@ -203,23 +210,32 @@ def run(
         with tempfile.TemporaryDirectory() as tmp, JsonlTrace(Path(tmp) / "steps.jsonl") as trace:
             engine.observers.append(trace)
             try:
-                return run(engine, clock, policy.removesuffix(TRACED), sequences, requests, max_batch)
+                return run(engine, clock, policy.removesuffix(TRACED), sequences, requests, max_batch, prompts)
             finally:
                 engine.observers.remove(trace)
-    loop = ClosedLoop(engine, clock, policy, sequences, requests, max_batch=max_batch)
+    loop = ClosedLoop(engine, clock, policy, sequences, requests, max_batch=max_batch, prompts=prompts)
     while loop.step():
         pass
     return loop.figures()
 
 
 def interleaved(
-    engine: Engine, clock: NativeClock, policies: list[str], sequences: int, requests: int, max_batch: int = 0
+    engine: Engine,
+    clock: NativeClock,
+    policies: list[str],
+    sequences: int,
+    requests: int,
+    max_batch: int = 0,
+    prompts: list[str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Every policy's closed loop stepped in turn, one step each (``--interleave``): the machine's changes of speed
     (on a shared host, 2x within a minute) fall on every policy alike, step by step, where runs one after another
     each meet their own minute. Each loop's requests are set aside while the others step (``ClosedLoop.step``). No
     policy named NAME+trace (``main`` refuses it with --interleave)."""
-    loops = [ClosedLoop(engine, clock, policy, sequences, requests, max_batch=max_batch) for policy in policies]
+    loops = [
+        ClosedLoop(engine, clock, policy, sequences, requests, max_batch=max_batch, prompts=prompts)
+        for policy in policies
+    ]
     running = list(loops)
     while running:
         running = [loop for loop in running if loop.step(aside=True)]
@@ -311,7 +327,22 @@ def main(argv: list[str] | None = None) -> int:
         help="step the policies' loops in turn, one step each, in every round (the machine's changes of speed fall "
         "on all alike) instead of one policy's run after another's",
     )
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        help='prompts: JSONL, one a line (a JSON string or an object with a "prompt" field, as load_test.py '
+        "--prompts takes); default: the load test's own",
+    )
     args = p.parse_args(argv)
+    prompts = None
+    if args.prompts is not None:
+        from specdec.bench.prompts import load_prompts
+
+        try:
+            prompts = [q.text for q in load_prompts(args.prompts)]
+        except InvalidRequestError as e:
+            p.error(str(e))
     if args.interleave and any(q.endswith(TRACED) for q in args.policies):
         p.error("--interleave: a policy named NAME+trace runs only without it")
     for policy in args.policies:
@@ -335,16 +366,16 @@ def main(argv: list[str] | None = None) -> int:
     for n in args.sequences:
         requests = args.requests or max(8, 4 * n)
         for policy in args.policies:  # warm-up: the policies' first plans and the caches' first allocations
-            run(engine, clock, policy, n, n, args.max_batch)
+            run(engine, clock, policy, n, n, args.max_batch, prompts)
         runs: dict[str, list[dict[str, Any]]] = {q: [] for q in args.policies}
         for r in range(args.rounds):
             order = args.policies[r % len(args.policies) :] + args.policies[: r % len(args.policies)]
             if args.interleave:
-                for policy, figures in interleaved(engine, clock, order, n, requests, args.max_batch).items():
+                for policy, figures in interleaved(engine, clock, order, n, requests, args.max_batch, prompts).items():
                     runs[policy].append(figures)
                 continue
             for policy in order:
-                runs[policy].append(run(engine, clock, policy, n, requests, args.max_batch))
+                runs[policy].append(run(engine, clock, policy, n, requests, args.max_batch, prompts))
         for policy in args.policies:
             med = {
                 k: statistics.median(x[k] for x in runs[policy])

@@ -18,6 +18,9 @@ def test_the_engine_steps_benchmark_splits_each_step(tmp_path: Path) -> None:
     out = tmp_path / "steps.json"
     command = [sys.executable, str(SCRIPT), "--sequences", "1", "3", "--policies", "fixed:tau=0", "adaptive"]
     command += ["--requests", "4", "--rounds", "1", "--json", str(out), "--by-depth"]
+    prompts = tmp_path / "prompts.jsonl"  # prompts of one's own (--prompts), as the load test takes them
+    prompts.write_text('"The history of bridges"\n{"prompt": "A short story about a lost key:"}\n')
+    command += ["--prompts", str(prompts)]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
@@ -84,6 +87,7 @@ def test_interleaved_policies_each_keep_their_own_loop_and_are_compared_by_chunk
             ["--interleave", "--policies", "fixed:tau=2", "adaptive+trace"],
             "--interleave: a policy named NAME+trace runs only without it",
         ),
+        (["--prompts", "/nonexistent/prompts.jsonl"], "prompt file not found: /nonexistent/prompts.jsonl"),
     ],
 )
 def test_bad_arguments_are_one_line_before_the_models_load(args: list[str], message: str) -> None:

@@ -880,7 +880,9 @@ def test_with_row_groups_a_look_down_lands_where_the_next_depth_would_begin_a_gr
     the deepest depth at most halfway down whose next depth begins a further group: 4 sequences at depth 7 (32 rows,
     two groups) look at depth 3 (16 rows, one group), not at 4 (20 rows: a second group for 4 more rows, the price of
     depth 7's pass for fewer tokens), and from depth 9 at 3 too; 16 sequences at depth 7 at 4 (80 rows, five groups
-    full), at depth 3 at 2; 5 sequences at depth 7 at 2 (15 rows). Without groups, halfway down. Deterministic."""
+    full), at depth 3 at 2; 5 sequences at depth 7 at 2 (15 rows). Where the depth's own pass begins a group it leaves
+    part empty and the depth below begins none, at the depth below (8 sequences at depth 4). Without groups, halfway
+    down. Deterministic."""
     from specdec.policy.adaptive import _look_down
 
     def rows(n: int, other: int = 0) -> list[int]:
@@ -894,6 +896,10 @@ def test_with_row_groups_a_look_down_lands_where_the_next_depth_would_begin_a_gr
     assert _look_down(rows(1), 7, 16) == 4  # every depth in one group: halfway
     assert _look_down(rows(4), 7, 0) == 4 and _look_down(rows(16), 3, 0) == 2
     assert _look_down(rows(4, other=6), 7, 16) == 1  # another policy's 6 rows: depth 2's 18 rows begin a second group
+    # Depth 4's own pass begins a group it leaves part empty, depth 3's fills its groups: the look goes to depth 3.
+    assert _look_down(rows(8), 4, 16) == 3  # 40 rows (a third group for 8) against 32
+    assert _look_down(rows(7), 4, 16) == 3  # 35 against 28
+    assert _look_down(rows(8), 4, 0) == 2  # without groups: halfway
 
 
 def test_a_batchs_explorations_space_out_while_they_confirm_its_depth_and_come_back_when_it_moves() -> None:
@@ -1127,13 +1133,13 @@ def test_depth_calibration_weighs_what_each_depths_steps_measured_against_their_
     """Ratios of sums (not a mean of per-step ratios, which leans against the depths whose tokens spread most), each
     depth's shrunk toward the pool of every depth run by ``prior`` steps (the pool toward 1), decayed per step, an
     outlier price clipped; a depth never run takes the pool's when shallower than the deepest run, the deepest's when
-    deeper."""
+    deeper. (Without decay here: ``test_a_depth_explored_now_and_then_keeps_what_its_steps_measured`` has it.)"""
     from specdec.policy.estimates import DepthCalibration
 
     def shrunk(own: float, steps: float, toward: float, k: float = 4.0) -> float:
         return (steps * own + k * toward) / (steps + k)
 
-    cal = DepthCalibration(decay=1.0, prior=4.0)
+    cal = DepthCalibration(decay=1.0, own_decay=1.0, prior=4.0)
     assert cal.factor(3) == 1.0  # nothing measured
     for tokens in (2.0, 10.0):  # per-step ratios 0.4 and 2.0 (mean 1.2); the sums' ratio is 12/10
         cal.observe(2, tokens, 5.0, 1e-3, 1e-3)
@@ -1155,6 +1161,32 @@ def test_depth_calibration_weighs_what_each_depths_steps_measured_against_their_
     assert decaying.factor(2) == decaying.factor(5) == 1.0
 
 
+def test_a_depth_explored_now_and_then_keeps_what_its_steps_measured() -> None:
+    """A batch runs depth 4 and explores depth 3 once in 32 steps (a plan's exploration). Depth 4's steps make 0.85 of
+    the goodput their plans predicted, depth 3's 1.05: a pass of 40 rows crosses the kernel's 32-row group and costs
+    what its curve, fitted across that edge, does not see (a traced server at 8 clients: depth 4 2.9 tokens/ms where
+    τ = 3's steps made 3.8). A depth's sums age with its own steps (``own_decay``) and only slowly with every step
+    (``decay``): after 640 steps depth 3's factor reads about what its explorations measured, 0.14 above depth 4's.
+    Aged by every step at 0.99 (until session 62), its few recent explorations weighed less than the prior toward the
+    pool, depth 4's own ratio: 0.10 above, less than the predictions put depth 4 ahead by, and the plan held depth
+    4."""
+    from specdec.policy.estimates import DepthCalibration
+
+    def run(cal: DepthCalibration) -> DepthCalibration:
+        for step in range(640):
+            if step % 32 == 31:
+                cal.observe(3, 1.05 * 25.0, 25.0, 6e-3, 6e-3)
+            else:
+                cal.observe(4, 0.85 * 28.0, 28.0, 8e-3, 8e-3)
+        return cal
+
+    cal = run(DepthCalibration())
+    assert cal.factor(4) == pytest.approx(0.85, abs=0.02)
+    assert cal.factor(3) > 0.98 and cal.factor(3) - cal.factor(4) > 0.12  # its own 1.05, shrunk toward the pool
+    old = run(DepthCalibration(decay=0.99, own_decay=1.0))  # the old ageing: the pool's pull holds depth 3 near 4's
+    assert old.factor(3) < 0.96 and old.factor(3) - old.factor(4) < cal.factor(3) - cal.factor(4) - 0.03
+
+
 def test_a_depth_run_a_hundred_times_does_not_hold_the_plan_against_depths_run_a_few() -> None:
     """Every depth's predictions 10% short (the estimates err alike at every depth): depth 6 run for 100 steps, depth 3
     twice, with a worse step among them. Each depth's factor is shrunk toward the pool, so depth 3's reads near
@@ -1162,7 +1194,7 @@ def test_a_depth_run_a_hundred_times_does_not_hold_the_plan_against_depths_run_a
     clients held depth 6 where depth 3 served 5% more)."""
     from specdec.policy.estimates import DepthCalibration
 
-    cal = DepthCalibration(decay=1.0, prior=4.0)
+    cal = DepthCalibration(decay=1.0, own_decay=1.0, prior=4.0)
     for _ in range(100):
         cal.observe(6, 1.1 * 20.0, 20.0, 7e-3, 7e-3)
     cal.observe(3, 0.8 * 13.0, 13.0, 4e-3, 4e-3)
@@ -1177,7 +1209,7 @@ def test_a_batch_plan_leaves_a_depth_whose_steps_measured_less_than_it_predicted
     depth 1 predicts the best goodput (4.27 tokens/ms; plain 4.0, depth 2 3.92). Where the steps run at depth 1 have
     made 20% less than predicted, and nothing deeper or shallower has run, every depth from 1 on borrows that
     (the pool of the depths run: depth 1's alone), plain too: the plan stays at 1. Where plain steps measured as
-    predicted, depth 1 reads 0.82 of its 4.27 tokens/ms (0.8 shrunk toward the pool of both, 0.9) against plain's 0.99
+    predicted, depth 1 reads 0.81 of its 4.27 tokens/ms (0.8 shrunk toward the pool of both, 0.9) against plain's 0.99
     of 4.0, and the plan goes plain; the step's reason shows each depth's factor."""
     ctxs = [ctx_for(f"s{i}", 0, 0, 0) for i in range(16)]
 
@@ -1194,7 +1226,7 @@ def test_a_batch_plan_leaves_a_depth_whose_steps_measured_less_than_it_predicted
         policy.depth_calibration(16).observe(0, 16.0, 16.0, 4e-3, 4e-3)
     plan = policy.plan(ctxs)
     assert max(d.tau for d in plan) == 0
-    assert re.search(r"steps' measured/predicted 0\.99/0\.82/0\.82/", plan[0].reason), plan[0].reason
+    assert re.search(r"steps' measured/predicted 0\.99/0\.81/0\.81/", plan[0].reason), plan[0].reason
 
 
 def test_a_depth_calibration_learnt_on_small_batches_does_not_price_a_batch_of_16() -> None:

@@ -652,8 +652,12 @@ class DepthCalibration:
     """How far a batch plan's predicted goodput was from what its steps measured, depth by depth.
 
     Every batch step run at a lockstep depth adds its tokens and seconds, measured and predicted, to that depth's
-    sums; all depths' sums decay by ``decay`` per step, so a depth not run for a while drifts back to no correction
-    (and is tried again). A depth's factor is (measured ÷ predicted tokens) × (predicted ÷ measured seconds), ratios
+    sums, which first age by ``own_decay`` (a depth's own last ~30 steps weigh); all depths' sums decay by ``decay``
+    per step besides, slowly, so a depth not run for a long while drifts back to no correction (and is tried again).
+    Until session 62 every depth's sums aged by 0.99 a step whoever ran it: a depth the plans only explore (one step
+    in 16-64) kept the weight of its last few explorations, less than the ``prior`` toward the pool, and read what the
+    depth the batch runs measured (a traced server at 8 clients held depth 4, 40 rows, 2.9 tokens/ms, where depth 3's
+    steps made 3.8: the 40-row pass begins a third group of the kernel's rows). A depth's factor is (measured ÷ predicted tokens) × (predicted ÷ measured seconds), ratios
     of its sums (a mean of per-step ratios would lean against the deep depths, whose tokens per step spread the most),
     each shrunk by ``prior`` steps' worth toward the same ratios over every depth run (themselves shrunk toward 1). A
     depth never run (or run too long ago) shallower than the deepest run takes the pool's; one deeper takes the
@@ -664,8 +668,10 @@ class DepthCalibration:
     clients held depth 6 (3.04 tokens/ms measured) where depth 3 served 3.20, and exploring only one deeper never
     measured the shallower depths to correct it."""
 
-    def __init__(self, decay: float = 0.99, prior: float = 4.0, seen: float = 1.0, outlier: float = 2.0) -> None:
-        self.decay, self.prior, self.seen, self.outlier = decay, prior, seen, outlier
+    def __init__(
+        self, decay: float = 0.998, own_decay: float = 0.97, prior: float = 4.0, seen: float = 1.0, outlier: float = 2.0
+    ) -> None:
+        self.decay, self.own_decay, self.prior, self.seen, self.outlier = decay, own_decay, prior, seen, outlier
         # depth -> decayed [measured tokens, predicted tokens, measured seconds, predicted seconds, steps]
         self._sums: dict[int, list[float]] = {}
         self._pool: tuple[dict[int, list[float]], tuple[float, float]] | None = None
@@ -682,7 +688,7 @@ class DepthCalibration:
                 entry[i] *= self.decay
         entry = self._sums.setdefault(depth, [0.0] * 5)
         for i, value in enumerate((tokens, expected, seconds, predicted, 1.0)):
-            entry[i] += value
+            entry[i] = entry[i] * self.own_decay + value
 
     def factor(self, depth: int) -> float:
         """Measured ÷ predicted goodput to expect at ``depth`` (1.0 before any step is measured)."""
