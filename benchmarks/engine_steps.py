@@ -36,7 +36,7 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from load_test import PROMPTS  # noqa: E402
+from load_test import PROMPTS, prompt_texts  # noqa: E402
 
 import specdec  # noqa: E402
 from specdec.engine import Engine, Generation  # noqa: E402
@@ -90,10 +90,11 @@ TRACED = "+trace"  # a policy named with this suffix runs with a JSONL trace obs
 
 
 class ClosedLoop:
-    """One policy's closed loop of ``sequences`` requests (the load test's prompts, 64 new tokens, greedy), each
-    finished one replaced by the next until ``requests`` have started; ``step`` runs one ``Engine.step`` over them
-    and counts it (its time, kernel time, tokens, depth) once the first ``sequences`` requests have joined. The
-    figures are counted in ``chunks`` parts by the requests started (how the policy's standing moves as it learns)."""
+    """One policy's closed loop of ``sequences`` requests (``prompts``: the load test's unless ``--prompts``; 64 new
+    tokens, greedy), each finished one replaced by the next until ``requests`` have started; ``step`` runs one
+    ``Engine.step`` over them and counts it (its time, kernel time, tokens, depth) once the first ``sequences`` requests
+    have joined. The figures are counted in ``chunks`` parts by the requests started (how the policy's standing moves as
+    it learns)."""
 
     def __init__(
         self,
@@ -104,14 +105,14 @@ class ClosedLoop:
         requests: int,
         chunks: int = 4,
         max_batch: int = 0,
-        prompts: list[str] | None = None,
+        prompts: list[str] = PROMPTS,
     ):
         self.engine, self.clock, self.policy = engine, clock, policy
         self.sequences, self.requests, self.chunks = sequences, requests, chunks
         # At most this many sequences a step (0: all), the steps rotating over them as the server's scheduler does
         # with more requests than --max-batch (``Scheduler._next_batch``).
         self.max_batch, self._turn = max_batch, 0
-        self._source = itertools.cycle(prompts or PROMPTS)
+        self._source = itertools.cycle(prompts)
         self.active = [self._start() for _ in range(sequences)]
         self.started = sequences
         self.steps, self.tokens, self.wall, self.native, self.policy_s = 0, 0, 0.0, 0.0, 0.0
@@ -202,7 +203,7 @@ def run(
     sequences: int,
     requests: int,
     max_batch: int = 0,
-    prompts: list[str] | None = None,
+    prompts: list[str] = PROMPTS,
 ) -> dict[str, Any]:
     """``requests`` requests through a closed loop of ``sequences`` (``ClosedLoop``), every step counted. A policy
     named ``NAME+trace`` runs NAME with every step written to a JSONL trace (a temporary file)."""
@@ -226,7 +227,7 @@ def interleaved(
     sequences: int,
     requests: int,
     max_batch: int = 0,
-    prompts: list[str] | None = None,
+    prompts: list[str] = PROMPTS,
 ) -> dict[str, dict[str, Any]]:
     """Every policy's closed loop stepped in turn, one step each (``--interleave``): the machine's changes of speed
     (on a shared host, 2x within a minute) fall on every policy alike, step by step, where runs one after another
@@ -335,14 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         "--prompts takes); default: the load test's own",
     )
     args = p.parse_args(argv)
-    prompts = None
-    if args.prompts is not None:
-        from specdec.bench.prompts import load_prompts
-
-        try:
-            prompts = [q.text for q in load_prompts(args.prompts)]
-        except InvalidRequestError as e:
-            p.error(str(e))
+    prompts = prompt_texts(p, args.prompts)
     if args.interleave and any(q.endswith(TRACED) for q in args.policies):
         p.error("--interleave: a policy named NAME+trace runs only without it")
     for policy in args.policies:

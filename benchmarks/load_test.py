@@ -852,16 +852,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--other-body: expected a JSON object")
     if "unbatched" in args.modes and not (args.spawn or args.unbatched_url):
         p.error("mode 'unbatched' needs --spawn or --unbatched-url")
-    args.prompt_list = PROMPTS
-    if args.prompts:
-        from specdec.bench.prompts import load_prompts
-        from specdec.errors import InvalidRequestError
-
-        try:
-            args.prompt_list = [q.text for q in load_prompts(args.prompts)]
-        except InvalidRequestError as e:
-            p.error(str(e))
+    args.prompt_list = prompt_texts(p, args.prompts)
     return args
+
+
+def prompt_texts(p: argparse.ArgumentParser, path: str | os.PathLike[str] | None) -> list[str]:
+    """``--prompts``' texts (JSONL, ``specdec.bench.prompts.load_prompts``), or the load test's own without one; a bad
+    file is ``p``'s one-line error (``engine_steps.py`` reads its ``--prompts`` the same way)."""
+    if not path:
+        return PROMPTS
+    from specdec.bench.prompts import load_prompts
+    from specdec.errors import InvalidRequestError
+
+    try:
+        return [q.text for q in load_prompts(path)]
+    except InvalidRequestError as e:
+        p.error(str(e))
 
 
 def event_loop() -> tuple[Callable[[Any], Any], str]:

@@ -1163,8 +1163,8 @@ def test_depth_calibration_weighs_what_each_depths_steps_measured_against_their_
 
 def test_a_depth_explored_now_and_then_keeps_what_its_steps_measured() -> None:
     """A batch runs depth 4 and explores depth 3 once in 32 steps (a plan's exploration). Depth 4's steps make 0.85 of
-    the goodput their plans predicted, depth 3's 1.05: a pass of 40 rows crosses the kernel's 32-row group and costs
-    what its curve, fitted across that edge, does not see (a traced server at 8 clients: depth 4 2.9 tokens/ms where
+    the goodput their plans predicted, depth 3's 1.05: a pass of 40 rows begins a third group of the kernel's 16 rows
+    for 8 of them and costs what its curve does not see (a traced server at 8 clients: depth 4 2.9 tokens/ms where
     τ = 3's steps made 3.8). A depth's sums age with its own steps (``own_decay``) and only slowly with every step
     (``decay``): after 640 steps depth 3's factor reads about what its explorations measured, 0.14 above depth 4's.
     Aged by every step at 0.99 (until session 62), its few recent explorations weighed less than the prior toward the

@@ -651,22 +651,22 @@ def steady_draft(record: StepRecord) -> bool:
 class DepthCalibration:
     """How far a batch plan's predicted goodput was from what its steps measured, depth by depth.
 
-    Every batch step run at a lockstep depth adds its tokens and seconds, measured and predicted, to that depth's
-    sums, which first age by ``own_decay`` (a depth's own last ~30 steps weigh); all depths' sums decay by ``decay``
-    per step besides, slowly, so a depth not run for a long while drifts back to no correction (and is tried again).
-    Until session 62 every depth's sums aged by 0.99 a step whoever ran it: a depth the plans only explore (one step
-    in 16-64) kept the weight of its last few explorations, less than the ``prior`` toward the pool, and read what the
-    depth the batch runs measured (a traced server at 8 clients held depth 4, 40 rows, 2.9 tokens/ms, where depth 3's
-    steps made 3.8: the 40-row pass begins a third group of the kernel's rows). A depth's factor is (measured ÷ predicted tokens) × (predicted ÷ measured seconds), ratios
-    of its sums (a mean of per-step ratios would lean against the deep depths, whose tokens per step spread the most),
-    each shrunk by ``prior`` steps' worth toward the same ratios over every depth run (themselves shrunk toward 1). A
-    depth never run (or run too long ago) shallower than the deepest run takes the pool's; one deeper takes the
-    deepest run's. The curves and acceptance estimates price every depth from the same few: what they miss grows with
-    the depth (a server's drafts cost 2-2.5x what they cost measured apart; rarely reached positions' acceptance), and
-    only the steps see it. Shrunk toward 1 and borrowed from the nearest depth run, a depth run for a hundred steps
-    kept its full ratio (1.10) while every shallower one borrowed a depth run a few times (0.95): a server at 4
-    clients held depth 6 (3.04 tokens/ms measured) where depth 3 served 3.20, and exploring only one deeper never
-    measured the shallower depths to correct it."""
+    Every batch step run at a lockstep depth adds its tokens and seconds, measured and predicted, to that depth's sums,
+    which first age by ``own_decay`` (a depth's own last ~30 steps weigh); all depths' sums decay by ``decay`` per step
+    besides, slowly, so a depth not run for a long while drifts back to no correction (and is tried again). Until
+    session 62 every depth's sums aged by 0.99 a step whoever ran it: a depth the plans only explore (one step in 16-64)
+    kept the weight of its last few explorations, less than the ``prior`` toward the pool, and read what the depth the
+    batch runs measured (a traced server at 8 clients held depth 4, 40 rows, 2.9 tokens/ms, where depth 3's steps made
+    3.8: the 40-row pass begins a third group of the kernel's rows). A depth's factor is (measured ÷ predicted tokens) ×
+    (predicted ÷ measured seconds), ratios of its sums (a mean of per-step ratios would lean against the deep depths,
+    whose tokens per step spread the most), each shrunk by ``prior`` steps' worth toward the same ratios over every
+    depth run (themselves shrunk toward 1). A depth never run (or run too long ago) shallower than the deepest run takes
+    the pool's; one deeper takes the deepest run's. The curves and acceptance estimates price every depth from the same
+    few: what they miss grows with the depth (a server's drafts cost 2-2.5x what they cost measured apart; rarely
+    reached positions' acceptance), and only the steps see it. Shrunk toward 1 and borrowed from the nearest depth run,
+    a depth run for a hundred steps kept its full ratio (1.10) while every shallower one borrowed a depth run a few
+    times (0.95): a server at 4 clients held depth 6 (3.04 tokens/ms measured) where depth 3 served 3.20, and exploring
+    only one deeper never measured the shallower depths to correct it."""
 
     def __init__(
         self, decay: float = 0.998, own_decay: float = 0.97, prior: float = 4.0, seen: float = 1.0, outlier: float = 2.0
