@@ -56,8 +56,9 @@ def test_chunked_prefill_equals_one_pass(tiny_models: dict[str, Path], monkeypat
     ids = torch.randint(0, runner.vocab_size, (50,), generator=torch.Generator().manual_seed(4))
     whole, last = prefill(runner, ids), runner.forward(ids, runner.new_cache(), last_only=True)
     assert torch.equal(last, whole[-1:])  # the head of one row equals the last of 50 rows
+    fused = runner._fused
     for chunk in (7, 25):  # 50 tokens: 7 chunks with a short last one; 2 chunks of 25
-        monkeypatch.setattr(nk, "CHUNK", chunk)
+        monkeypatch.setattr(fused, "chunk_rows", chunk)
         assert torch.equal(prefill(runner, ids), whole)
         chunked_last = runner.forward(ids, runner.new_cache(), last_only=True)
         assert chunked_last.shape == (1, runner.vocab_size) and torch.equal(chunked_last, last)
@@ -67,10 +68,42 @@ def test_chunked_prefill_equals_one_pass(tiny_models: dict[str, Path], monkeypat
     keep = [2, 12, 1]
     got = []
     for chunk in (7, 128):
-        monkeypatch.setattr(nk, "CHUNK", chunk)
+        monkeypatch.setattr(fused, "chunk_rows", chunk)
         got.append(runner.forward_blocks([(b, runner.new_cache()) for b in blocks], keep))
     assert got[0].shape == (15, runner.vocab_size) and torch.equal(got[0], got[1])
     assert torch.equal(got[1][:2], whole[7:9])  # the first block is the prompt's first 9 tokens
+
+
+def test_a_pass_runs_in_as_few_calls_as_its_scratch_allows(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch pass of more than 128 rows (16 sequences x 8 rows and a joining prompt) is one kernel call, not one per
+    128 rows (each call reads every weight again); rows a call takes are bounded by the scratch they need."""
+    runner = NativeRunner.from_pretrained(tiny_models["llama"], dtype=torch.float32, kernel=True)
+    fused = runner._fused
+    assert fused.chunk_rows == nk.CHUNK_MAX  # a tiny model: the scratch of CHUNK_MAX rows is far within the budget
+    # The bounds: at least CHUNK rows however wide the model, at most CHUNK_MAX, whole AMX row groups in between.
+    assert nk.chunk_rows(nk.SCRATCH_BUDGET) == nk.CHUNK
+    assert nk.chunk_rows(1) == nk.CHUNK_MAX
+    mid = nk.chunk_rows(nk.SCRATCH_BUDGET // 300)
+    assert nk.CHUNK < mid <= 300 and mid % nk.AMX_ROWS == 0
+    calls: list[int] = []
+    lib = fused._lib
+    real = lib.sd_forward_rows
+
+    def counted(*args: object) -> int:
+        calls.append(int(args[4]))  # the call's rows
+        return int(real(*args))
+
+    monkeypatch.setattr(lib, "sd_forward_rows", counted)
+    ids = torch.randint(0, runner.vocab_size, (200,), generator=torch.Generator().manual_seed(6)).tolist()
+    blocks = [ids[8 * i : 8 * i + 8] for i in range(16)] + [ids[128:144]]  # 144 rows
+    one = runner.forward_blocks([(b, runner.new_cache()) for b in blocks], [1] * len(blocks))
+    assert calls == [144]
+    calls.clear()
+    monkeypatch.setattr(fused, "chunk_rows", 64)
+    pieces = runner.forward_blocks([(b, runner.new_cache()) for b in blocks], [1] * len(blocks))
+    assert calls == [64, 64, 16] and torch.equal(one, pieces)
 
 
 def test_every_prefill_length_equals_one_token_passes(tiny_models: dict[str, Path]) -> None:

@@ -59,8 +59,16 @@ ISA_SWITCH = "SPECDEC_CPU_KERNEL_ISA"
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 # The KV cache's element types (SdModel.kv_type): 16-bit caches halve the bytes a row's attention reads.
 KV_TYPES = {t: WEIGHT_TYPES[t] for t in (torch.float32, torch.bfloat16, torch.float16)}
-# Prompts longer than this are prefilled in chunks of this many tokens (bounds the scratch memory).
+# Pending tokens a lockstep draft takes in within its call (a longer catch-up is prefilled first).
 CHUNK = 128
+# A pass of more rows than its model's ``FusedLlama.chunk_rows`` runs in calls of that many, each reading every weight
+# again: as many rows as SCRATCH_BUDGET bytes of scratch hold at the model's widths (``sd_scratch_floats``), a multiple
+# of AMX_ROWS between CHUNK and CHUNK_MAX. At 128 rows a call, a batch step of 16 sequences x 8 rows with a joining
+# prompt (144 rows) paid a second weight stream (Emerald Rapids, the default target: 144 rows 0.85x the time in one
+# call). Past 256 rows a call's activations outgrow the caches: prefills of 700-1000 tokens took 1.02-1.04x the time in
+# calls of 512 or 1,024 rows (docs/runtime.md, session 63).
+CHUNK_MAX = 256
+SCRATCH_BUDGET = 64 << 20
 # Rows of an AMX tile: the AMX build multiplies bf16 weights in balanced row groups of at most this many rows.
 AMX_ROWS = 16
 ENV_SWITCH = "SPECDEC_CPU_KERNEL"
@@ -444,6 +452,12 @@ def kv_round(x: torch.Tensor, kv_dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return vec, one
 
 
+def chunk_rows(row_bytes: int) -> int:
+    """Rows a pass runs in one call for a model whose scratch grows by ``row_bytes`` a row (``SCRATCH_BUDGET``)."""
+    fit = SCRATCH_BUDGET // max(1, row_bytes) // AMX_ROWS * AMX_ROWS
+    return max(CHUNK, min(CHUNK_MAX, fit))
+
+
 def units_taken() -> int:
     """Units of a product's work one thread has taken from another's share since the kernel loaded (its products are
     shared out with stealing: a thread done with its own share goes on with the others' units). 0 without the kernel."""
@@ -727,6 +741,8 @@ class FusedLlama:
         self._scratch = threading.local()  # per calling thread: concurrent requests never share scratch
         self._scratch_floats: dict[tuple[int, int], int] = {}
         self._model_ref = ctypes.byref(self._model)
+        floats = self._lib.sd_scratch_floats
+        self.chunk_rows = chunk_rows(4 * int(floats(self._model_ref, 2, 1) - floats(self._model_ref, 1, 1)))
 
     def profile(self, ids: torch.Tensor, kv: torch.Tensor, pos: int, last_only: bool, steps: int) -> dict[str, float]:
         """Seconds per call of each phase, and of the whole call (``"total"``), over ``steps`` calls at ``pos``."""
@@ -857,8 +873,8 @@ class FusedLlama:
         of its outputs, while they are in the computing core's cache (``ArgParts`` in the kernel).
 
         Every row's result is independent of the other rows in the pass, bit for bit.
-        Passes of more than ``CHUNK`` rows run in chunks (bounded scratch; a sequence's later rows see the
-        keys its earlier chunks wrote). The indices go to the kernel as one int64 array: a Python-side call costs
+        Passes of more than ``chunk_rows`` rows run in calls of that many (bounded scratch; a sequence's later rows see
+        the keys its earlier calls wrote). The indices go to the kernel as one int64 array: a Python-side call costs
         a few microseconds, not a tensor operation per row (a one-token pass of the default target is ~1 ms).
         """
         k, n_out = len(ids), len(out_idx)
@@ -882,12 +898,13 @@ class FusedLlama:
         prof = None if profile is None else profile.data_ptr()
         found = None if best is None else array.array("q", bytes(8 * n_out))
         found_at = 0 if found is None else found.buffer_info()[0]
-        if k <= CHUNK:
+        step = self.chunk_rows
+        if k <= step:
             chunks = [(0, k, 0, n_out)]
         else:  # the asked rows (ascending) that fall in each chunk, relative to it
             chunks, first = [], 0
-            for done in range(0, k, CHUNK):
-                n = min(CHUNK, k - done)
+            for done in range(0, k, step):
+                n = min(step, k - done)
                 stop = bisect.bisect_left(out_idx, done + n, lo=first)
                 chunks.append((done, n, first, stop))
                 first = stop
