@@ -59,7 +59,8 @@ ISA_SWITCH = "SPECDEC_CPU_KERNEL_ISA"
 WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2, torch.int8: 3}
 # The KV cache's element types (SdModel.kv_type): 16-bit caches halve the bytes a row's attention reads.
 KV_TYPES = {t: WEIGHT_TYPES[t] for t in (torch.float32, torch.bfloat16, torch.float16)}
-# Pending tokens a lockstep draft takes in within its call (a longer catch-up is prefilled first).
+# Pending tokens a lockstep draft takes in within its call (a longer catch-up is prefilled first), and the fewest rows a
+# pass runs in one call, however wide its model (``chunk_rows``).
 CHUNK = 128
 # A pass of more rows than its model's ``FusedLlama.chunk_rows`` runs in calls of that many, each reading every weight
 # again: as many rows as SCRATCH_BUDGET bytes of scratch hold at the model's widths (``sd_scratch_floats``), a multiple
