@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -88,7 +88,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """Complete a prompt (string or token ids). ``stream: true`` answers with server-sent events."""
         api.check_request(body)
-        rid = uuid.uuid4().hex[:24]
+        rid = _request_id()
         return await api.serve(
             request,
             body,
@@ -109,7 +109,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
                 "messages",
                 "no_chat_template",
             )
-        rid = uuid.uuid4().hex[:24]
+        rid = _request_id()
         plan = tool_plan(body)  # the reply is tool calls: generated under their schema, answered as calls
         return await api.serve(
             request,
@@ -417,6 +417,12 @@ def _mount_static(app: FastAPI, settings: ServerSettings) -> None:
 
 def _now() -> int:
     return int(time.time())
+
+
+def _request_id() -> str:
+    """24 random hex digits (96 bits), as ``uuid.uuid4().hex[:24]`` gave, without building a UUID: made on the event
+    loop for every request, where a server's loop profiled at 16 clients had ~3% of its samples in ``uuid4``."""
+    return os.urandom(12).hex()
 
 
 def _version() -> str:
