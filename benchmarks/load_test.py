@@ -46,6 +46,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -113,6 +114,10 @@ class Result:
     steady_wall: float = 0.0
     steady_rounds: list[float] = field(default_factory=list)
     client_cpu: float = 0.0  # seconds of CPU this process (the load generator) spent while the rounds ran
+    # seconds of CPU the server's event loop spent over the rounds (its /metrics, where it gives them) and the requests
+    # of the rounds it was read over
+    server_loop_cpu: float = 0.0
+    server_loop_requests: int = 0
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(s.latency for s in self.samples)
@@ -137,6 +142,10 @@ class Result:
             "round_steady_tokens_per_s": [round(r, 1) for r in self.steady_rounds],
             # what the load generator took from the machine it measures, per request it sent
             "client_cpu_ms_per_request": 1e3 * self.client_cpu / len(self.samples) if self.samples else 0.0,
+            # what the server's event loop spent per request (None: the server does not report it)
+            "server_loop_cpu_ms_per_request": (
+                1e3 * self.server_loop_cpu / self.server_loop_requests if self.server_loop_requests else None
+            ),
         }
 
 
@@ -363,6 +372,7 @@ async def run_level(
         if not dry:
             dry.append(time.perf_counter())
 
+    loop0 = await server_loop_cpu(url, headers, args.timeout)
     # Connections open before the clock starts: connecting is not what is measured.
     for conn in conns:
         await conn.connect()
@@ -385,6 +395,26 @@ async def run_level(
     finally:
         for conn in conns:
             await conn.close()
+    loop1 = await server_loop_cpu(url, headers, args.timeout)
+    if loop0 is not None and loop1 is not None:
+        result.server_loop_cpu += loop1 - loop0
+        result.server_loop_requests += len(result.samples) - first
+
+
+# The server's event-loop CPU in its Prometheus text (specdec serve's ``specdec_server_thread_cpu_seconds_total``).
+_LOOP_CPU = re.compile(rb'^specdec_server_thread_cpu_seconds_total\{thread="event_loop"\} (\S+)$', re.MULTILINE)
+
+
+async def server_loop_cpu(url: str, headers: dict[str, str], timeout: float) -> float | None:
+    """Seconds of CPU the server's event loop has spent, from its ``/metrics``; None where it does not say (another
+    server, a replica fleet, a platform without per-thread CPU)."""
+    try:
+        async with httpx.AsyncClient(headers=headers, timeout=timeout) as http:
+            r = await http.get(url + "/metrics")
+    except httpx.HTTPError:
+        return None
+    found = _LOOP_CPU.search(r.content) if r.status_code == 200 else None
+    return float(found.group(1)) if found else None
 
 
 def _free_port() -> int:
@@ -596,6 +626,16 @@ def render(report: dict[str, Any]) -> str:
         lines.append(
             f"Load generator (this process, on the machine it measures; {loop}): {mean:.2f} ms of CPU a request "
             f"({min(ms for ms, _ in cpu):.2f}-{max(ms for ms, _ in cpu):.2f} by mode and level)."
+        )
+    served = [
+        (r["server_loop_cpu_ms_per_request"], r["requests"]) for r in rows if r.get("server_loop_cpu_ms_per_request")
+    ]
+    if served:
+        mean = sum(ms * n for ms, n in served) / sum(n for _, n in served)
+        lines.append(
+            f"Server event loop (its /metrics): {mean:.2f} ms of CPU a request "
+            f"({min(ms for ms, _ in served):.2f}-{max(ms for ms, _ in served):.2f} by mode and level): HTTP work on the "
+            "cores the passes use (docs/server.md, Compute threads)."
         )
     for name, seen in (report.get("other_identity") or {}).items():
         lines.append(

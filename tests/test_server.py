@@ -284,6 +284,15 @@ def test_models_health_metrics_and_auth(server: str, client: Any) -> None:
     samples = {s.name: s for f in text_string_to_metric_families(metrics) for s in f.samples}
     assert samples["specdec_gc_frozen_objects"].value > 10_000  # torch, the models, the engine
     assert "specdec_gc_pause_seconds_count" in samples
+    if sys.platform.startswith("linux"):  # the process's CPU, and its own threads' (from /proc)
+        assert samples["process_cpu_seconds_total"].value > 0
+        threads = {
+            s.labels["thread"]: s.value
+            for f in text_string_to_metric_families(metrics)
+            for s in f.samples
+            if s.name == "specdec_server_thread_cpu_seconds_total"
+        }
+        assert set(threads) == {"event_loop", "scheduler"} and min(threads.values()) >= 0
     denied = httpx.post(f"{server}/v1/completions", json={"prompt": "x"}, timeout=5)
     assert denied.status_code == 401 and denied.json()["error"]["code"] == "invalid_api_key"
     wrong = openai.OpenAI(base_url=f"{server}/v1", api_key="nope", max_retries=0)
@@ -502,6 +511,10 @@ def test_the_load_test_client_reads_what_httpx_reads(server: str) -> None:
     # what the load generator itself took from the machine, per request: CPU it spent, so more than nothing
     assert all(0 < r["client_cpu_ms_per_request"] < 1e3 for r in report["rows"])
     assert "Load generator (this process" in lt.render(report)
+    # what the server's event loop spent a request, from its /metrics (its threads' CPU: on Linux, from /proc)
+    if sys.platform.startswith("linux"):
+        assert all(0 <= r["server_loop_cpu_ms_per_request"] < 1e3 for r in report["rows"])
+    assert asyncio.run(lt.server_loop_cpu("http://127.0.0.1:9", headers, 5)) is None  # nothing there: no figure
     # uvloop where installed (the server's extra brings it): the generator's own CPU per streamed chunk is lower
     run, name = lt.event_loop()
     assert name == "uvloop" and run(_answer()) == 42

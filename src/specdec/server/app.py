@@ -68,6 +68,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        metrics.threads.watch_current("event_loop")  # the lifespan runs on the event loop's thread
         scheduler.start()
         try:
             yield

@@ -159,6 +159,12 @@ class Scheduler:
                 self._thread = threading.Thread(target=self._run, name="specdec-scheduler", daemon=True)
                 self._thread.start()
 
+    @property
+    def thread_native_id(self) -> int | None:
+        """The worker thread's OS id while it runs (its CPU time: ``observe.ThreadCpu``), else None."""
+        thread = self._thread
+        return thread.native_id if thread is not None and thread.is_alive() else None
+
     def stop(self, timeout: float = 10.0) -> None:
         with self._cond:
             self._stopping = True
