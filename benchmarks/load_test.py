@@ -19,7 +19,9 @@ order rotated each round (``--rounds``), and the JSON keeps each round's tokens/
 Every request streams (``stream_options.include_usage``) so time to first token is measured too, each client on a
 keep-alive connection of its own read by a small HTTP/1.1 reader (``StreamConnection``: httpx took ~0.3 of a core at
 16 clients, on the machine it measures), on uvloop where it is installed (``event_loop``); the report says how much
-CPU the load generator itself took per request (``client_cpu_ms_per_request``). ``--no-stream`` asks for whole
+CPU the load generator itself took per request (``client_cpu_ms_per_request``), and, where the server reports its
+threads' CPU on its ``/metrics`` (``specdec serve`` on Linux), its event loop's (``server_loop_cpu_ms_per_request``,
+read before and after each level's rounds). ``--no-stream`` asks for whole
 responses instead (no time to first token): what a server serves to clients that do not stream, where each step's
 tokens are not written to every client as they come (docs/server.md: on two cores the event loop's and the load
 generator's work per streamed chunk lands on the model's passes).
