@@ -117,10 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.sequences < 1 or args.requests < 1 or args.rounds < 1 or any(b < 0 for b in args.burst_us):
         p.error("--sequences, --requests and --rounds must be >= 1 and --burst-us >= 0")
-    settings = [(0, "-")] if 0 in args.burst_us else []
-    settings += [(b, at) for b in sorted(set(args.burst_us)) if b > 0 for at in args.at]
-    if not any(b == 0 for b, _ in settings):
-        settings.insert(0, (0, "-"))  # the reference every ratio is taken against
+    # No burst first (the reference every ratio is taken against, asked for or not), then each burst at each point.
+    settings = [(0, "-")] + [(b, at) for b in sorted(set(args.burst_us)) if b > 0 for at in args.at]
 
     engine = specdec.load()
     engine.prefill_in_step = 256  # the batching server's: prompts come in with their steps
@@ -131,11 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[tuple[int, str], list[dict[str, float]]] = {s: [] for s in settings}
     try:
         for burst in sorted({b for b, _ in settings if b > 0}):
-            r, w = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=burner, args=(r, burst * 1e-6), daemon=True)
+            receiving, sending = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=burner, args=(receiving, burst * 1e-6), daemon=True)
             proc.start()
-            r.close()
-            children[burst] = (proc, w)
+            receiving.close()
+            children[burst] = (proc, sending)
         bursts = Bursts(engine)
 
         def use(burst: int, at: str) -> None:
@@ -153,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
                     {"tokens_per_s": tokens / seconds, "seconds": seconds, "bursts": bursts.sent - sent}
                 )
     finally:
-        for proc, w in children.values():
-            w.close()  # the child's read ends: it exits
+        for proc, sending in children.values():
+            sending.close()  # the child's read ends: it exits
             proc.join(timeout=5)
 
     rows = []

@@ -629,8 +629,11 @@ def render(report: dict[str, Any]) -> str:
             f"Load generator (this process, on the machine it measures; {loop}): {mean:.2f} ms of CPU a request "
             f"({min(ms for ms, _ in cpu):.2f}-{max(ms for ms, _ in cpu):.2f} by mode and level)."
         )
+    # (a level can read 0: the server's figure comes in clock ticks of 10 ms)
     served = [
-        (r["server_loop_cpu_ms_per_request"], r["requests"]) for r in rows if r.get("server_loop_cpu_ms_per_request")
+        (r["server_loop_cpu_ms_per_request"], r["requests"])
+        for r in rows
+        if r.get("server_loop_cpu_ms_per_request") is not None
     ]
     if served:
         mean = sum(ms * n for ms, n in served) / sum(n for _, n in served)
