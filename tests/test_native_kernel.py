@@ -7,6 +7,9 @@ every checkpoint family on both back ends.
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -484,6 +487,60 @@ def test_a_pass_with_a_late_thread_gives_the_same_logits(tiny_models: dict[str, 
         torch.set_num_threads(before)
     assert torch.equal(got, want)
     assert nk.units_taken() > taken
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_pass_whose_late_units_are_computed_again_gives_the_same_logits(
+    isa: str, dtype: torch.dtype, tiny_models: dict[str, Path]
+) -> None:
+    """No barrier between a pass's phases: a thread that has waited the grace for a partner's unit computes it itself
+    and goes on. With the team's first thread stalled 1 ms inside its first unit of one phase (after taking it, as a
+    thread whose core another process took would be), the other computes that unit again and runs ahead while the
+    first finishes its own copy: for each phase in turn, prefills, a verify block and a batch of rows from three
+    sequences (the caches carried from pass to pass) give the same logits bit for bit as undisturbed passes, and units
+    were in fact computed twice. On every build. (A unit that is not idempotent, RoPE applied in place say, fails it.)"""
+    runner = NativeRunner.from_pretrained(tiny_models["qwen2"], dtype=dtype, kernel=True)
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, runner.vocab_size, (n,), generator=gen) for n in (21, 9, 14)]
+    before = torch.get_num_threads()
+
+    def run() -> list[torch.Tensor]:
+        caches = [runner.new_cache() for _ in prompts]
+        out = [runner.forward(p[:-3], c) for p, c in zip(prompts, caches)]  # prefills
+        out.append(runner.forward(prompts[0][-3:], caches[0]))  # a verify block
+        blocks = [(p[-3:-2], c) for p, c in zip(prompts[1:], caches[1:])]  # one row each, in one pass
+        out.extend(runner.forward_batch(blocks))
+        return out
+
+    grace = nk.flow_grace()
+    phases = 9 * runner.config.layers + 2  # (the third of the head, the argmax, runs for greedy passes)
+    try:
+        torch.set_num_threads(2)
+        nk.set_flow_grace(20)
+        want = run()
+        for phase in range(phases):
+            redone = nk.units_redone()
+            nk.set_flow_stall(1000, phase)
+            got = run()
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert torch.equal(g, w), phase
+            assert nk.units_redone() > redone, phase
+    finally:
+        nk.set_flow_stall(0)
+        nk.set_flow_grace(grace)
+        torch.set_num_threads(before)
+
+
+def test_importing_specdec_shortens_openmps_spin_unless_told_otherwise() -> None:
+    """``import specdec`` sets GOMP_SPINCOUNT=3000 for the OpenMP runtime torch loads after it (a helper thread then
+    sleeps through the step's Python instead of holding a core), and leaves a user's own GOMP_SPINCOUNT or
+    OMP_WAIT_POLICY alone."""
+    code = "import os, specdec; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
+    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    for extra, want in [({}, "3000 None"), ({"GOMP_SPINCOUNT": "7"}, "7 None"), ({"OMP_WAIT_POLICY": "active"}, "None active")]:
+        out = subprocess.run([sys.executable, "-c", code], env=base | extra, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want, (extra, out.stdout, out.stderr)
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.int8], ids=["fp32", "bf16", "fp16", "int8"])
