@@ -7,9 +7,6 @@ every checkpoint family on both back ends.
 from __future__ import annotations
 
 import itertools
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -521,26 +518,19 @@ def test_a_pass_whose_late_units_are_computed_again_gives_the_same_logits(
         for phase in range(phases):
             redone = nk.units_redone()
             nk.set_flow_stall(1000, phase)
-            got = run()
-            assert len(got) == len(want)
-            for g, w in zip(got, want):
-                assert torch.equal(g, w), phase
+            # The other thread may have taken all of a small phase before the first took a unit of it: retry.
+            for _ in range(10):
+                got = run()
+                assert len(got) == len(want)
+                for g, w in zip(got, want):
+                    assert torch.equal(g, w), phase
+                if nk.units_redone() > redone:
+                    break
             assert nk.units_redone() > redone, phase
     finally:
         nk.set_flow_stall(0)
         nk.set_flow_grace(grace)
         torch.set_num_threads(before)
-
-
-def test_importing_specdec_shortens_openmps_spin_unless_told_otherwise() -> None:
-    """``import specdec`` sets GOMP_SPINCOUNT=3000 for the OpenMP runtime torch loads after it (a helper thread then
-    sleeps through the step's Python instead of holding a core), and leaves a user's own GOMP_SPINCOUNT or
-    OMP_WAIT_POLICY alone."""
-    code = "import os, specdec; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
-    base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    for extra, want in [({}, "3000 None"), ({"GOMP_SPINCOUNT": "7"}, "7 None"), ({"OMP_WAIT_POLICY": "active"}, "None active")]:
-        out = subprocess.run([sys.executable, "-c", code], env=base | extra, capture_output=True, text=True, check=True)
-        assert out.stdout.strip() == want, (extra, out.stdout, out.stderr)
 
 
 @pytest.mark.parametrize("dtype", [*DTYPES, torch.int8], ids=["fp32", "bf16", "fp16", "int8"])

@@ -7,18 +7,7 @@ does not pull in torch and the engine; ``specdec.load``, ``specdec.Engine`` ... 
 from __future__ import annotations
 
 import importlib
-import os
 from typing import TYPE_CHECKING, Any
-
-# How long an OpenMP thread spins for the next parallel region before it sleeps (GNU OpenMP, read once, when torch
-# loads it): 3,000 pauses instead of libgomp's ~300,000 (several milliseconds). The CPU kernel's passes do not wait at
-# OpenMP barriers between their phases (runtime/kernels/llama_cpu.cpp, share_out), so the spin only bridges the gaps
-# between kernel calls: short within a step's draft, but through the step's Python (a millisecond or more) a spinning
-# helper thread held a core that a server's event loop, its clients or the step's own thread then had to share. Set
-# GOMP_SPINCOUNT or OMP_WAIT_POLICY yourself to choose otherwise (import torch after specdec, or set them beforehand).
-# Measured: docs/runtime.md, "Threads".
-if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["GOMP_SPINCOUNT"] = "3000"
 
 try:
     from importlib.metadata import PackageNotFoundError, version

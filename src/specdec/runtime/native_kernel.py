@@ -26,6 +26,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -402,7 +403,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         try:
             lib.sd_set_flow_grace(int(grace))
         except ValueError:
-            return None, f"{FLOW_GRACE_SWITCH}={grace!r} is not a whole number of microseconds"
+            warnings.warn(
+                f"{FLOW_GRACE_SWITCH}={grace!r} is not a whole number of microseconds: ignored (the kernel's default, "
+                f"{int(lib.sd_flow_grace())} µs)",
+                stacklevel=2,
+            )
     return lib, None
 
 

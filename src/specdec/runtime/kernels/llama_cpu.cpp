@@ -2,8 +2,8 @@
 //
 // Why: a decode step of a small model in eager PyTorch is ~25 operator calls per layer, each costing
 // several microseconds of dispatch, while the arithmetic of the step is tiny. Here a step is one C
-// call: one OpenMP parallel region for the whole forward, the threads meeting at a barrier between
-// phases (projection, attention, projection, ...).
+// call: one OpenMP parallel region for the whole forward, its phases (projection, attention, projection,
+// ...) shared out over the threads with no barrier between them (share_out).
 //
 // Numerics (the property the engine relies on): every output row of every token is computed the
 // same way whatever the block size k, the token's place in the block, or the thread count: each dot
@@ -591,9 +591,11 @@ static inline __attribute__((always_inline)) void with_panels(int64_t p, F& f) {
 // begins for a thread once every unit of the phase before is finished (the phase's count of finished units), so on a
 // quiet machine the team moves phase by phase as with a barrier, each thread running exactly its own share.
 //
-// Why not a barrier: when another process takes a core from one thread for a while (a server's event loop, its
-// clients), a barrier makes the other thread wait for the late one's unit, however long the core is gone: a burst
-// then cost a pass about twice its own length (session 65, benchmarks/contention.py). Here a thread that has waited
+// Why not a barrier: when another process takes a core from one thread for a while (another tenant's work on the
+// machine), a barrier makes the other thread wait for the late one's unit, however long the core is gone: a burst
+// then cost a pass about twice its own length (session 65, benchmarks/contention.py). Measured in session 66 beside
+// a process taking half of one core: through servers 1.11x the tokens at 1 client and 1.19x at 16 against the
+// barrier kernel, the same on a quiet machine (docs/runtime.md, "Threads"). Here a thread that has waited
 // `grace` for a partner's unit computes that unit itself and goes on; the late thread, once back, finishes its copy
 // and runs to wherever the team is (every unit it reaches is taken or finished). This is safe because every unit is
 // idempotent and no unit's inputs are overwritten while a thread may still be reading them:
@@ -932,7 +934,7 @@ static void to_bf16_rows(const float* X, int64_t ldx, uint16_t* Xb, int64_t k, i
 
 // Whether a forward's products of weight type `wtype` read their inputs as bf16 rows (`gemm`'s `xb`): then the phase
 // before each product writes them as it writes its fp32 outputs (`to_xb`), and the product does not convert them in
-// a phase of its own (one barrier fewer a product: 17 of a 4-layer pass's ~55).
+// a phase of its own (one phase fewer a product).
 static inline bool inputs_bf16(int64_t wtype) {
 #ifdef SD_AVX512BF16
     return wtype == WT_BF16;
