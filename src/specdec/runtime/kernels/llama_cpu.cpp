@@ -707,12 +707,12 @@ static void share_out(Flow& f, int64_t n, int64_t unit, F&& run) {
     for (int64_t t = 0; t < nth; t++) total += (n * (t + 1) / nth - n * t / nth + unit - 1) / unit;
     std::atomic<uint64_t>& done = T.done[p].v;
     bool stalled = false;
-    // One unit: published (busy before tok: a thread that sees the unit in tok, computes it and moves on then sees this
-    // thread busy until it is out of it), computed, counted unless another copy was counted first.
+    // One unit: published (busy before tok, released: a thread that sees the unit in tok, computes it and moves on then
+    // sees this thread busy until it is out of it), computed, counted unless another copy was counted first.
     auto one = [&](int64_t a, int64_t b) {
         const uint64_t w = ((uint64_t)(p + 1) << 32) | (uint64_t)a;
-        T.busy[me].v.store(layer_tag, std::memory_order_seq_cst);
-        T.tok[me].v.store(w, std::memory_order_seq_cst);
+        T.busy[me].v.store(layer_tag, std::memory_order_release);
+        T.tok[me].v.store(w, std::memory_order_release);
         if (me == 0 && !stalled) {
             const int64_t stall = g_flow_stall_us.load(std::memory_order_relaxed);
             const int64_t at = g_flow_stall_phase.load(std::memory_order_relaxed);
@@ -757,10 +757,18 @@ static void share_out(Flow& f, int64_t n, int64_t unit, F&& run) {
         if (grace >= 0.0 && now_s() - since >= grace) {
             for (int64_t t = 0; t < nth; t++) {
                 if (t == me) continue;
-                const uint64_t w = T.tok[t].v.load(std::memory_order_seq_cst);
-                if (w == 0 || (int64_t)(w >> 32) != p + 1) continue;
-                const int64_t a = (int64_t)(w & 0xffffffffu), b = share_end(a);
+                // Busy before the unit is read (both sequentially consistent, as the owner's count and its check of
+                // `busy` as it enters a layer): either the owner, counting its unit, then sees this thread busy and
+                // waits for it before it overwrites the unit's inputs, or this thread sees the unit counted and leaves
+                // it. Read first and published after, a thread held up between the two could compute the unit on
+                // inputs the owner had gone on to overwrite.
                 T.busy[me].v.store(layer_tag, std::memory_order_seq_cst);
+                const uint64_t w = T.tok[t].v.load(std::memory_order_seq_cst);
+                if (w == 0 || (int64_t)(w >> 32) != p + 1) {
+                    T.busy[me].v.store(0, std::memory_order_release);
+                    continue;
+                }
+                const int64_t a = (int64_t)(w & 0xffffffffu), b = share_end(a);
                 run(a, a + unit < b ? a + unit : b);
                 uint64_t e = w;
                 if (T.tok[t].v.compare_exchange_strong(e, 0, std::memory_order_seq_cst))
