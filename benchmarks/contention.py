@@ -11,14 +11,9 @@ settings alternate round by round, the order rotated (the machine's speed moves 
 Reports per setting: output tokens/s, the tokens lost against no burst (median of the rounds' ratios), the share of
 the machine's CPU the bursts took, and **the exchange rate**: tokens lost ÷ CPU share taken (1: a burst costs the step
 its own time spread over the cores; 2: twice that, the other thread waiting on the one whose core was taken).
-``--grace-us`` compares the kernel's grace settings in the same rounds (how long a pass's thread waits for a late
-partner's unit before computing it itself; -1: never, the team waits as at a barrier): each setting's tokens against
-no burst at the same grace and against no burst at the first grace, the units computed again a second, and the
-share of the threads' time spent waiting (to enter a layer; for a phase's last units).
 
     python benchmarks/contention.py                                     # 16 sequences, tau=3, 0 / 500 / 1000 µs
     python benchmarks/contention.py --burst-us 0 250 1000 --at draft pass --rounds 6 --json contention.json
-    python benchmarks/contention.py --burst-us 0 1000 --grace-us -1 20  # barrier-like waits against the default
 """
 
 from __future__ import annotations
@@ -41,7 +36,6 @@ from load_test import PROMPTS  # noqa: E402
 
 import specdec  # noqa: E402
 from specdec.engine import Engine  # noqa: E402
-from specdec.runtime import native_kernel  # noqa: E402
 from specdec.runtime.heap import freeze_heap  # noqa: E402
 
 POINTS = ("draft", "pass")
@@ -119,23 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--burst-us", type=int, nargs="+", default=[0, 500, 1000], help="CPU a burst takes (0: none)")
     p.add_argument("--at", nargs="+", choices=POINTS, default=["draft"], help="where in the step a burst begins")
-    p.add_argument(
-        "--grace-us",
-        type=int,
-        nargs="+",
-        default=None,
-        help="the kernel's grace settings to compare (µs; -1: never compute a late partner's unit; default: as set)",
-    )
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
     if args.sequences < 1 or args.requests < 1 or args.rounds < 1 or any(b < 0 for b in args.burst_us):
         p.error("--sequences, --requests and --rounds must be >= 1 and --burst-us >= 0")
-    initial = native_kernel.flow_grace()
-    graces = list(dict.fromkeys(args.grace_us)) if args.grace_us else [initial]
-    # Per grace, no burst first (the reference every ratio is taken against, asked for or not), then each burst at
-    # each point.
-    bursts_at = [(0, "-")] + [(b, at) for b in sorted(set(args.burst_us)) if b > 0 for at in args.at]
-    settings = [(g, b, at) for g in graces for b, at in bursts_at]
+    # No burst first (the reference every ratio is taken against, asked for or not), then each burst at each point.
+    settings = [(0, "-")] + [(b, at) for b in sorted(set(args.burst_us)) if b > 0 for at in args.at]
 
     engine = specdec.load()
     engine.prefill_in_step = 256  # the batching server's: prompts come in with their steps
@@ -143,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     cores = os.cpu_count() or 1
     ctx = mp.get_context("spawn")
     children: dict[int, tuple[Any, Any]] = {}  # burst µs -> (its child, the pipe's sending end)
-    runs: dict[tuple[int, int, str], list[dict[str, float]]] = {s: [] for s in settings}
+    runs: dict[tuple[int, str], list[dict[str, float]]] = {s: [] for s in settings}
     try:
-        for burst in sorted({b for _, b, _ in settings if b > 0}):
+        for burst in sorted({b for b, _ in settings if b > 0}):
             receiving, sending = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=burner, args=(receiving, burst * 1e-6), daemon=True)
             proc.start()
@@ -153,69 +136,50 @@ def main(argv: list[str] | None = None) -> int:
             children[burst] = (proc, sending)
         bursts = Bursts(engine)
 
-        def use(grace: int, burst: int, at: str) -> None:
-            native_kernel.set_flow_grace(grace)
+        def use(burst: int, at: str) -> None:
             bursts.conn, bursts.at = (children[burst][1], at) if burst else (None, "")
 
-        for setting in settings:  # warm-up: first steps and allocations
-            use(*setting)
+        for burst, at in settings:  # warm-up: first steps and allocations
+            use(burst, at)
             closed_loop(engine, bursts, args.sequences, args.sequences, args.policy)
         for r in range(args.rounds):
-            for setting in settings[r % len(settings) :] + settings[: r % len(settings)]:
-                use(*setting)
-                sent, redone, waits = bursts.sent, native_kernel.units_redone(), native_kernel.flow_waits()
+            for burst, at in settings[r % len(settings) :] + settings[: r % len(settings)]:
+                use(burst, at)
+                sent = bursts.sent
                 tokens, seconds = closed_loop(engine, bursts, args.sequences, args.requests, args.policy)
-                after = native_kernel.flow_waits()
-                runs[setting].append(
-                    {
-                        "tokens_per_s": tokens / seconds,
-                        "seconds": seconds,
-                        "bursts": bursts.sent - sent,
-                        "units_redone": native_kernel.units_redone() - redone,
-                        "wait_layer_s": after[0] - waits[0],
-                        "wait_phase_s": after[1] - waits[1],
-                    }
+                runs[(burst, at)].append(
+                    {"tokens_per_s": tokens / seconds, "seconds": seconds, "bursts": bursts.sent - sent}
                 )
     finally:
-        native_kernel.set_flow_grace(initial)
         for proc, sending in children.values():
             sending.close()  # the child's read ends: it exits
             proc.join(timeout=5)
 
     rows = []
-    first = runs[(graces[0], 0, "-")]
-    for grace, burst, at in settings:
-        rs, base = runs[(grace, burst, at)], runs[(grace, 0, "-")]
+    base = runs[(0, "-")]
+    for burst, at in settings:
+        rs = runs[(burst, at)]
         ratio = statistics.median(x["tokens_per_s"] / b["tokens_per_s"] for x, b in zip(rs, base))
         share = statistics.median(x["bursts"] * burst * 1e-6 / x["seconds"] / cores for x in rs)
         rows.append(
             {
-                "grace_us": grace,
                 "burst_us": burst,
                 "at": at,
                 "tokens_per_s": statistics.median(x["tokens_per_s"] for x in rs),
                 "vs_none": ratio,
-                "vs_first_none": statistics.median(x["tokens_per_s"] / b["tokens_per_s"] for x, b in zip(rs, first)),
                 "cpu_share": share,
                 "exchange_rate": (1.0 - ratio) / share if share > 0 else None,
-                "units_redone_per_s": statistics.median(x["units_redone"] / x["seconds"] for x in rs),
-                "waiting_layer": statistics.median(x["wait_layer_s"] / x["seconds"] / cores for x in rs),
-                "waiting_phase": statistics.median(x["wait_phase_s"] / x["seconds"] / cores for x in rs),
                 "rounds": rs,
             }
         )
     print(f"{args.sequences} sequences, {args.policy}, {cores} cores, {args.rounds} rounds of {args.requests} requests")
-    print(
-        "\n| grace µs | burst µs | at | tok/s | ÷ none | ÷ none at the first grace | machine's CPU taken | exchange rate "
-        "(tokens lost ÷ CPU taken) | units redone /s | threads waiting: to enter a layer, for a phase's end |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n| burst µs | at | tok/s | ÷ none | machine's CPU taken | exchange rate (tokens lost ÷ CPU taken) |")
+    print("|---|---|---|---|---|---|")
     for row in rows:
         rate = "–" if row["exchange_rate"] is None else f"{row['exchange_rate']:.2f}"
         print(
-            f"| {row['grace_us']} | {row['burst_us']} | {row['at']} | {row['tokens_per_s']:.0f} | {row['vs_none']:.3f} "
-            f"| {row['vs_first_none']:.3f} | {100 * row['cpu_share']:.1f}% | {rate} | {row['units_redone_per_s']:.0f} "
-            f"| {100 * row['waiting_layer']:.1f}%, {100 * row['waiting_phase']:.1f}% |"
+            f"| {row['burst_us']} | {row['at']} | {row['tokens_per_s']:.0f} | {row['vs_none']:.3f} | "
+            f"{100 * row['cpu_share']:.1f}% | {rate} |"
         )
     if args.json is not None:
         args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=1))

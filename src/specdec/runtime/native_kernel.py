@@ -26,7 +26,6 @@ import subprocess
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ from specdec.runtime.native_weights import ModelWeights
 from specdec.runtime.pages import arena_for
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 18
+ABI_VERSION = 17
 # sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 # -ffp-contract=off: a multiply followed by an add stays two roundings wherever it is inlined (GCC fuses them into
@@ -74,9 +73,6 @@ SCRATCH_BUDGET = 64 << 20
 # Rows of an AMX tile: the AMX build multiplies bf16 weights in balanced row groups of at most this many rows.
 AMX_ROWS = 16
 ENV_SWITCH = "SPECDEC_CPU_KERNEL"
-# Microseconds a pass's thread waits for a partner's unit of work before computing it itself (negative: never, the
-# team waiting as at a barrier); the kernel's default where unset (``flow_grace``).
-FLOW_GRACE_SWITCH = "SPECDEC_FLOW_GRACE_US"
 
 
 class _Layer(ctypes.Structure):
@@ -390,24 +386,6 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.sd_units_taken.restype = ctypes.c_int64
     lib.sd_set_share_lag.restype = None
     lib.sd_set_share_lag.argtypes = [ctypes.c_int64]
-    lib.sd_units_redone.restype = ctypes.c_int64
-    lib.sd_flow_waits.restype = None
-    lib.sd_flow_waits.argtypes = [ctypes.c_void_p]
-    lib.sd_set_flow_grace.restype = None
-    lib.sd_set_flow_grace.argtypes = [ctypes.c_int64]
-    lib.sd_set_flow_stall.restype = None
-    lib.sd_set_flow_stall.argtypes = [ctypes.c_int64, ctypes.c_int64]
-    lib.sd_flow_grace.restype = ctypes.c_int64
-    grace = os.environ.get(FLOW_GRACE_SWITCH, "").strip()
-    if grace:
-        try:
-            lib.sd_set_flow_grace(int(grace))
-        except ValueError:
-            warnings.warn(
-                f"{FLOW_GRACE_SWITCH}={grace!r} is not a whole number of microseconds: ignored (the kernel's default, "
-                f"{int(lib.sd_flow_grace())} µs)",
-                stacklevel=2,
-            )
     return lib, None
 
 
@@ -494,47 +472,6 @@ def set_share_lag(microseconds: int) -> None:
     lib = _library()
     if lib is not None:
         lib.sd_set_share_lag(int(microseconds))
-
-
-def units_redone() -> int:
-    """Units of a phase's work a thread computed again because the thread that had taken them was late (its core taken
-    for longer than the grace: ``set_flow_grace``) since the kernel loaded. 0 without the kernel."""
-    lib = _library()
-    return int(lib.sd_units_redone()) if lib is not None else 0
-
-
-def flow_waits() -> tuple[float, float]:
-    """Seconds the threads of passes have waited since the kernel loaded: to enter a layer (a partner still inside a
-    unit two layers back) and for the last units of a phase to finish. (0, 0) without the kernel."""
-    lib = _library()
-    if lib is None:
-        return 0.0, 0.0
-    out = (ctypes.c_double * 2)()
-    lib.sd_flow_waits(out)
-    return float(out[0]), float(out[1])
-
-
-def set_flow_stall(microseconds: int, phase: int = -1) -> None:
-    """For tests: the team's first thread spins ``microseconds`` inside the first unit it takes of phase ``phase`` of
-    every pass (negative: of every phase), after publishing it, as a thread whose core another process took would, so
-    the others compute that unit again. A pass has 9 phases a layer, then 3 for the head. 0 microseconds: off."""
-    lib = _library()
-    if lib is not None:
-        lib.sd_set_flow_stall(int(microseconds), int(phase))
-
-
-def flow_grace() -> int:
-    """Microseconds a thread of a pass waits for a partner's unit before computing it itself (< 0: never)."""
-    lib = _library()
-    return int(lib.sd_flow_grace()) if lib is not None else -1
-
-
-def set_flow_grace(microseconds: int) -> None:
-    """Sets ``flow_grace`` for every pass after this call (negative: a thread waits for a late partner, as at a
-    barrier). Results do not depend on it, only how a pass fares when another process takes a core from one thread."""
-    lib = _library()
-    if lib is not None:
-        lib.sd_set_flow_grace(int(microseconds))
 
 
 def kernel_available() -> bool:

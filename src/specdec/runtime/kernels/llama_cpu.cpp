@@ -2,8 +2,8 @@
 //
 // Why: a decode step of a small model in eager PyTorch is ~25 operator calls per layer, each costing
 // several microseconds of dispatch, while the arithmetic of the step is tiny. Here a step is one C
-// call: one OpenMP parallel region for the whole forward, its phases (projection, attention, projection,
-// ...) shared out over the threads with no barrier between them (share_out).
+// call: one OpenMP parallel region for the whole forward, the threads meeting at a barrier between
+// phases (projection, attention, projection, ...).
 //
 // Numerics (the property the engine relies on): every output row of every token is computed the
 // same way whatever the block size k, the token's place in the block, or the thread count: each dot
@@ -79,7 +79,7 @@ struct SdModel {
     int64_t stream;
 };
 
-extern "C" int sd_abi_version(void) { return 18; }
+extern "C" int sd_abi_version(void) { return 17; }
 
 // Which products this build uses for bf16 weights: 1 = AVX512-BF16 dot products, 0 = AVX2 fp32.
 extern "C" int sd_bf16_dot(void) {
@@ -379,16 +379,14 @@ inline __attribute__((always_inline)) void load_panel<BF16W>(const uint16_t* src
 }
 #endif
 
-// Where a product's results go: Y[t][r] = acc + b[r], or S[t][r] + (acc + b[r]) when accumulating, S = `src` (same
-// layout as Y), or Y itself where src is NULL; r < m. With `scale` (int8 weights), acc is first multiplied by
-// scale[r]. (A forward accumulates from one buffer into another: a unit computed twice writes the same values.)
+// Where a product's results go: Y[t][r] = acc + b[r], or Y[t][r] + (acc + b[r]) when accumulating; r < m. With
+// `scale` (int8 weights), acc is first multiplied by scale[r].
 struct OutSpec {
     const float* scale;
     const float* b;
     float* Y;
     int64_t ldy, m;
     int accumulate;
-    const float* src;
 };
 
 // A product's argmax in parts (the head's, for greedy verification): as each unit of its outputs is done, every row's
@@ -508,7 +506,7 @@ static inline __attribute__((always_inline)) void emit_vec(VF x, const OutSpec& 
     if (o.scale) x = vmul(x, vloadu(o.scale + col));
     if (o.b) x = vadd(x, vloadu(o.b + col));
     float* y = o.Y + row * o.ldy + col;
-    vstore(y, o.accumulate ? vadd(vloadu(o.src != NULL ? o.src + row * o.ldy + col : y), x) : x);
+    vstore(y, o.accumulate ? vadd(vloadu(y), x) : x);
 }
 
 // The last panel of a matrix whose m is not a multiple of 16: the tile's sums `buf` [R][w] into the outputs that
@@ -517,11 +515,10 @@ static inline void emit_tail(const float* buf, int64_t R, int64_t w, const OutSp
     const int64_t cols = o.m - r0;
     for (int64_t t = 0; t < R; t++) {
         float* y = o.Y + (t0 + t) * o.ldy + r0;
-        const float* s = o.src != NULL ? o.src + (t0 + t) * o.ldy + r0 : y;
         for (int64_t j = 0; j < cols; j++) {
             const float a = o.scale ? buf[t * w + j] * o.scale[r0 + j] : buf[t * w + j];
             const float x = o.b ? a + o.b[r0 + j] : a;
-            y[j] = o.accumulate ? s[j] + x : x;
+            y[j] = o.accumulate ? y[j] + x : x;
         }
     }
 }
@@ -583,204 +580,75 @@ static inline __attribute__((always_inline)) void with_panels(int64_t p, F& f) {
         }
     }
 }
-// Sharing a phase's work out over the team, with no barrier between phases.
+// Sharing a product's work out over the team, with stealing. Every thread owns a contiguous, balanced share of the
+// product's weight groups (as a static split) and takes it unit by unit, in order, from a cursor of its own; a thread
+// done with its share then takes the units still left in the others' shares. On a quiet machine each thread runs
+// exactly its own share. When another process takes a core from one thread for a while (a server's event loop, its
+// clients), the other thread goes on with the late one's units instead of waiting for it at the product's barrier:
+// the pass loses about the burst's length divided over the team rather than the whole burst. Which thread computes a
+// unit does not enter its arithmetic: every output is one chain, computed whole by one tile, so results are the same
+// bit for bit (the row-independence promise) whoever takes it.
 //
-// A forward runs as a sequence of phases (a layer's norm, its products, RoPE, attention, ...), each cut into units.
-// Every thread owns a contiguous, balanced share of a phase's units (as a static split) and takes it unit by unit from
-// a cursor of its own; a thread done with its share then takes the units still left in the others' shares. A phase
-// begins for a thread once every unit of the phase before is finished (the phase's count of finished units), so on a
-// quiet machine the team moves phase by phase as with a barrier, each thread running exactly its own share.
-//
-// Why not a barrier: when another process takes a core from one thread for a while (another tenant's work on the
-// machine), a barrier makes the other thread wait for the late one's unit, however long the core is gone: a burst
-// then cost a pass about twice its own length (session 65, benchmarks/contention.py). Measured in session 66 beside
-// a process taking half of one core: through servers 1.11x the tokens at 1 client and 1.19x at 16 against the
-// barrier kernel, the same on a quiet machine (docs/runtime.md, "Threads"). Here a thread that has waited
-// `grace` for a partner's unit computes that unit itself and goes on; the late thread, once back, finishes its copy
-// and runs to wherever the team is (every unit it reaches is taken or finished). This is safe because every unit is
-// idempotent and no unit's inputs are overwritten while a thread may still be reading them:
-// - a unit writes only outputs of its phase, from inputs no phase of the pass writes again while it can still be
-//   read: products write fresh buffers (the residual stream goes from one buffer to the next, never += in place),
-//   RoPE writes roped copies; so two threads computing one unit write the same values, bit for bit (every output is
-//   one chain computed whole by one tile, whoever runs it: the row-independence promise);
-// - a layer's buffers alternate between two sets by the layer's parity and the residual stream rotates over three,
-//   and a thread enters layer l only once no thread is inside a unit of layer l - 2 or before (`busy`): the only
-//   buffer layer l shares with layer l - 1's units is the residual stream layer l - 1 writes and layer l reads, whose
-//   late copies rewrite the same values.
-// A unit is counted finished exactly once, by whichever of its copies is done first (`tok`).
-// Which thread computes a unit, and how many times, does not enter any result.
-struct alignas(64) FlowWord {
+// A cursor holds the product's number in this parallel region (every thread runs the same products in the same order,
+// so the count agrees across the team) above the next unit's index: a thread reads another's cursor as that product's
+// only once its owner has set it, so a product's units are never taken against a cursor left from the one before.
+struct alignas(64) Cursor {
     std::atomic<uint64_t> v{0};
 };
-struct FlowTeam {  // one a pass, shared by its team; all zero at the start (sized for the threads asked for)
-    int64_t threads;
-    FlowWord* cursors;  // [phase][thread]: the next unit of the thread's share in the phase
-    FlowWord* done;     // [phase]: units finished
-    FlowWord* tok;      // [thread]: (phase + 1) << 32 | the unit's first item, while the thread computes it; 0: none
-    FlowWord* busy;     // [thread]: its unit's layer + 1 while the thread is inside a unit (reading or writing); 0
-    double grace;       // seconds a thread waits for a partner's unit before computing it itself; < 0: never
+struct Share {  // a thread's view of its team's cursors (one Share per thread, the cursors shared by the team)
+    Cursor* cursors;
+    uint64_t product;  // products this thread has begun in the parallel region
 };
-struct FlowState {  // storage for a FlowTeam of `threads` threads and up to `phases` phases
-    std::vector<FlowWord> words;
-    FlowTeam team;
-    FlowState(int64_t threads, int64_t phases, double grace)
-        : words((size_t)(phases * threads + phases + 2 * threads)) {
-        team = {threads, words.data(), words.data() + phases * threads, words.data() + phases * threads + phases,
-                words.data() + phases * threads + phases + threads, grace};
-    }
-};
-struct Flow {  // a thread's place in its team's pass
-    FlowTeam* team;
-    int64_t nth, me;  // the team's size (at most team->threads) and this thread's number
-    int64_t phase;  // phases this thread has begun
-    int64_t layer;  // the layer its phases belong to (set by the forward)
-};
-// For tests: units taken from another thread's share and units computed again by a waiting thread, since the library
-// loaded; a lag (microseconds) the team's first thread waits before taking its own share of every phase, so that the
-// others take part of it; and a stall (microseconds) the team's first thread spins inside the first unit it takes of
-// one phase of every pass (its index; < 0: of every phase), after publishing it, so that the others compute it again.
+static constexpr int CURSOR_INDEX_BITS = 40;
+static constexpr uint64_t CURSOR_INDEX = ((uint64_t)1 << CURSOR_INDEX_BITS) - 1;
+// For tests: units taken from another thread's share since the library loaded, and a lag (microseconds) the team's
+// first thread waits before taking its own share of every product, so that the others take part of it.
 static std::atomic<int64_t> g_units_taken{0};
-static std::atomic<int64_t> g_units_redone{0};
-// Seconds (x 1e9) threads of passes spent waiting: to enter a layer (a partner inside a unit two layers back), and
-// for a phase's last units to finish.
-static std::atomic<int64_t> g_wait_ns[2];
 static std::atomic<int64_t> g_share_lag_us{0};
-static std::atomic<int64_t> g_flow_stall_us{0};
-static std::atomic<int64_t> g_flow_stall_phase{-1};
-// How long (microseconds) a thread waits for a partner's unit before computing it itself; < 0: never (the team then
-// waits as at a barrier). Set by sd_set_flow_grace.
-#ifndef FLOW_GRACE_US
-#define FLOW_GRACE_US 20
-#endif
-static std::atomic<int64_t> g_flow_grace_us{FLOW_GRACE_US};
 extern "C" int64_t sd_units_taken(void) { return g_units_taken.load(std::memory_order_relaxed); }
-extern "C" int64_t sd_units_redone(void) { return g_units_redone.load(std::memory_order_relaxed); }
-extern "C" void sd_flow_waits(double* out) {
-    for (int i = 0; i < 2; i++) out[i] = 1e-9 * (double)g_wait_ns[i].load(std::memory_order_relaxed);
-}
 extern "C" void sd_set_share_lag(int64_t us) { g_share_lag_us.store(us < 0 ? 0 : us, std::memory_order_relaxed); }
-extern "C" void sd_set_flow_stall(int64_t us, int64_t phase) {
-    g_flow_stall_phase.store(phase, std::memory_order_relaxed);
-    g_flow_stall_us.store(us < 0 ? 0 : us, std::memory_order_relaxed);
-}
-extern "C" void sd_set_flow_grace(int64_t us) { g_flow_grace_us.store(us, std::memory_order_relaxed); }
-extern "C" int64_t sd_flow_grace(void) { return g_flow_grace_us.load(std::memory_order_relaxed); }
-static inline double flow_grace_s(void) {
-    const int64_t us = g_flow_grace_us.load(std::memory_order_relaxed);
-    return us < 0 ? -1.0 : (double)us * 1e-6;
-}
-static inline void spin_us(int64_t us) {
-    const double until = now_s() + (double)us * 1e-6;
-    while (now_s() < until) _mm_pause();
-}
 
-// Runs run(i0, i1) over items [0, n) as the team's next phase, in units of at most `unit` items of each thread's
-// share; every thread of the team calls it, in the same order. Returns once every unit is finished (by someone).
+// Runs run(i0, i1) over items [0, n) split into the team's shares, in units of at most `unit` items; every thread of
+// the team calls it. Does not end with a barrier.
 template <class F>
-static void share_out(Flow& f, int64_t n, int64_t unit, F&& run) {
-    FlowTeam& T = *f.team;
-    const int64_t nth = f.nth, me = f.me, p = f.phase++;
+static inline void share_out(Share& sh, int64_t n, int64_t unit, F&& run) {
+    const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
+    const uint64_t product = ++sh.product;
     if (unit < 1) unit = 1;
     if (nth == 1) {
         for (int64_t a = 0; a < n; a += unit) run(a, a + unit < n ? a + unit : n);
         return;
     }
-    const uint64_t layer_tag = (uint64_t)f.layer + 1;
-    // Not into layer l while another thread is inside a unit of layer l - 2 or before (its buffers are this layer's).
-    for (int64_t t = 0; t < nth; t++) {
-        if (t == me) continue;
-        double t0 = 0.0;
-        for (;;) {
-            const uint64_t b = T.busy[t].v.load(std::memory_order_seq_cst);
-            if (b == 0 || b + 1 >= layer_tag) break;
-            if (t0 == 0.0) t0 = now_s();
-            _mm_pause();
-        }
-        if (t0 != 0.0) g_wait_ns[0].fetch_add((int64_t)((now_s() - t0) * 1e9), std::memory_order_relaxed);
-    }
-    auto share_end = [&](int64_t a) {  // the end of the share holding item a
-        for (int64_t t = 0; t < nth; t++)
-            if (a < n * (t + 1) / nth) return n * (t + 1) / nth;
-        return n;
-    };
-    int64_t total = 0;  // units in the phase
-    for (int64_t t = 0; t < nth; t++) total += (n * (t + 1) / nth - n * t / nth + unit - 1) / unit;
-    std::atomic<uint64_t>& done = T.done[p].v;
-    bool stalled = false;
-    // One unit: published (busy before tok, released: a thread that sees the unit in tok, computes it and moves on then
-    // sees this thread busy until it is out of it), computed, counted unless another copy was counted first.
-    auto one = [&](int64_t a, int64_t b) {
-        const uint64_t w = ((uint64_t)(p + 1) << 32) | (uint64_t)a;
-        T.busy[me].v.store(layer_tag, std::memory_order_release);
-        T.tok[me].v.store(w, std::memory_order_release);
-        if (me == 0 && !stalled) {
-            const int64_t stall = g_flow_stall_us.load(std::memory_order_relaxed);
-            const int64_t at = g_flow_stall_phase.load(std::memory_order_relaxed);
-            if (stall > 0 && (at < 0 || at == p)) spin_us(stall), stalled = true;
-        }
-        run(a, b);
-        uint64_t e = w;
-        if (T.tok[me].v.compare_exchange_strong(e, 0, std::memory_order_seq_cst)) done.fetch_add(1, std::memory_order_release);
-        T.busy[me].v.store(0, std::memory_order_release);
-    };
     const int64_t i0 = n * me / nth, i1 = n * (me + 1) / nth;
-    std::atomic<uint64_t>& mine = T.cursors[p * T.threads + me].v;
+    std::atomic<uint64_t>& mine = sh.cursors[me].v;
+    mine.store(product << CURSOR_INDEX_BITS, std::memory_order_release);
     if (me == 0) {
         const int64_t lag = g_share_lag_us.load(std::memory_order_relaxed);
-        if (lag > 0) spin_us(lag);
+        if (lag > 0) {
+            const double until = now_s() + (double)lag * 1e-6;
+            while (now_s() < until) {
+            }
+        }
     }
     for (;;) {  // this thread's share
-        const int64_t a = i0 + (int64_t)mine.fetch_add(1, std::memory_order_acq_rel) * unit;
+        const int64_t u = (int64_t)(mine.fetch_add(1, std::memory_order_acq_rel) & CURSOR_INDEX);
+        const int64_t a = i0 + u * unit;
         if (a >= i1) break;
-        one(a, a + unit < i1 ? a + unit : i1);
+        run(a, a + unit < i1 ? a + unit : i1);
     }
     for (int64_t d = 1; d < nth; d++) {  // then what is left of the others' shares
         const int64_t t = (me + d) % nth, t0 = n * t / nth, t1 = n * (t + 1) / nth;
-        std::atomic<uint64_t>& theirs = T.cursors[p * T.threads + t].v;
+        std::atomic<uint64_t>& theirs = sh.cursors[t].v;
         uint64_t v = theirs.load(std::memory_order_acquire);
-        for (;;) {
-            const int64_t a = t0 + (int64_t)v * unit;
+        while ((v >> CURSOR_INDEX_BITS) == product) {
+            const int64_t a = t0 + (int64_t)(v & CURSOR_INDEX) * unit;
             if (a >= t1) break;
             if (theirs.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
-                one(a, a + unit < t1 ? a + unit : t1);
+                run(a, a + unit < t1 ? a + unit : t1);
                 g_units_taken.fetch_add(1, std::memory_order_relaxed);
-                v = theirs.load(std::memory_order_acquire);
             }
         }
     }
-    // Every unit taken: wait for the others' to finish, computing one itself once it has waited `grace`.
-    if ((int64_t)done.load(std::memory_order_acquire) >= total) return;
-    const double grace = T.grace;
-    const double waited = now_s();
-    double since = waited;
-    while ((int64_t)done.load(std::memory_order_acquire) < total) {
-        if (grace >= 0.0 && now_s() - since >= grace) {
-            for (int64_t t = 0; t < nth; t++) {
-                if (t == me) continue;
-                // Busy before the unit is read (both sequentially consistent, as the owner's count and its check of
-                // `busy` as it enters a layer): either the owner, counting its unit, then sees this thread busy and
-                // waits for it before it overwrites the unit's inputs, or this thread sees the unit counted and leaves
-                // it. Read first and published after, a thread held up between the two could compute the unit on
-                // inputs the owner had gone on to overwrite.
-                T.busy[me].v.store(layer_tag, std::memory_order_seq_cst);
-                const uint64_t w = T.tok[t].v.load(std::memory_order_seq_cst);
-                if (w == 0 || (int64_t)(w >> 32) != p + 1) {
-                    T.busy[me].v.store(0, std::memory_order_release);
-                    continue;
-                }
-                const int64_t a = (int64_t)(w & 0xffffffffu), b = share_end(a);
-                run(a, a + unit < b ? a + unit : b);
-                uint64_t e = w;
-                if (T.tok[t].v.compare_exchange_strong(e, 0, std::memory_order_seq_cst))
-                    done.fetch_add(1, std::memory_order_release);
-                T.busy[me].v.store(0, std::memory_order_release);
-                g_units_redone.fetch_add(1, std::memory_order_relaxed);
-            }
-            since = now_s();
-        }
-        _mm_pause();
-    }
-    g_wait_ns[1].fetch_add((int64_t)((now_s() - waited) * 1e9), std::memory_order_relaxed);
 }
 
 // Units of a share: at most `block` items, and small enough that a share holds four at least (a thread done early
@@ -794,11 +662,11 @@ static inline int64_t share_unit(int64_t n, int64_t nth, int64_t block, int64_t 
 }
 
 // The loop around the tiles, shared by both arithmetics. Called inside the forward's parallel region by every
-// thread of the team; returns once Y is complete (share_out). `panel_bytes`: bytes of one weight panel.
+// thread of the team; ends with the team's barrier (Y complete). `panel_bytes`: bytes of one weight panel.
 // tile(IC<R>, IC<P>, t0, p) computes rows t0..t0+R x panels p..p+P into Y; CV: the weights are widened in
 // registers (see panels_max). The panels are shared out in whole groups (a group's panels are read together).
 template <bool CV, int G, class Tile>
-static inline void products(Flow& sh, int64_t k, int64_t m, int64_t panel_bytes, int stream, Tile& tile,
+static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes, int stream, Tile& tile,
                             const ArgParts* ap = NULL, const float* Y = NULL, int64_t ldy = 0) {
     constexpr int64_t group = G;
     const int64_t np = (m + PANEL - 1) / PANEL, ng = (np + group - 1) / group;
@@ -865,6 +733,7 @@ static inline void products(Flow& sh, int64_t k, int64_t m, int64_t panel_bytes,
         if (ap != NULL)  // the unit's outputs are complete for every row: their argmax in parts, one slot a group
             for (int64_t q = u0; q < u1; q++) arg_parts(ap, Y, ldy, k, m, group * PANEL, q);
     });
+#pragma omp barrier
 }
 
 #ifdef SD_AVX512BF16
@@ -942,7 +811,7 @@ static void to_bf16_rows(const float* X, int64_t ldx, uint16_t* Xb, int64_t k, i
 
 // Whether a forward's products of weight type `wtype` read their inputs as bf16 rows (`gemm`'s `xb`): then the phase
 // before each product writes them as it writes its fp32 outputs (`to_xb`), and the product does not convert them in
-// a phase of its own (one phase fewer a product).
+// a phase of its own (one barrier fewer a product: 17 of a 4-layer pass's ~55).
 static inline bool inputs_bf16(int64_t wtype) {
 #ifdef SD_AVX512BF16
     return wtype == WT_BF16;
@@ -1173,8 +1042,8 @@ static inline void tile_amx2(const uint16_t* Xb, int64_t ldxb, const uint16_t* W
 // The AMX product's loop: the panel groups shared out over the team (share_out); rows in balanced row groups of at
 // most 16 (sizes differ by <= 1). A group's row groups run one after another (two at a time where they can,
 // tile_amx2) while its weights are in L2, each fetching a share of the next group's. Called inside the parallel
-// region by the whole team; returns once Y is complete (share_out).
-static void products_amx(Flow& sh, const uint16_t* xb, int64_t n, const uint16_t* Wp, const OutSpec& o, int64_t k,
+// region by the whole team; ends with the team's barrier.
+static void products_amx(Share& sh, const uint16_t* xb, int64_t n, const uint16_t* Wp, const OutSpec& o, int64_t k,
                          int64_t m, const ArgParts* ap) {
     const int64_t G = BF16_GROUP, np = (m + PANEL - 1) / PANEL, ng = (np + G - 1) / G;
     const int64_t group_elems = G * ((n + 1) & ~(int64_t)1) * PANEL;
@@ -1210,6 +1079,7 @@ static void products_amx(Flow& sh, const uint16_t* xb, int64_t n, const uint16_t
                 arg_parts(ap, o.Y, o.ldy, k, m, G * PANEL, q);
         }
     });
+#pragma omp barrier
 }
 #endif
 
@@ -1247,17 +1117,17 @@ extern "C" int sd_panel_group(int64_t wtype) {
 }
 
 // Y (+)= X W^T + b with W in the panel layout above (m outputs, n inputs). Called inside the forward's parallel
-// region by the whole team; returns once Y is complete. `xb`: scratch for X rounded to bf16 (k * n
+// region by the whole team; returns after the team's barrier. `xb`: scratch for X rounded to bf16 (k * n
 // entries; AVX512-BF16 products only). `stream`: the weights come from memory, not the caches (SdModel::stream).
-static void gemm(Flow& sh, int64_t wtype, const float* X, int64_t ldx, const void* W, const float* b, float* Y,
+static void gemm(Share& sh, int64_t wtype, const float* X, int64_t ldx, const void* W, const float* b, float* Y,
                  int64_t ldy, int64_t k, int64_t n, int64_t m, int accumulate, uint16_t* xb, int stream,
-                 bool xb_ready = false, const ArgParts* ap = NULL, const float* src = NULL) {
+                 bool xb_ready = false, const ArgParts* ap = NULL) {
 #ifdef SD_AVX512BF16
     if (wtype == WT_BF16) {
-        // xb_ready: the phase before wrote X's rows into xb (to_xb) and is complete
+        // xb_ready: the phase before wrote X's rows into xb (to_xb) and ended with the team's barrier
         if (!xb_ready) to_bf16_rows(X, ldx, xb, k, n);  // ends with the team's barrier: every row is ready
         const uint16_t* Wp = (const uint16_t*)W;
-        const OutSpec o = {NULL, b, Y, ldy, m, accumulate, src};
+        const OutSpec o = {NULL, b, Y, ldy, m, accumulate};
 #ifdef SD_AMX
         (void)stream;
         products_amx(sh, xb, n, Wp, o, k, m, ap);
@@ -1283,7 +1153,7 @@ static void gemm(Flow& sh, int64_t wtype, const float* X, int64_t ldx, const voi
         const typename WT::T* Wp = (const typename WT::T*)W;
         const int64_t ps = n * PANEL;
         const float* scale = std::is_same<WT, I8W>::value ? (const float*)(Wp + ((m + PANEL - 1) / PANEL) * ps) : NULL;
-        const OutSpec o = {scale, b, Y, ldy, m, accumulate, src};
+        const OutSpec o = {scale, b, Y, ldy, m, accumulate};
         auto tile = [&](auto R, auto P, int64_t t0, int64_t p) {
             tile_f32<WT, decltype(R)::value, decltype(P)::value>(X + t0 * ldx, ldx, Wp + p * ps, ps, n, o, t0, p * PANEL);
         };
@@ -1307,11 +1177,10 @@ static void gemm(Flow& sh, int64_t wtype, const float* X, int64_t ldx, const voi
 extern "C" int sd_matmul(int64_t wtype, const float* X, const void* W, const float* b, float* Y, int64_t k, int64_t n,
                          int64_t m, int64_t accumulate, uint16_t* xb, int64_t threads, int64_t stream) {
     if (k < 1 || n < 1 || m < 1 || threads < 1 || wtype < WT_F32 || wtype > WT_I8) return -1;
-    // Never a unit computed twice here: the product may add into Y in place (accumulate), and twice would add twice.
-    FlowState state(threads, 1, -1.0);
+    std::vector<Cursor> cursors((size_t)threads);
 #pragma omp parallel num_threads((int)threads)
     {
-        Flow sh = {&state.team, omp_get_num_threads(), omp_get_thread_num(), 0, 0};
+        Share sh = {cursors.data(), 0};
         gemm(sh, wtype, X, n, W, b, Y, m, k, n, m, (int)accumulate, xb, (int)stream);
     }
     return 0;
@@ -1976,45 +1845,14 @@ static int64_t att_scratch(int64_t max_ctx, int64_t widest) {
     return (scores > 16 * widest ? scores : 16 * widest) + 16;
 }
 
-// A forward's buffers in its scratch: the residual stream in three buffers in turn (layer l reads the l % 3-th and
-// writes the next), each layer's intermediates in one of two sets by the layer's parity (share_out says why), then
-// each thread's scratch and the head's argmax in parts.
-struct FwdSet {
-    float *h, *qkv, *q, *att, *xm, *h2, *gu, *act;  // normalised input, q|k|v, roped queries, attention, x + attention
-                                                    // out, its normalised, gate|up, silu(gate) * up
-    uint16_t *xbh, *xbatt, *xbh2, *xbact;  // bf16 copies of the products' inputs (AVX512-BF16 products)
-};
-static int64_t fwd_set_floats(const SdModel* m, int64_t k) {
-    const int64_t d = m->hidden, hdh = m->heads * m->head_dim, nqkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
-    const int64_t halves = (k * d + 1) / 2 + (k * hdh + 1) / 2 + (k * d + 1) / 2 + (k * m->ff + 1) / 2;
-    return k * (d + nqkv + hdh + hdh + d + d + 3 * m->ff) + halves;
-}
-static FwdSet fwd_set(const SdModel* m, int64_t k, float* at) {
-    const int64_t d = m->hidden, hdh = m->heads * m->head_dim, nqkv = (m->heads + 2 * m->kv_heads) * m->head_dim;
-    FwdSet s;
-    s.h = at, at += k * d;
-    s.qkv = at, at += k * nqkv;
-    s.q = at, at += k * hdh;
-    s.att = at, at += k * hdh;
-    s.xm = at, at += k * d;
-    s.h2 = at, at += k * d;
-    s.gu = at, at += k * 2 * m->ff;
-    s.act = at, at += k * m->ff;
-    s.xbh = (uint16_t*)at, at += (k * d + 1) / 2;
-    s.xbatt = (uint16_t*)at, at += (k * hdh + 1) / 2;
-    s.xbh2 = (uint16_t*)at, at += (k * d + 1) / 2;
-    s.xbact = (uint16_t*)at;
-    return s;
-}
-static int64_t fwd_widest(const SdModel* m) {
-    int64_t widest = m->hidden > m->ff ? m->hidden : m->ff;
-    return widest > m->heads * m->head_dim ? widest : m->heads * m->head_dim;
-}
-
 extern "C" int64_t sd_scratch_floats(const SdModel* m, int64_t k, int64_t threads) {
-    // the residual stream (3 x k x hidden) + two sets of a layer's intermediates + per-thread scratch (att_scratch)
-    // + the head's argmax in parts (k rows x a slot per panel at most: a value and an index each).
-    return 3 * k * m->hidden + 2 * fwd_set_floats(m, k) + 16 + threads * att_scratch(m->max_ctx, fwd_widest(m)) +
+    const int64_t d = m->hidden, hd = m->head_dim, qkv = (m->heads + 2 * m->kv_heads) * hd;
+    int64_t widest = d > m->ff ? d : m->ff;
+    widest = widest > m->heads * hd ? widest : m->heads * hd;
+    // ... + bf16 copies of a product's input (k * widest 16-bit entries) + per-thread scratch (att_scratch) + the
+    // head's argmax in parts (k rows x a slot per panel at most: a value and an index each).
+    const int64_t per_thread = att_scratch(m->max_ctx, widest);
+    return k * (d + d + qkv + m->heads * hd + 2 * m->ff + m->ff) + (k * widest + 1) / 2 + 16 + threads * per_thread +
            arg_parts_floats(m->head_rows, k);
 }
 
@@ -2023,9 +1861,8 @@ extern "C" int64_t sd_scratch_floats(const SdModel* m, int64_t k, int64_t thread
 // order (a verify block), and every row's keys/values are written before any row attends, so a row sees
 // the rows of its own sequence before it and nothing of any other sequence. Logits of rows out_idx[0..n_out)
 // go to logits[n_out][head_rows]. Every row's result is independent of the other rows in the pass (the products'
-// promise), so a row's logits are the same bit for bit whatever it is batched with. The phases are shared out over the
-// team with no barrier between them (share_out). With `prof` (PH_COUNT doubles, else NULL) the seconds of each phase
-// are added to it, timed by thread 0 as it sees each phase complete. Returns 0, or -1 on bad arguments.
+// promise), so a row's logits are the same bit for bit whatever it is batched with. With `prof` (PH_COUNT doubles, else NULL) the seconds of each phase are added to it, timed by thread 0 after
+// each phase's barrier. Returns 0, or -1 on bad arguments.
 extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64_t* pos, void* const* kv, int64_t k,
                                const int64_t* out_idx, int64_t n_out, float* logits, float* scratch, int64_t threads,
                                int64_t* argmax, double* prof) {
@@ -2035,12 +1872,19 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
         if (ids[t] < 0 || ids[t] >= m->vocab || pos[t] < 0 || pos[t] >= m->max_ctx || kv[t] == NULL) return -1;
     for (int64_t j = 0; j < n_out; j++)
         if (out_idx[j] < 0 || out_idx[j] >= k) return -1;
-    const int64_t d = m->hidden, hd = m->head_dim, H = m->heads, KV = m->kv_heads, ff = m->ff, hdh = H * hd;
+    const int64_t d = m->hidden, hd = m->head_dim, H = m->heads, KV = m->kv_heads, ff = m->ff;
     const int64_t G = H / KV, nqkv = (H + 2 * KV) * hd, C = m->max_ctx, half = hd / 2;
-    float* const xs[3] = {scratch, scratch + k * d, scratch + 2 * k * d};  // the residual stream, layer by layer
-    const FwdSet sets[2] = {fwd_set(m, k, scratch + 3 * k * d), fwd_set(m, k, scratch + 3 * k * d + fwd_set_floats(m, k))};
-    float* score_base = scratch + 3 * k * d + 2 * fwd_set_floats(m, k) + 16;  // [threads][per_thread]
-    const int64_t per_thread = att_scratch(C, fwd_widest(m)), ss = C + KBLOCK;
+    float* x = scratch;          // [k][d] residual stream
+    float* h = x + k * d;        // [k][d] normalised
+    float* qkv = h + k * d;      // [k][nqkv]
+    float* att = qkv + k * nqkv; // [k][H hd]
+    float* gu = att + k * H * hd;  // [k][2 ff]
+    float* act = gu + k * 2 * ff;  // [k][ff]
+    uint16_t* xb = (uint16_t*)(act + k * ff);  // [k][widest] bf16 product inputs
+    int64_t widest = d > ff ? d : ff;
+    widest = widest > H * hd ? widest : H * hd;
+    float* score_base = act + k * ff + (k * widest + 1) / 2 + 16;  // [threads][per_thread]
+    const int64_t per_thread = att_scratch(C, widest), ss = C + KBLOCK;
     // argmax: the head's argmax in parts as its units are done (ArgParts), then each asked row's (argmax_of_parts)
     const int64_t slot_w = arg_slot_width(m->wtype);
     float* parts_base = score_base + threads * per_thread;  // arg_parts_floats(head_rows, n_out): values, then indices
@@ -2050,18 +1894,17 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
     const int st = m->stream != 0;
     const bool xbf = inputs_bf16(wt);  // each product's input phase writes its bf16 rows too (to_xb)
 
-    for (int64_t t = 0; t < k; t++) load_row(wt, m->embed, ids[t], m->embed_stride, xs[0] + t * d, d);
+    for (int64_t t = 0; t < k; t++) load_row(wt, m->embed, ids[t], m->embed_stride, x + t * d, d);
 
-    FlowState state(threads, m->n_layers * 9 + 3, flow_grace_s());  // 9 phases a layer, 3 for the head
+    std::vector<Cursor> cursors((size_t)threads);
 #pragma omp parallel num_threads((int)threads)
     {
-        Flow f = {&state.team, omp_get_num_threads(), omp_get_thread_num(), 0, 0};
-        float* scores = score_base + f.me * per_thread;  // also the packing panel, and RoPE's row
+        Share sh = {cursors.data(), 0};
+        float* scores = score_base + (int64_t)omp_get_thread_num() * per_thread;  // also the packing panel
         std::vector<AttUnit> units;  // the layer's attention units: every thread makes the same list
         int64_t last_unit = -2;  // the unit this thread ran last (its first of a layer fetches its own values)
         units.reserve(KV * (k + k * G / ATT_QMAX + 1));
-        const int64_t row_unit = share_unit(k, f.nth, k, 1);  // rows a unit of the row-wise phases
-        const int timer = prof != NULL && f.me == 0;
+        const int timer = prof != NULL && omp_get_thread_num() == 0;
         double last = timer ? now_s() : 0.0;
 #define PHASE_DONE(ph)                     \
     if (timer) {                           \
@@ -2071,107 +1914,86 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
     }
         for (int64_t l = 0; l < m->n_layers; l++) {
             const SdLayer* L = m->layers + l;
-            const FwdSet& B = sets[l & 1];
-            const float* x = xs[l % 3];
-            float* x_next = xs[(l + 1) % 3];
-            f.layer = l;
             // Byte offsets of the layer's keys and values in a cache.
             const int64_t key_off = ((l * 2 + 0) * KV) * C * hd * kvb, val_off = ((l * 2 + 1) * KV) * C * hd * kvb;
-            share_out(f, k, row_unit, [&](int64_t t0, int64_t t1) {
-                for (int64_t t = t0; t < t1; t++) norm_input(x + t * d, B.h + t * d, B.xbh + t * d, d, m->eps, xbf);
-            });
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < k; t++) norm_input(x + t * d, h + t * d, xb + t * d, d, m->eps, xbf);
             PHASE_DONE(PH_NORM)
-            gemm(f, wt, B.h, d, L->wqkv, L->bqkv, B.qkv, nqkv, k, d, nqkv, 0, B.xbh, st, xbf);
+            gemm(sh, wt, h, d, L->wqkv, L->bqkv, qkv, nqkv, k, d, nqkv, 0, xb, st, xbf);
             PHASE_DONE(PH_QKV)
-            // RoPE on query and key heads (a copy of the row: the products' outputs are never rewritten); queries
-            // into q, keys and values into each row's own cache at its position.
-            share_out(f, k, row_unit, [&](int64_t t0, int64_t t1) {
-                for (int64_t t = t0; t < t1; t++) {
-                    const int64_t p = pos[t];
-                    char* keys = (char*)kv[t] + key_off;
-                    char* vals = (char*)kv[t] + val_off;
-                    float* row = scores;
-                    memcpy(row, B.qkv + t * nqkv, nqkv * sizeof(float));
-                    for (int64_t i = 0; i < H + KV; i++)
-                        rope(row + i * hd, m->rope_cos + p * half, m->rope_sin + p * half, half);
-                    memcpy(B.q + t * hdh, row, hdh * sizeof(float));
-                    switch (kvt) {
-                        case WT_BF16: cache_row<KvBF16>(row, H, KV, hd, C, p, keys, vals); break;
-                        case WT_F16: cache_row<KvF16>(row, H, KV, hd, C, p, keys, vals); break;
-                        default: cache_row<KvF32>(row, H, KV, hd, C, p, keys, vals); break;
-                    }
+            // RoPE on query and key heads; keys and values into each row's own cache at its position.
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < k; t++) {
+                const int64_t p = pos[t];
+                char* keys = (char*)kv[t] + key_off;
+                char* vals = (char*)kv[t] + val_off;
+                float* row = qkv + t * nqkv;
+                for (int64_t i = 0; i < H + KV; i++) rope(row + i * hd, m->rope_cos + p * half, m->rope_sin + p * half, half);
+                switch (kvt) {
+                    case WT_BF16: cache_row<KvBF16>(row, H, KV, hd, C, p, keys, vals); break;
+                    case WT_F16: cache_row<KvF16>(row, H, KV, hd, C, p, keys, vals); break;
+                    default: cache_row<KvF32>(row, H, KV, hd, C, p, keys, vals); break;
                 }
-            });
+            }
             PHASE_DONE(PH_ROPE_CACHE)
             attention_units(k, pos, kv, L->window, KV, G, units);
-            share_out(f, (int64_t)units.size(), 1, [&](int64_t u0, int64_t u1) {
-                for (int64_t u = u0; u < u1; u++) {
-                    const AttUnit& a = units[u];
-                    const float* qs[ATT_QMAX];
-                    float* outs[ATT_QMAX];
-                    int64_t his[ATT_QMAX];
-                    for (int64_t q = a.q0; q < a.q1; q++) {
-                        const int64_t t = a.r0 + q / G, h = a.g * G + q % G;
-                        qs[q - a.q0] = B.q + t * hdh + h * hd;
-                        outs[q - a.q0] = B.att + t * hdh + h * hd;
-                        his[q - a.q0] = pos[t];
-                    }
-                    const char* base = (const char*)kv[a.r0];
-                    // The next unit's keys and values to fetch (this thread's next unit, or the next thread's first:
-                    // harmless), from its first attended position to its last row's (keys: whole blocks).
-                    AttNext next = {{NULL, 0, 0}, {NULL, 0, 0}, u != last_unit + 1};
-                    last_unit = u;
-                    if (u + 1 < (int64_t)units.size()) {
-                        const AttUnit& b = units[u + 1];
-                        const int64_t lo = first_attended(pos[b.r0], L->window), top = pos[b.r0 + (b.q1 - 1) / G];
-                        const int64_t b0 = lo / KBLOCK, b1 = top / KBLOCK;
-                        const char* nb = (const char*)kv[b.r0];
-                        next.keys = {nb + key_off + (b.g * C + b0 * KBLOCK) * hd * kvb,
-                                     (b1 - b0 + 1) * KBLOCK * hd * kvb, 0};
-                        next.vals = {nb + val_off + (b.g * C + lo) * hd * kvb, (top - lo + 1) * hd * kvb, 0};
-                    }
-                    attend_kv(kvt, qs, (int)(a.q1 - a.q0), base + key_off + a.g * C * hd * kvb,
-                              base + val_off + a.g * C * hd * kvb, first_attended(pos[a.r0], L->window), his, hd,
-                              scores, ss, outs, next);
-                    for (int64_t q = 0; q < a.q1 - a.q0; q++)  // a head of a row: its piece of the o product's row
-                        to_xb(xbf, outs[q], B.xbatt + (outs[q] - B.att), hd);
+#pragma omp for schedule(static)
+            for (int64_t u = 0; u < (int64_t)units.size(); u++) {
+                const AttUnit& a = units[u];
+                const float* qs[ATT_QMAX];
+                float* outs[ATT_QMAX];
+                int64_t his[ATT_QMAX];
+                for (int64_t q = a.q0; q < a.q1; q++) {
+                    const int64_t t = a.r0 + q / G, h = a.g * G + q % G;
+                    qs[q - a.q0] = qkv + t * nqkv + h * hd;
+                    outs[q - a.q0] = att + t * H * hd + h * hd;
+                    his[q - a.q0] = pos[t];
                 }
-            });
+                const char* base = (const char*)kv[a.r0];
+                // The next unit's keys and values to fetch (this thread's next unit, or the next thread's first:
+                // harmless), from its first attended position to its last row's (keys: whole blocks).
+                AttNext next = {{NULL, 0, 0}, {NULL, 0, 0}, u != last_unit + 1};
+                last_unit = u;
+                if (u + 1 < (int64_t)units.size()) {
+                    const AttUnit& b = units[u + 1];
+                    const int64_t lo = first_attended(pos[b.r0], L->window), top = pos[b.r0 + (b.q1 - 1) / G];
+                    const int64_t b0 = lo / KBLOCK, b1 = top / KBLOCK;
+                    const char* nb = (const char*)kv[b.r0];
+                    next.keys = {nb + key_off + (b.g * C + b0 * KBLOCK) * hd * kvb, (b1 - b0 + 1) * KBLOCK * hd * kvb,
+                                 0};
+                    next.vals = {nb + val_off + (b.g * C + lo) * hd * kvb, (top - lo + 1) * hd * kvb, 0};
+                }
+                attend_kv(kvt, qs, (int)(a.q1 - a.q0), base + key_off + a.g * C * hd * kvb,
+                          base + val_off + a.g * C * hd * kvb, first_attended(pos[a.r0], L->window), his, hd, scores,
+                          ss, outs, next);
+                for (int64_t q = 0; q < a.q1 - a.q0; q++)  // a head of a row: its piece of the o product's row
+                    to_xb(xbf, outs[q], xb + (outs[q] - att), hd);
+            }
             PHASE_DONE(PH_ATTENTION)
-            gemm(f, wt, B.att, hdh, L->wo, L->bo, B.xm, d, k, hdh, d, 1, B.xbatt, st, xbf, NULL, x);  // xm = x + o
+            gemm(sh, wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1, xb, st, xbf);
             PHASE_DONE(PH_O_PROJ)
-            share_out(f, k, row_unit, [&](int64_t t0, int64_t t1) {
-                for (int64_t t = t0; t < t1; t++)
-                    norm_input(B.xm + t * d, B.h2 + t * d, B.xbh2 + t * d, d, m->eps, xbf);
-            });
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < k; t++) norm_input(x + t * d, h + t * d, xb + t * d, d, m->eps, xbf);
             PHASE_DONE(PH_NORM)
-            gemm(f, wt, B.h2, d, L->wgu, L->bgu, B.gu, 2 * ff, k, d, 2 * ff, 0, B.xbh2, st, xbf);
+            gemm(sh, wt, h, d, L->wgu, L->bgu, gu, 2 * ff, k, d, 2 * ff, 0, xb, st, xbf);
             PHASE_DONE(PH_GATE_UP)
-            share_out(f, k, row_unit, [&](int64_t t0, int64_t t1) {
-                for (int64_t t = t0; t < t1; t++) {
-                    silu_mul(B.gu + t * 2 * ff, B.gu + t * 2 * ff + ff, B.act + t * ff, ff);
-                    to_xb(xbf, B.act + t * ff, B.xbact + t * ff, ff);
-                }
-            });
+#pragma omp for schedule(static)
+            for (int64_t t = 0; t < k; t++) {
+                silu_mul(gu + t * 2 * ff, gu + t * 2 * ff + ff, act + t * ff, ff);
+                to_xb(xbf, act + t * ff, xb + t * ff, ff);
+            }
             PHASE_DONE(PH_SILU_MUL)
-            gemm(f, wt, B.act, ff, L->wd, L->bd, x_next, d, k, ff, d, 1, B.xbact, st, xbf, NULL, B.xm);  // + down
+            gemm(sh, wt, act, ff, L->wd, L->bd, x, d, k, ff, d, 1, xb, st, xbf);
             PHASE_DONE(PH_DOWN)
         }
-        if (n_out > 0) {  // the asked rows, normalised into the next layer's set, then the head
-            f.layer = m->n_layers;
-            const FwdSet& B = sets[m->n_layers & 1];
-            const float* x = xs[m->n_layers % 3];
-            const int64_t out_unit = share_unit(n_out, f.nth, n_out, 1);
-            share_out(f, n_out, out_unit, [&](int64_t j0, int64_t j1) {
-                for (int64_t j = j0; j < j1; j++)
-                    norm_input(x + out_idx[j] * d, B.h + j * d, B.xbh + j * d, d, m->eps, xbf);
-            });
-            gemm(f, wt, B.h, d, m->lm_head, NULL, logits, m->head_rows, n_out, d, m->head_rows, 0, B.xbh, st, xbf,
+        if (n_out > 0) {  // the asked rows, normalised into h[0..n_out) (free by now), then the head
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < n_out; j++) norm_input(x + out_idx[j] * d, h + j * d, xb + j * d, d, m->eps, xbf);
+            gemm(sh, wt, h, d, m->lm_head, NULL, logits, m->head_rows, n_out, d, m->head_rows, 0, xb, st, xbf,
                  argmax != NULL ? &parts : NULL);
             if (argmax != NULL) {
-                share_out(f, n_out, out_unit, [&](int64_t j0, int64_t j1) {
-                    for (int64_t j = j0; j < j1; j++) argmax[j] = argmax_of_parts(&parts, j);
-                });
+#pragma omp for schedule(static)
+                for (int64_t j = 0; j < n_out; j++) argmax[j] = argmax_of_parts(&parts, j);
             }
             PHASE_DONE(PH_HEAD)
         }
