@@ -98,12 +98,16 @@ class ModelDrafter(Drafter):
 
         def catch_up(i: int) -> tuple[list[int], KVCache]:
             drafted[i] = []
-            ask, cache = asks[i], asks[i].state.cache
-            self._resume(ask.state, ask.context[:-1])
-            if cache.length >= len(ask.context):  # at least one token must be fed to get the next distribution
-                cache.crop(len(ask.context) - 1)
-            fed[i] = len(ask.context) - cache.length
-            return ask.context[cache.length :], cache
+            ask = asks[i]
+            context, cache = ask.context, ask.state.cache
+            n = len(context)
+            if n - 1 - cache.length >= BLOCK:  # ``_resume`` (without copying the context for the usual token or two)
+                self._resume(ask.state, context[:-1])
+            if cache.length >= n:  # at least one token must be fed to get the next distribution
+                cache.crop(n - 1)
+            start = cache.length
+            fed[i] = n - start
+            return context[start:], cache
 
         def first(rows: list[int]) -> list[Pick]:
             fast = [i for i in rows if native and asks[i].params.greedy and asks[i].logit_rules is None]

@@ -407,21 +407,23 @@ class NativeRunner(ModelRunner):
         pos_l: list[int] = []
         kv_l: list[int] = []
         out_l: list[int] = []
+        row, limit = 0, self.max_context
         for (ids, cache), size in zip(blocks, keep):
             if not isinstance(cache, NativeCache):
                 raise TypeError(f"NativeRunner needs caches from its own new_cache(), got {type(cache).__name__}")
-            k, pos = len(ids), cache.length
+            k, pos = len(ids), cache._length
             if k == 0:
                 raise ValueError("forward_batch needs at least one token per block")
-            if pos + k > self.max_context:
+            if pos + k > limit:
                 raise ContextLengthError(
-                    f"{self.name}: {pos + k} tokens do not fit the context window of {self.max_context}", "max_tokens"
+                    f"{self.name}: {pos + k} tokens do not fit the context window of {limit}", "max_tokens"
                 )
-            row = len(pos_l)
-            ids_l.extend(ids)
-            pos_l.extend(range(pos, pos + k))
-            kv_l.extend([cache.kv_at] * k)
-            out_l.extend(range(row + k - min(size, k), row + k))
+            end = row + k
+            ids_l += ids
+            pos_l += range(pos, pos + k)
+            kv_l += [cache.kv_at] * k
+            out_l += range(end - (size if size < k else k), end)
+            row = end
         # With the whole head, each asked row's argmax comes out of the pass (taken as the head's product finishes each
         # group of outputs, in the computing core's cache): greedy verification reads it (pass_argmax) where a call of
         # its own read the pass's logits again (a 48-row pass: 25 µs in the pass against 75-135 for the call).
@@ -479,30 +481,34 @@ class NativeRunner(ModelRunner):
         tokens than one chunk is first caught up by an ordinary pass."""
         if self._fused is None:
             raise RuntimeError("draft_greedy needs the CPU kernel")
-        pending, caches = [list(ids) for ids, _ in blocks], []
-        for _, c in blocks:
+        pending: list[list[int]] = []
+        caches: list[NativeCache] = []
+        total, limit = 0, self.max_context
+        for (ids, c), tau in zip(blocks, taus):
             if not isinstance(c, NativeCache):
                 raise TypeError(f"NativeRunner needs caches from its own new_cache(), got {type(c).__name__}")
+            p = list(ids)
+            if not p:
+                raise ValueError("draft_greedy needs at least one pending token per sequence")
+            # (what a long catch-up below moves into the cache leaves this sum as it is)
+            if c._length + len(p) + tau - 1 > limit:
+                raise ContextLengthError(
+                    f"{self.name}: {c._length + len(p) + tau - 1} tokens do not fit the context window of {limit}",
+                    "max_tokens",
+                )
+            pending.append(p)
             caches.append(c)
-        if sum(len(p) for p in pending) > CHUNK:  # a long catch-up (after a rollback to 0): all but the last now
+            total += len(p)
+        if total > CHUNK:  # a long catch-up (after a rollback to 0): all but the last now
             long = [i for i, p in enumerate(pending) if len(p) > 1]
             self.forward_batch([(token_tensor(pending[i][:-1]), caches[i]) for i in long], last_only=True)
             for i in long:
                 pending[i] = pending[i][-1:]
-        for p, c, tau in zip(pending, caches, taus):
-            if not p:
-                raise ValueError("draft_greedy needs at least one pending token per sequence")
-            if c.length + len(p) + tau - 1 > self.max_context:
-                raise ContextLengthError(
-                    f"{self.name}: {c.length + len(p) + tau - 1} tokens do not fit the context window of "
-                    f"{self.max_context}",
-                    "max_tokens",
-                )
         native = [None if r is None else DraftRuleC.make(r.reach_table, r.min_reach, r.min_top) for r in rules]
         if self.head_tokens is not None:  # the argmax runs over the head's rows: those of tokens below vocab_used
             vocab_used = bisect.bisect_left(self.head_tokens, vocab_used)
         tokens, tops, fed = self._fused.draft_greedy(
-            pending, [c.length for c in caches], [c.kv_at for c in caches], list(taus), native, vocab_used
+            pending, [c._length for c in caches], [c.kv_at for c in caches], list(taus), native, vocab_used
         )
         for c, n in zip(caches, fed):
             c._length += n  # type: ignore[attr-defined]

@@ -428,7 +428,9 @@ def kernel_argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> list[int]:
 
 def nan_rows_by_torch(best: list[int], logits: torch.Tensor) -> list[int]:
     """The kernel's argmax of each row of ``logits`` (``best``; -1 for a row holding a NaN) with such rows' torch's
-    answer instead (the index of its first NaN)."""
+    answer instead (the index of its first NaN). With no such row (every pass that is not broken): ``best`` itself."""
+    if not best or min(best) >= 0:
+        return best
     return [b if b >= 0 else int(logits[r].argmax()) for r, b in enumerate(best)]
 
 
@@ -787,11 +789,12 @@ class FusedLlama:
         drafted ones, and one a MinConfidence rule dropped), and how many tokens it wrote to its cache (its pending
         tokens and every drafted token but the last). Pending tokens must fit one chunk."""
         n = len(pending)
-        lengths = [len(p) for p in pending]
         off = [0]
-        for length in lengths:
-            off.append(off[-1] + length)
-        if off[-1] > CHUNK:
+        total = 0
+        for p in pending:
+            total += len(p)
+            off.append(total)
+        if total > CHUNK:
             raise ValueError(f"draft_greedy: {off[-1]} pending tokens exceed one chunk ({CHUNK})")
         max_tau = max(taus)
         # One int64 array in: offsets, positions, taus, cache addresses, then the pending ids; one out: tokens
@@ -835,14 +838,14 @@ class FusedLlama:
             raise ValueError(
                 "CPU kernel refused the draft call (token ids out of range or a position beyond the cache)"
             )
-        flat = out_i.tolist()
+        flat, top_l = out_i.tolist(), tops.tolist()
         fed = flat[n * max_tau + n :]
         tokens, probs = [], []
-        for s in range(n):  # the tokens computed: those before the first -1 (a drafted one, or one dropped last)
-            row = flat[s * max_tau : (s + 1) * max_tau]
+        for s in range(0, n * max_tau, max_tau):  # the tokens computed: before the first -1 (drafted, or dropped last)
+            row = flat[s : s + max_tau]
             computed = row.index(-1) if -1 in row else max_tau
-            tokens.append(row[:computed])
-            probs.append(tops[s * max_tau : s * max_tau + computed].tolist())
+            tokens.append(row if computed == max_tau else row[:computed])
+            probs.append(top_l[s : s + computed])
         return tokens, probs, fed
 
     def forward(
