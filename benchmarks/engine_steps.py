@@ -18,6 +18,7 @@ from what it loses by its own work (the rest).
     python benchmarks/engine_steps.py --sequences 16 --policies fixed:tau=2 adaptive --rounds 5 --json steps.json
     python benchmarks/engine_steps.py --sequences 4 --policies fixed:tau=2 fixed:tau=3 adaptive --by-depth
     python benchmarks/engine_steps.py --sequences 16 --policies fixed:tau=3 fixed:tau=3+trace   # what a trace costs
+    python benchmarks/engine_steps.py --sequences 16 --policies fixed:tau=3 adaptive --breakdown # the rest by part
 """
 
 from __future__ import annotations
@@ -86,6 +87,49 @@ class NativeClock:
         return timed
 
 
+class Breakdown:
+    """Seconds in each part of the engine's Python around the kernel's calls (``--breakdown``): the engine's methods
+    wrapped where they are defined, each call timed whole (the draft's and the verification's then hold their kernel
+    calls, which ``NativeClock`` times apart). A wrapped call costs ~0.3 µs, a few dozen a step: not for the headline
+    figures, which run without it.
+
+    Measured this way (session 67, docs/server.md, Compute threads): at 16 sequences the Python between the passes runs
+    on caches the passes have just emptied, so what it costs follows the memory it touches more than the bytecode."""
+
+    PARTS = (
+        ("plan", "Engine", "_plan"),
+        ("draft", "Engine", "_draft"),
+        ("verify", "side", "verify"),
+        ("contexts", "Generation", "context_for_policy"),
+        ("commit", "Generation", "commit_step"),
+        ("detokenise", "Generation", "take_step"),
+        ("close", "Generation", "close_step"),
+        ("starts", "Engine", "start"),
+    )
+
+    def __init__(self, engine: Engine) -> None:
+        self.seconds: dict[str, float] = {name: 0.0 for name, _, _ in self.PARTS}
+        owners = {"Engine": Engine, "Generation": Generation, "side": type(engine.side)}
+        for name, owner, method in self.PARTS:
+            cls = owners[owner]
+            setattr(cls, method, self._timed(name, getattr(cls, method)))
+
+    def _timed(self, part: str, method: Any) -> Any:
+        seconds = self.seconds
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                seconds[part] += time.perf_counter() - t0
+
+        return timed
+
+
+BREAKDOWN: Breakdown | None = None  # set by ``--breakdown``: every loop's steps are then split by part
+
+
 TRACED = "+trace"  # a policy named with this suffix runs with a JSONL trace observer (what tracing costs a step)
 
 
@@ -118,6 +162,7 @@ class ClosedLoop:
         self.steps, self.tokens, self.wall, self.native, self.policy_s = 0, 0, 0.0, 0.0, 0.0
         self.by_runner = {name: 0.0 for name in clock.by_runner}
         self.depths: dict[str, list[float]] = {}  # depth -> [steps, tokens, seconds, kernel seconds]
+        self.parts_s = {name: 0.0 for name, _, _ in Breakdown.PARTS} if BREAKDOWN is not None else None
         self.parts = [[0, 0.0] for _ in range(chunks)]  # per chunk of the requests: tokens, seconds
         self._last_end: float | None = None
 
@@ -139,6 +184,7 @@ class ClosedLoop:
             for g in self.active:
                 g.set_aside(s0 - self._last_end)
         n0, p0, split0 = clock.seconds, engine.policy_seconds, dict(clock.by_runner)
+        parts0 = dict(BREAKDOWN.seconds) if BREAKDOWN is not None else None
         batch = self.active
         if 0 < self.max_batch < len(batch):
             start = self._turn % len(batch)
@@ -168,6 +214,9 @@ class ClosedLoop:
         self.policy_s += engine.policy_seconds - p0
         for name, t in clock.by_runner.items():
             self.by_runner[name] += t - split0[name]
+        if parts0 is not None and self.parts_s is not None and BREAKDOWN is not None:
+            for name, t in BREAKDOWN.seconds.items():
+                self.parts_s[name] += t - parts0[name]
         part = self.parts[min(self.chunks - 1, (self.started - 1) * self.chunks // max(self.requests, 1))]
         part[0] += made
         part[1] += dt
@@ -193,7 +242,18 @@ class ClosedLoop:
             "by_depth": self.depths,
             # tokens/s by chunk of the requests started (the first chunk holds the loop's filling)
             "chunk_tokens_per_s": [t / s if s > 0 else 0.0 for t, s in self.parts],
+            **({"breakdown_us_per_step": self._breakdown(steps)} if self.parts_s is not None else {}),
         }
+
+    def _breakdown(self, steps: int) -> dict[str, float]:
+        """µs a step in each part (``Breakdown``): the draft's and the verification's Python without their kernel
+        calls, and what is in none of the parts (the loop, the policies' learning, the engine's step between them)."""
+        assert self.parts_s is not None
+        us = {name: 1e6 * s / steps for name, s in self.parts_s.items()}
+        us["draft"] -= 1e6 * self.by_runner.get("draft", 0.0) / steps
+        us["verify"] -= 1e6 * self.by_runner.get("target", 0.0) / steps
+        us["other"] = 1e6 * (self.wall - self.native) / steps - sum(us.values())
+        return us
 
 
 def run(
@@ -335,6 +395,12 @@ def main(argv: list[str] | None = None) -> int:
         help='prompts: JSONL, one a line (a JSON string or an object with a "prompt" field, as load_test.py '
         "--prompts takes); default: the load test's own",
     )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also split each step's Python by part (plan, the draft's and the verification's own Python, commit, "
+        "detokenising, ...); its timers cost a little, so the other figures are not for comparing with runs without",
+    )
     args = p.parse_args(argv)
     prompts = prompt_texts(p, args.prompts)
     if args.interleave and any(q.endswith(TRACED) for q in args.policies):
@@ -353,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         engine.prime(costs)
         print(f"primed: {note}", file=sys.stderr)
     clock = NativeClock(target=engine.target, draft=getattr(engine.drafter, "runner", None))
+    if args.breakdown:
+        global BREAKDOWN
+        BREAKDOWN = Breakdown(engine)
     # The loaded heap out of the collector's scans, as `specdec serve` keeps it (``specdec.runtime.heap``): without
     # it a full collection walks torch's and the models' objects (~100 ms) every second or so, inside some step.
     freeze_heap()
@@ -374,8 +443,13 @@ def main(argv: list[str] | None = None) -> int:
             med = {
                 k: statistics.median(x[k] for x in runs[policy])
                 for k in runs[policy][0]
-                if k not in ("by_depth", "chunk_tokens_per_s")
+                if k not in ("by_depth", "chunk_tokens_per_s", "breakdown_us_per_step")
             }
+            if args.breakdown:
+                med["breakdown_us_per_step"] = {
+                    part: statistics.median(x["breakdown_us_per_step"][part] for x in runs[policy])
+                    for part in runs[policy][0]["breakdown_us_per_step"]
+                }
             depths: dict[str, list[float]] = {}
             for x in runs[policy]:
                 for depth, sums in x["by_depth"].items():
@@ -393,6 +467,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['native_ms_per_step']:.3f}{split} | {row['rest_ms_per_step']:.3f} | "
             f"{row['policy_ms_per_step']:.3f} | {row['rest_us_per_sequence_step']:.1f} |"
         )
+    if args.breakdown:
+        parts = [*(name for name, _, _ in Breakdown.PARTS), "other"]
+        print(
+            "\nThe rest by part, µs a step (medians of the rounds; draft and verify: their Python without the kernel)"
+        )
+        print("| sequences | policy | " + " | ".join(parts) + " |")
+        print("|---|---|" + "---|" * len(parts))
+        for row in rows:
+            us = row["breakdown_us_per_step"]
+            print(f"| {row['sequences']} | {row['policy']} | " + " | ".join(f"{us[q]:.1f}" for q in parts) + " |")
     if args.interleave:
         print_standing(rows)
     if args.by_depth:

@@ -95,3 +95,19 @@ def test_bad_arguments_are_one_line_before_the_models_load(args: list[str], mess
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_rest_of_a_step_is_split_by_part(tmp_path: Path) -> None:
+    """``--breakdown``: the engine's Python around the kernel's calls by part, the draft's and the verification's
+    without their kernel calls (each call timed whole holds them: subtracted, never below 0), every part seen."""
+    out = tmp_path / "steps.json"
+    command = [sys.executable, str(SCRIPT), "--sequences", "3", "--policies", "fixed:tau=2", "--requests", "6"]
+    command += ["--rounds", "1", "--json", str(out), "--breakdown"]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    us = row["breakdown_us_per_step"]
+    assert set(us) == {"plan", "draft", "verify", "contexts", "commit", "detokenise", "close", "starts", "other"}
+    assert all(us[part] > 0 for part in ("plan", "draft", "verify", "contexts", "commit", "detokenise", "close"))
+    assert sum(us.values()) == pytest.approx(1e3 * row["rest_ms_per_step"], rel=1e-6)
+    assert "| 3 | fixed:tau=2 |" in proc.stdout.split("The rest by part")[1]
