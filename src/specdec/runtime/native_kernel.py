@@ -428,9 +428,10 @@ def kernel_argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> list[int]:
 
 def nan_rows_by_torch(best: list[int], logits: torch.Tensor) -> list[int]:
     """The kernel's argmax of each row of ``logits`` (``best``; -1 for a row holding a NaN) with such rows' torch's
-    answer instead (the index of its first NaN). With no such row (every pass that is not broken): ``best`` itself."""
+    answer instead (the index of its first NaN); a new list either way. With no such row (every pass that is not broken)
+    a copy of ``best``, without a look at any row."""
     if not best or min(best) >= 0:
-        return best
+        return list(best)
     return [b if b >= 0 else int(logits[r].argmax()) for r, b in enumerate(best)]
 
 
