@@ -33,17 +33,18 @@ class ModelDrafter(Drafter):
     def prefill(self, state: DraftModelState, prompt: list[int]) -> None:
         # Like the target: the cache holds all but the last prompt token, which the first draft feeds; what the
         # runner's prefix cache holds of it is copied, not computed.
-        reused = self._resume(state, prompt[:-1])
+        reused = self._resume(state, prompt, len(prompt) - 1)
         if len(prompt) - 1 > reused:
             ids = token_tensor(prompt[reused:-1], self.runner.device)
             self.runner.forward(ids, state.cache, last_only=True)
             self.runner.keep_prefix(state.cache, prompt[:-1])  # for requests arriving while this one runs
 
-    def _resume(self, state: DraftModelState, tokens: list[int]) -> int:
-        """A cache a block or more behind ``tokens`` (a prompt not yet taken in: not a step's catch-up of a token or
-        two) is extended from the runner's longest kept prefix of them; the cache's length after."""
-        if len(tokens) - state.cache.length >= BLOCK:
-            return self.runner.reuse_prefix(state.cache, tokens)
+    def _resume(self, state: DraftModelState, tokens: list[int], end: int) -> int:
+        """A cache a block or more behind ``tokens[:end]`` (a prompt not yet taken in: not a step's catch-up of a token
+        or two) is extended from the runner's longest kept prefix of them; the cache's length after. ``tokens`` is
+        sliced only then: a step's catch-up calls this for every sequence, whose contexts only grow."""
+        if end - state.cache.length >= BLOCK:
+            return self.runner.reuse_prefix(state.cache, tokens[:end])
         return state.cache.length
 
     def keep(self, state: DraftModelState, tokens: Sequence[int]) -> None:
@@ -51,7 +52,7 @@ class ModelDrafter(Drafter):
 
     def take_in(self, items: Sequence[tuple[DraftModelState, list[int], int, int]]) -> None:
         for state, context, start, n in items:
-            self._resume(state, context[: start + n])
+            self._resume(state, context, start + n)
         blocks = [
             (context[state.cache.length : start + n], state.cache)
             for state, context, start, n in items
@@ -101,8 +102,7 @@ class ModelDrafter(Drafter):
             ask = asks[i]
             context, cache = ask.context, ask.state.cache
             n = len(context)
-            if n - 1 - cache.length >= BLOCK:  # ``_resume`` (without copying the context for the usual token or two)
-                self._resume(ask.state, context[:-1])
+            self._resume(ask.state, context, n - 1)
             if cache.length >= n:  # at least one token must be fed to get the next distribution
                 cache.crop(n - 1)
             start = cache.length
