@@ -628,6 +628,53 @@ def test_a_row_in_a_batch_equals_the_row_alone(isa: str, dtype: torch.dtype, tmp
     assert [c.length for c in caches] == [n + k for n, k in zip(starts, sizes)]
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16", "fp16"])
+def test_rows_not_asked_skip_the_last_layer_and_change_nothing(isa: str, dtype: torch.dtype, tmp_path: Path) -> None:
+    """A pass asking fewer rows than it holds (a prompt's rest, a draft's catch-up, a prompt piece asking none) takes
+    only the asked rows through its last layer past the keys and values: the asked rows' logits equal those of the
+    same pass asking every row, bit for bit, wherever the unasked rows sit among them (the asked ones move to the
+    front), and every cache holds the same keys and values after it, read back by a pass asking every row. Also a pass
+    asking no row at all. On every build (the sliding window's model too: a moved row attends its own window)."""
+    for path in (odd_checkpoint(tmp_path), gqa_checkpoint(tmp_path)):
+        runner = NativeRunner.from_pretrained(path, dtype=dtype, kernel=True)
+        gen = torch.Generator().manual_seed(23)
+        sizes = [9, 3, 6, 2, 12, 1]  # a prompt's rest, a verify block, a piece, a block, a prompt, one row
+        keep = [1, 3, 0, 2, 1, 1]
+        seqs = [torch.randint(0, 97, (n + 30,), generator=gen).tolist() for n in sizes]
+        starts = [4, 11, 7, 15, 2, 20]
+        both = []
+        for _ in range(2):
+            caches = [runner.new_cache() for _ in seqs]
+            for s, n, c in zip(seqs, starts, caches):
+                runner.forward(torch.tensor(s[:n]), c)
+            both.append(caches)
+        asked, full_caches = both
+        blocks = [s[n : n + k] for s, n, k in zip(seqs, starts, sizes)]
+        got = runner.forward_blocks(list(zip(blocks, asked)), keep)
+        full = runner.forward_blocks(list(zip(blocks, full_caches)), sizes)
+        rows, at = [], 0
+        for k, kept in zip(sizes, keep):
+            rows += range(at + k - kept, at + k)
+            at += k
+        assert got.shape[0] == len(rows) == sum(keep)
+        assert torch.equal(got, full[rows])
+        # The caches: the next rows of every sequence, every row asked, read the same keys and values.
+        nxt = [s[n + k : n + k + 3] for s, n, k in zip(seqs, starts, sizes)]
+        assert torch.equal(
+            runner.forward_blocks(list(zip(nxt, asked)), [3] * len(seqs)),
+            runner.forward_blocks(list(zip(nxt, full_caches)), [3] * len(seqs)),
+        )
+        # A pass asking no row (prompt pieces only), then one asking every row.
+        piece = [s[n + k + 3 : n + k + 8] for s, n, k in zip(seqs, starts, sizes)]
+        assert runner.forward_blocks(list(zip(piece, asked)), [0] * len(seqs)).shape[0] == 0
+        runner.forward_blocks(list(zip(piece, full_caches)), [5] * len(seqs))
+        last = [s[n + k + 8 : n + k + 10] for s, n, k in zip(seqs, starts, sizes)]
+        assert torch.equal(
+            runner.forward_blocks(list(zip(last, asked)), [2] * len(seqs)),
+            runner.forward_blocks(list(zip(last, full_caches)), [2] * len(seqs)),
+        )
+
+
 def gqa_checkpoint(root: Path, heads: int = 14, kv_heads: int = 2) -> Path:
     """14 query heads on 2 key/value heads (7 per group: the AVX512 build scores them in chunks of 4 + 3, AVX2 in
     3 + 2 + 2), head_dim 80 (one 64-column value chunk, then 8-column strides), a sliding window of 21 positions

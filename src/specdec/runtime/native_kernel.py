@@ -39,7 +39,7 @@ from specdec.runtime.native_weights import ModelWeights
 from specdec.runtime.pages import arena_for
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 17
+ABI_VERSION = 18
 # sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 # -ffp-contract=off: a multiply followed by an add stays two roundings wherever it is inlined (GCC fuses them into

@@ -79,7 +79,7 @@ struct SdModel {
     int64_t stream;
 };
 
-extern "C" int sd_abi_version(void) { return 17; }
+extern "C" int sd_abi_version(void) { return 18; }
 
 // Which products this build uses for bf16 weights: 1 = AVX512-BF16 dot products, 0 = AVX2 fp32.
 extern "C" int sd_bf16_dot(void) {
@@ -1896,6 +1896,19 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
 
     for (int64_t t = 0; t < k; t++) load_row(wt, m->embed, ids[t], m->embed_stride, x + t * d, d);
 
+    // The last layer of a pass whose asked rows are fewer than its rows (a prompt's rows, a draft's catch-up): every
+    // row's keys and values are written, but only the asked rows go on through attention, the o product and the MLP,
+    // whose outputs no other row and no later pass reads (only the head does, and only for the asked rows). The asked
+    // rows are moved to the front of the layer's buffers first (out_idx ascending, so row out_idx[j] >= j moves down
+    // and never onto a row still to be moved), and the rest of the layer runs over n_out rows: each row's arithmetic is
+    // its own whatever the rows beside it (the products' promise), so the asked rows' logits are the same bit for bit.
+    // n_out == 0 (a prompt piece, no logits): the last layer stops once its keys and values are written.
+    bool trim = n_out < k;
+    for (int64_t j = 1; j < n_out && trim; j++) trim = out_idx[j] > out_idx[j - 1];
+    std::vector<int64_t> kept_pos(trim ? (size_t)n_out : 0);
+    std::vector<void*> kept_kv(trim ? (size_t)n_out : 0);
+    for (int64_t j = 0; j < (trim ? n_out : 0); j++) kept_pos[(size_t)j] = pos[out_idx[j]], kept_kv[(size_t)j] = kv[out_idx[j]];
+
     std::vector<Cursor> cursors((size_t)threads);
 #pragma omp parallel num_threads((int)threads)
     {
@@ -1936,7 +1949,22 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
                 }
             }
             PHASE_DONE(PH_ROPE_CACHE)
-            attention_units(k, pos, kv, L->window, KV, G, units);
+            // The rows that go on through the rest of the layer (all but in the last layer of a trimmed pass).
+            int64_t rows = k;
+            const int64_t* rpos = pos;
+            void* const* rkv = kv;
+            if (trim && l == m->n_layers - 1) {
+                if (n_out == 0) break;
+#pragma omp single
+                for (int64_t j = 0; j < n_out; j++) {
+                    const int64_t t = out_idx[j];
+                    if (t == j) continue;
+                    memcpy(qkv + j * nqkv, qkv + t * nqkv, nqkv * sizeof(float));
+                    memcpy(x + j * d, x + t * d, d * sizeof(float));
+                }  // (the single's barrier: the moved rows ready for every thread)
+                rows = n_out, rpos = kept_pos.data(), rkv = kept_kv.data();
+            }
+            attention_units(rows, rpos, rkv, L->window, KV, G, units);
 #pragma omp for schedule(static)
             for (int64_t u = 0; u < (int64_t)units.size(); u++) {
                 const AttUnit& a = units[u];
@@ -1947,48 +1975,49 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
                     const int64_t t = a.r0 + q / G, h = a.g * G + q % G;
                     qs[q - a.q0] = qkv + t * nqkv + h * hd;
                     outs[q - a.q0] = att + t * H * hd + h * hd;
-                    his[q - a.q0] = pos[t];
+                    his[q - a.q0] = rpos[t];
                 }
-                const char* base = (const char*)kv[a.r0];
+                const char* base = (const char*)rkv[a.r0];
                 // The next unit's keys and values to fetch (this thread's next unit, or the next thread's first:
                 // harmless), from its first attended position to its last row's (keys: whole blocks).
                 AttNext next = {{NULL, 0, 0}, {NULL, 0, 0}, u != last_unit + 1};
                 last_unit = u;
                 if (u + 1 < (int64_t)units.size()) {
                     const AttUnit& b = units[u + 1];
-                    const int64_t lo = first_attended(pos[b.r0], L->window), top = pos[b.r0 + (b.q1 - 1) / G];
+                    const int64_t lo = first_attended(rpos[b.r0], L->window), top = rpos[b.r0 + (b.q1 - 1) / G];
                     const int64_t b0 = lo / KBLOCK, b1 = top / KBLOCK;
-                    const char* nb = (const char*)kv[b.r0];
+                    const char* nb = (const char*)rkv[b.r0];
                     next.keys = {nb + key_off + (b.g * C + b0 * KBLOCK) * hd * kvb, (b1 - b0 + 1) * KBLOCK * hd * kvb,
                                  0};
                     next.vals = {nb + val_off + (b.g * C + lo) * hd * kvb, (top - lo + 1) * hd * kvb, 0};
                 }
                 attend_kv(kvt, qs, (int)(a.q1 - a.q0), base + key_off + a.g * C * hd * kvb,
-                          base + val_off + a.g * C * hd * kvb, first_attended(pos[a.r0], L->window), his, hd, scores,
+                          base + val_off + a.g * C * hd * kvb, first_attended(rpos[a.r0], L->window), his, hd, scores,
                           ss, outs, next);
                 for (int64_t q = 0; q < a.q1 - a.q0; q++)  // a head of a row: its piece of the o product's row
                     to_xb(xbf, outs[q], xb + (outs[q] - att), hd);
             }
             PHASE_DONE(PH_ATTENTION)
-            gemm(sh, wt, att, H * hd, L->wo, L->bo, x, d, k, H * hd, d, 1, xb, st, xbf);
+            gemm(sh, wt, att, H * hd, L->wo, L->bo, x, d, rows, H * hd, d, 1, xb, st, xbf);
             PHASE_DONE(PH_O_PROJ)
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < k; t++) norm_input(x + t * d, h + t * d, xb + t * d, d, m->eps, xbf);
+            for (int64_t t = 0; t < rows; t++) norm_input(x + t * d, h + t * d, xb + t * d, d, m->eps, xbf);
             PHASE_DONE(PH_NORM)
-            gemm(sh, wt, h, d, L->wgu, L->bgu, gu, 2 * ff, k, d, 2 * ff, 0, xb, st, xbf);
+            gemm(sh, wt, h, d, L->wgu, L->bgu, gu, 2 * ff, rows, d, 2 * ff, 0, xb, st, xbf);
             PHASE_DONE(PH_GATE_UP)
 #pragma omp for schedule(static)
-            for (int64_t t = 0; t < k; t++) {
+            for (int64_t t = 0; t < rows; t++) {
                 silu_mul(gu + t * 2 * ff, gu + t * 2 * ff + ff, act + t * ff, ff);
                 to_xb(xbf, act + t * ff, xb + t * ff, ff);
             }
             PHASE_DONE(PH_SILU_MUL)
-            gemm(sh, wt, act, ff, L->wd, L->bd, x, d, k, ff, d, 1, xb, st, xbf);
+            gemm(sh, wt, act, ff, L->wd, L->bd, x, d, rows, ff, d, 1, xb, st, xbf);
             PHASE_DONE(PH_DOWN)
         }
-        if (n_out > 0) {  // the asked rows, normalised into h[0..n_out) (free by now), then the head
+        if (n_out > 0) {  // the asked rows (at the front when trimmed), normalised into h[0..n_out), then the head
 #pragma omp for schedule(static)
-            for (int64_t j = 0; j < n_out; j++) norm_input(x + out_idx[j] * d, h + j * d, xb + j * d, d, m->eps, xbf);
+            for (int64_t j = 0; j < n_out; j++)
+                norm_input(x + (trim ? j : out_idx[j]) * d, h + j * d, xb + j * d, d, m->eps, xbf);
             gemm(sh, wt, h, d, m->lm_head, NULL, logits, m->head_rows, n_out, d, m->head_rows, 0, xb, st, xbf,
                  argmax != NULL ? &parts : NULL);
             if (argmax != NULL) {
