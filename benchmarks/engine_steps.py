@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load_test import PROMPTS, prompt_texts  # noqa: E402
 
 import specdec  # noqa: E402
-from specdec.engine import Engine, Generation  # noqa: E402
+from specdec.engine import DEFAULT_PREFILL_IN_STEP, Engine, Generation  # noqa: E402
 from specdec.errors import InvalidRequestError  # noqa: E402
 from specdec.policy import make_policy  # noqa: E402
 from specdec.runtime.heap import freeze_heap  # noqa: E402
@@ -401,7 +401,17 @@ def main(argv: list[str] | None = None) -> int:
         help="also split each step's Python by part (plan, the draft's and the verification's own Python, commit, "
         "detokenising, ...); its timers cost a little, so the other figures are not for comparing with runs without",
     )
+    p.add_argument(
+        "--prefill-in-step",
+        type=int,
+        default=DEFAULT_PREFILL_IN_STEP,
+        metavar="TOKENS",
+        help="prompt tokens a step takes in with its pass (the batching server's --prefill-in-step; default "
+        f"{DEFAULT_PREFILL_IN_STEP}); 0: each prompt in a pass of its own as it starts",
+    )
     args = p.parse_args(argv)
+    if args.prefill_in_step < 0:
+        p.error(f"--prefill-in-step must be 0 or more, not {args.prefill_in_step}")
     prompts = prompt_texts(p, args.prompts)
     if args.interleave and any(q.endswith(TRACED) for q in args.policies):
         p.error("--interleave: a policy named NAME+trace runs only without it")
@@ -411,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         except InvalidRequestError as e:
             p.error(f"--policies: {e}")
     engine = specdec.load()
-    engine.prefill_in_step = 256  # the batching server's: prompts come in with their first step
+    engine.prefill_in_step = args.prefill_in_step  # the batching server's: prompts come in with their first step
     if args.prime:
         from specdec.tune import starting_costs
 

@@ -88,6 +88,7 @@ def test_interleaved_policies_each_keep_their_own_loop_and_are_compared_by_chunk
             "--interleave: a policy named NAME+trace runs only without it",
         ),
         (["--prompts", "/nonexistent/prompts.jsonl"], "prompt file not found: /nonexistent/prompts.jsonl"),
+        (["--prefill-in-step", "-1"], "--prefill-in-step must be 0 or more, not -1"),
     ],
 )
 def test_bad_arguments_are_one_line_before_the_models_load(args: list[str], message: str) -> None:
