@@ -859,6 +859,16 @@ static inline void to_xb(bool on, const float* x, uint16_t* xb, int64_t n) {
 // Tiles: 0-3 the sums (R x 16 fp32): of the group's 4 panels (tile_amx), or of 2 row groups x 2 panels (tile_amx2);
 // 4 the activations (R x 32 bf16), and 5 a second row group's (tile_amx2); 6 and 7 the weights of one panel each (16
 // pairs x 16 outputs), so a weight load need not wait for the product before it.
+// How a weight tile is loaded: TILELOADDT1 (a hint that the data will not be reused soon) by default, so that the
+// weights streaming through leave the activations' tiles in L1 for the next panels; AMX_STREAM_W=0: TILELOADD.
+#ifndef AMX_STREAM_W
+#define AMX_STREAM_W 1
+#endif
+#if AMX_STREAM_W
+#define AMX_LOAD_W(t, p, stride) _tile_stream_loadd(t, p, stride)
+#else
+#define AMX_LOAD_W(t, p, stride) _tile_loadd(t, p, stride)
+#endif
 #ifndef AMX_PREFETCH
 // Steps (4 KB each) a tile prefetches its weights ahead into L2. A tile load reads 16 lines 256 bytes apart, an order
 // the hardware prefetchers follow poorly: without it one-row passes of the Qwen2.5-0.5B body took 1.4x as long (an
@@ -966,13 +976,13 @@ static inline void tile_amx(const uint16_t* Xb, int64_t ldxb, const uint16_t* Wg
         const uint16_t* w = Wg + s * 16 * pair_elems;
         amx_fetch(fetch, w, s, steps, pair_elems);
         _tile_loadd(4, Xb + s * 32, ldxb * 2);
-        _tile_loadd(6, w, pair_elems * 2);
+        AMX_LOAD_W(6, w, pair_elems * 2);
         _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, w + 2 * PANEL, pair_elems * 2);
+        AMX_LOAD_W(7, w + 2 * PANEL, pair_elems * 2);
         _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(6, w + 4 * PANEL, pair_elems * 2);
+        AMX_LOAD_W(6, w + 4 * PANEL, pair_elems * 2);
         _tile_dpbf16ps(2, 4, 6);
-        _tile_loadd(7, w + 6 * PANEL, pair_elems * 2);
+        AMX_LOAD_W(7, w + 6 * PANEL, pair_elems * 2);
         _tile_dpbf16ps(3, 4, 7);
     }
     if (amx_direct(o, n, r0)) {
@@ -1012,9 +1022,9 @@ static inline void tile_amx2(const uint16_t* Xb, int64_t ldxb, const uint16_t* W
             const uint16_t* w = Wg + s * 16 * pair_elems + h * 4 * PANEL;
             amx_fetch(f, w, s, steps, pair_elems);
             _tile_loadd(4, Xa + s * 32, ldxb * 2);
-            _tile_loadd(6, w, pair_elems * 2);
+            AMX_LOAD_W(6, w, pair_elems * 2);
             _tile_dpbf16ps(0, 4, 6);
-            _tile_loadd(7, w + 2 * PANEL, pair_elems * 2);
+            AMX_LOAD_W(7, w + 2 * PANEL, pair_elems * 2);
             _tile_dpbf16ps(1, 4, 7);
             _tile_loadd(5, Xc + s * 32, ldxb * 2);
             _tile_dpbf16ps(2, 5, 6);
