@@ -254,14 +254,24 @@ class _Reading:
         if chunk.get("usage"):
             self._usage(chunk["usage"])
         for choice in chunk.get("choices", ()):
-            if choice.get("text"):
-                now = time.perf_counter()
-                if not self.text:
-                    self.ttft = now - self.t0
-                self.text.append(choice["text"])
-                self.arrivals.append(now)
-                if not self.usage:  # a server that sends no usage chunk: one event per token (llama.cpp's does)
-                    self.tokens += 1
+            self._text(choice.get("text"))
+
+    def sdk_chunk(self, chunk: Any) -> None:
+        """One streamed chunk as the ``openai`` package hands it over (``--client openai``)."""
+        if chunk.usage is not None:
+            self._usage(chunk.usage.model_dump())
+        for choice in chunk.choices:
+            self._text(choice.text)
+
+    def _text(self, text: str | None) -> None:
+        if text:
+            now = time.perf_counter()
+            if not self.text:
+                self.ttft = now - self.t0
+            self.text.append(text)
+            self.arrivals.append(now)
+            if not self.usage:  # a server that sends no usage chunk: one event per token (llama.cpp's does)
+                self.tokens += 1
 
     def whole(self, response: dict[str, Any]) -> None:
         """A response that did not stream: its text and completion tokens (no time to first text)."""
@@ -320,6 +330,43 @@ async def one_request_httpx(client: httpx.AsyncClient, body: dict[str, Any]) -> 
     return reading.sample()
 
 
+# The fields of a request body that the openai package's ``completions.create`` takes by name; the others
+# (``speculative``, another server's --other-body fields) go as its ``extra_body``.
+SDK_FIELDS = ("prompt", "max_tokens", "temperature", "seed", "stream", "stream_options")
+
+
+def openai_client(url: str, api_key: str | None, timeout: float) -> Any:
+    """An ``openai.AsyncOpenAI`` for one simulated client (its own connection pool), no retries."""
+    import openai
+
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key or "none", max_retries=0, timeout=timeout)
+
+
+async def one_request_openai(client: Any, body: dict[str, Any], model: str) -> Sample:
+    """``one_request`` through the ``openai`` package (``--client openai``): what a Python application sends and reads,
+    with that package's cost a request on the machine measured. Its errors come back as ``one_request``'s do."""
+    import openai
+
+    reading = _Reading()
+    fields = {k: body[k] for k in SDK_FIELDS if k in body}
+    extra = {k: v for k, v in body.items() if k not in SDK_FIELDS and k != "model"} or None
+    try:
+        if body.get("stream"):
+            stream = await client.completions.create(model=body.get("model", model), extra_body=extra, **fields)
+            async for chunk in stream:
+                reading.sdk_chunk(chunk)
+        else:
+            response = await client.completions.create(model=body.get("model", model), extra_body=extra, **fields)
+            reading.whole(response.model_dump())
+    except openai.APIStatusError as e:
+        raise RuntimeError(f"HTTP {e.status_code}: {str(e)[:200]}") from None
+    except openai.APIConnectionError as e:
+        raise OSError(f"openai client: {e}") from None
+    except openai.APIError as e:  # an error reported inside the stream
+        raise RuntimeError(f"reported in the stream: {str(e)[:200]}") from None
+    return reading.sample()
+
+
 def request_body(args: argparse.Namespace, mode: str, i: int) -> dict[str, Any]:
     body: dict[str, Any] = {
         "prompt": args.prompt_list[i % len(args.prompt_list)],
@@ -357,13 +404,20 @@ async def run_level(
     serves as fast with fewer). That is the throughput "at N clients" whatever the number of requests."""
     counter = iter(range(args.requests))
     conns = [StreamConnection(url, headers, args.timeout) for _ in range(concurrency)]
+    sdk = getattr(args, "client", "own") == "openai"
+    clients = [openai_client(url, args.api_key, args.timeout) for _ in range(concurrency)] if sdk else []
     first_done: list[float] = []  # when the first response of the round ended
     dry: list[float] = []  # when the first client found no request left
 
-    async def worker(conn: StreamConnection) -> None:
+    async def worker(n: int) -> None:
+        conn = conns[n]
         for i in counter:
             try:
-                sample = await one_request(conn, request_body(args, mode, i))
+                body = request_body(args, mode, i)
+                if sdk:
+                    sample = await one_request_openai(clients[n], body, args.model or args.served_model)
+                else:
+                    sample = await one_request(conn, body)
                 result.samples.append(sample)
                 result.texts.setdefault(i % len(args.prompt_list), set()).add(sample.text)
                 if not first_done:
@@ -375,14 +429,15 @@ async def run_level(
             dry.append(time.perf_counter())
 
     loop0 = await server_loop_cpu(url, headers, args.timeout)
-    # Connections open before the clock starts: connecting is not what is measured.
-    for conn in conns:
+    # Connections open before the clock starts: connecting is not what is measured (the openai package's clients
+    # connect at their first request).
+    for conn in conns if not sdk else ():
         await conn.connect()
     t0, cpu0 = time.perf_counter(), time.process_time()
     before = sum(s.tokens for s in result.samples)
     first = len(result.samples)
     try:
-        await asyncio.gather(*(worker(conn) for conn in conns))
+        await asyncio.gather(*(worker(n) for n in range(concurrency)))
         wall = time.perf_counter() - t0
         result.wall += wall
         result.client_cpu += time.process_time() - cpu0
@@ -397,6 +452,8 @@ async def run_level(
     finally:
         for conn in conns:
             await conn.close()
+        for client in clients:
+            await client.close()
     loop1 = await server_loop_cpu(url, headers, args.timeout)
     if loop0 is not None and loop1 is not None:
         result.server_loop_cpu += loop1 - loop0
@@ -517,6 +574,7 @@ async def main_async(args: argparse.Namespace, urls: dict[str, str]) -> dict[str
         async with httpx.AsyncClient(headers=headers, timeout=args.timeout) as http:
             health = {name: await _health(http, url) for name, url in urls.items()}
             models = (await http.get(urls["batched"] + "/v1/models")).json()
+        args.served_model = models["data"][0]["id"]  # what --client openai names when --model does not
         for mode in modes:  # warm-up: first requests pay one-off costs
             await one_request(conns[server_for(mode)], {**request_body(args, mode, 0), "max_tokens": 8})
         # The reference: each prompt alone, target-only, greedy (and on each other server, its own plain decoding).
@@ -861,6 +919,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="ask for whole responses (no time to first token) instead of streamed ones",
     )
+    p.add_argument(
+        "--client",
+        choices=("own", "openai"),
+        default="own",
+        help="what sends the measured requests: the load test's own client (raw asyncio streams: the least CPU a "
+        "request, on the machine it measures) or the openai package's AsyncOpenAI, as a Python application would "
+        "(several times the CPU a request; docs/server.md, Load figures, session 68)",
+    )
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", default=None, metavar="FILE", help="also write the full report as JSON")
     p.add_argument("--plot", default=None, metavar="FILE", help="also draw tok/s and p95 against clients (PNG)")
@@ -877,6 +943,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return args
     if args.level_warmup < 0:
         p.error(f"--level-warmup: expected 0 or more new tokens, got {args.level_warmup}")
+    if args.client == "openai":
+        try:
+            import openai  # noqa: F401
+        except ImportError:
+            p.error("--client openai needs the openai package: pip install openai")
     for mode in args.modes:
         if mode not in ("plain", "spec", "unbatched") and not (mode.startswith("tau") and mode[3:].isdigit()):
             p.error(f"unknown mode {mode!r}: plain, spec, unbatched or tauN")

@@ -457,6 +457,53 @@ def test_apply_threads_sets_the_pass_and_draft_threads(monkeypatch: pytest.Monke
         torch.set_num_threads(before)
 
 
+def test_the_load_test_sends_through_the_openai_package_too(server: str) -> None:
+    """``load_test.py --client openai``: the openai package's AsyncOpenAI sends the measured requests, as a Python
+    application would (several times the load test's own client's CPU a request): the same text and tokens as the own
+    client, streamed and whole, the specdec fields through its ``extra_body``, an error response as one line, and a
+    small run with every greedy output identical to its solo run."""
+    import asyncio
+
+    from specdec.testing import import_script
+
+    lt = import_script(Path(__file__).parents[1] / "benchmarks/load_test.py", "load_test_sdk")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    model = httpx.get(server + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    body = {"prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+
+    async def go() -> tuple[Any, list[Any], str]:
+        conn = lt.StreamConnection(server, headers, 60)
+        client = lt.openai_client(server, API_KEY, 60)
+        try:
+            own = await lt.one_request(conn, body)
+            sdk = [
+                await lt.one_request_openai(client, body, model),
+                await lt.one_request_openai(
+                    client, {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}, model
+                ),
+                await lt.one_request_openai(client, {**body, "speculative": {"tau": 2}}, model),
+            ]
+            with pytest.raises(RuntimeError, match="HTTP 400") as bad:
+                await lt.one_request_openai(client, {**body, "max_tokens": -1}, model)
+            return own, sdk, str(bad.value)
+        finally:
+            await conn.close()
+            await client.close()
+
+    own, (streamed, whole, tau2), error = asyncio.run(go())
+    assert own.text and streamed.text == whole.text == tau2.text == own.text
+    assert streamed.tokens == whole.tokens == own.tokens == 12 and streamed.ttft <= streamed.latency
+    assert whole.ttft != whole.ttft  # nan: not streamed
+    assert "max_tokens" in error
+    argv = ["--url", server, "--api-key", API_KEY, "--concurrency", "3", "--requests", "5", "--rounds", "1"]
+    args = lt.parse_args([*argv, "--modes", "tau2", "--client", "openai"])
+    args.max_tokens, args.prompt_list = 10, PROMPTS[:3]
+    report = asyncio.run(lt.main_async(args, {"batched": server}))
+    assert report["greedy_identity"] == {"prompt_mode_levels": 3, "differing": 0}
+    assert all(r["requests"] == 5 and r["errors"] == 0 and r["client_cpu_ms_per_request"] > 0 for r in report["rows"])
+
+
 async def _answer() -> int:
     return 42
 
