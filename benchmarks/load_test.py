@@ -351,13 +351,12 @@ async def one_request_openai(client: Any, body: dict[str, Any], model: str) -> S
     fields = {k: body[k] for k in SDK_FIELDS if k in body}
     extra = {k: v for k, v in body.items() if k not in SDK_FIELDS and k != "model"} or None
     try:
+        answer = await client.completions.create(model=body.get("model", model), extra_body=extra, **fields)
         if body.get("stream"):
-            stream = await client.completions.create(model=body.get("model", model), extra_body=extra, **fields)
-            async for chunk in stream:
+            async for chunk in answer:
                 reading.sdk_chunk(chunk)
         else:
-            response = await client.completions.create(model=body.get("model", model), extra_body=extra, **fields)
-            reading.whole(response.model_dump())
+            reading.whole(answer.model_dump())
     except openai.APIStatusError as e:
         raise RuntimeError(f"HTTP {e.status_code}: {str(e)[:200]}") from None
     except openai.APIConnectionError as e:
@@ -403,35 +402,35 @@ async def run_level(
     sequences, and the whole round's tokens/s read 0.82-0.93 of this figure in process; a one-request-per-pass server
     serves as fast with fewer). That is the throughput "at N clients" whatever the number of requests."""
     counter = iter(range(args.requests))
-    conns = [StreamConnection(url, headers, args.timeout) for _ in range(concurrency)]
-    sdk = getattr(args, "client", "own") == "openai"
+    sdk = args.client == "openai"
+    conns = [] if sdk else [StreamConnection(url, headers, args.timeout) for _ in range(concurrency)]
     clients = [openai_client(url, args.api_key, args.timeout) for _ in range(concurrency)] if sdk else []
     first_done: list[float] = []  # when the first response of the round ended
     dry: list[float] = []  # when the first client found no request left
 
     async def worker(n: int) -> None:
-        conn = conns[n]
         for i in counter:
             try:
                 body = request_body(args, mode, i)
                 if sdk:
                     sample = await one_request_openai(clients[n], body, args.model or args.served_model)
                 else:
-                    sample = await one_request(conn, body)
+                    sample = await one_request(conns[n], body)
                 result.samples.append(sample)
                 result.texts.setdefault(i % len(args.prompt_list), set()).add(sample.text)
                 if not first_done:
                     first_done.append(sample.done_at)
             except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, RuntimeError) as e:
                 result.errors.append(f"{type(e).__name__}: {e}")
-                await conn.close()
+                if not sdk:  # the next request on a fresh connection (the openai package's pool makes its own)
+                    await conns[n].close()
         if not dry:
             dry.append(time.perf_counter())
 
     loop0 = await server_loop_cpu(url, headers, args.timeout)
     # Connections open before the clock starts: connecting is not what is measured (the openai package's clients
     # connect at their first request).
-    for conn in conns if not sdk else ():
+    for conn in conns:
         await conn.connect()
     t0, cpu0 = time.perf_counter(), time.process_time()
     before = sum(s.tokens for s in result.samples)
