@@ -470,7 +470,7 @@ def test_stream_interval_gathers_tokens_and_keeps_the_text(engine: Any) -> None:
     }
 
     def texts(interval: int, extra: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
-        app = create_app(engine, ServerSettings(model_name="tiny", stream_interval=interval))
+        app = create_app(engine, ServerSettings(model_name="tiny", stream_interval=interval, stream_interval_ms=0))
 
         async def go(client: httpx.AsyncClient) -> tuple[httpx.Response, httpx.Response, dict[str, Any]]:
             whole = await client.post("/v1/completions", json={**body, **extra})
@@ -498,10 +498,55 @@ def test_stream_interval_gathers_tokens_and_keeps_the_text(engine: Any) -> None:
     assert len(figures) == 33 and len(with_logprobs) >= 30
 
 
+def test_stream_interval_ms_sends_a_chunk_per_interval_and_keeps_the_text(engine: Any) -> None:
+    """``--stream-interval-ms``: after its first text a choice's text waits that long after its last chunk (its last
+    text at once). With an interval longer than the request, a stream is its first text and then the rest in its last
+    chunk, the same text as every step's chunk at 0 and as the answer in one piece; time to the first text is not
+    held; a request asking for logprobs still gets each step's chunk."""
+    body = {
+        "prompt": "def fibonacci(n):",
+        "max_tokens": 33,
+        "temperature": 0,
+        "ignore_eos": True,
+        "speculative": {"tau": 0},
+    }
+
+    def texts(ms: float, extra: dict[str, Any]) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+        app = create_app(engine, ServerSettings(model_name="tiny", stream_interval_ms=ms))
+
+        async def go(client: httpx.AsyncClient) -> tuple[httpx.Response, httpx.Response, dict[str, Any]]:
+            whole = await client.post("/v1/completions", json={**body, **extra})
+            streamed = await client.post("/v1/completions", json={**body, **extra, "stream": True})
+            return whole, streamed, (await client.get("/health")).json()
+
+        try:
+            whole, streamed, health = run(app, go)
+        finally:
+            engine.observers.clear()
+        assert whole.status_code == streamed.status_code == 200
+        chunks = [c for c in _sse_chunks(streamed.text) if c["choices"][0]["finish_reason"] is None]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == whole.json()["choices"][0]["text"]
+        return whole.json()["choices"][0]["text"], chunks, health
+
+    every, each_step, health = texts(0, {})
+    assert health["stream_interval_ms"] == 0 and len(each_step) >= 3
+    gathered, two, health = texts(10_000, {})
+    assert health["stream_interval_ms"] == 10_000
+    assert gathered == every
+    assert len(two) == 2, [c["choices"][0]["text"] for c in two]  # the first text, then all the rest at the end
+    # With logprobs every step is its own chunk whatever the interval: 33 tokens' figures.
+    _, with_logprobs, _ = texts(10_000, {"logprobs": 1})
+    figures = [t for c in with_logprobs for t in (c["choices"][0]["logprobs"] or {"tokens": []})["tokens"]]
+    assert len(figures) == 33 and len(with_logprobs) >= 30
+
+
 def test_stream_interval_setting() -> None:
     assert ServerSettings().stream_interval == 1
+    assert ServerSettings().stream_interval_ms == 20.0
     with pytest.raises(InvalidRequestError, match="stream_interval=0"):
         ServerSettings(stream_interval=0)
+    with pytest.raises(InvalidRequestError, match="stream_interval_ms=-1"):
+        ServerSettings(stream_interval_ms=-1)
 
 
 def test_an_answer_in_one_piece_gets_no_step_messages(engine: Any) -> None:

@@ -83,6 +83,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "stream (default: 1, every step's text as it is verified)",
     )
     g.add_argument(
+        "--stream-interval-ms",
+        type=float,
+        default=20.0,
+        metavar="MS",
+        help="milliseconds a streamed choice's text waits after its last chunk before the next is sent (its first "
+        "text and its last go at once): at most one chunk per MS a choice, however fast the steps are, so a client "
+        "parses fewer chunks; steps slower than MS are each sent as before (default: 20; 0: every step's text)",
+    )
+    g.add_argument(
         "--request-timeout",
         type=float,
         default=600.0,
@@ -195,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
         prefill_in_step=args.prefill_in_step,
         request_timeout=args.request_timeout,
         stream_interval=args.stream_interval,
+        stream_interval_ms=args.stream_interval_ms,
         max_body_bytes=args.max_body_bytes,
         # replicas (--ray) run elsewhere: a cost file by its absolute path
         costs=args.costs if args.costs in (None, "none") else str(Path(args.costs).expanduser().resolve()),

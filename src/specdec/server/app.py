@@ -148,6 +148,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             "costs": engine.costs_note,
             "prefill_in_step": engine.prefill_in_step,  # prompt tokens a batched step takes in, at most
             "stream_interval": settings.stream_interval,  # tokens a streamed choice gathers before its text is sent
+            "stream_interval_ms": settings.stream_interval_ms,  # and the milliseconds since its last chunk
             "runtime": getattr(engine.target, "backend", type(engine.target).__name__),
             # the KV caches' element type on the CPU kernel (kv_dtype): "bf16", "fp16", "fp32"; None elsewhere
             "kv_dtype": kv_dtype_of(engine.target),
@@ -224,6 +225,7 @@ class _Api:
             prompts=choices(body) // body.n,
             stream=bool(body.stream),
             stream_interval=self.settings.stream_interval,
+            stream_wait=self.settings.stream_interval_ms / 1000.0,
         )
         self.scheduler.submit(job)
         messages = job.messages()

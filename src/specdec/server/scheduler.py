@@ -89,9 +89,11 @@ class Job:
     # Whether the client reads the text as it comes (a streaming response; ``want_steps`` has every step posted either
     # way): a request answered at its end gets its Done alone, not a message per step for its event loop to drop.
     stream: bool = True
-    # Tokens a streaming sample gathers before its text is posted (``specdec serve --stream-interval``): its first text
-    # and its last go at once, whatever was gathered; steps with logprobs or records are posted each on its own.
+    # Tokens a streaming sample gathers before its text is posted (``specdec serve --stream-interval``), and seconds
+    # since its last post (``--stream-interval-ms``): its first text and its last go at once, whatever was gathered;
+    # steps with logprobs or records are posted each on its own.
     stream_interval: int = 1
+    stream_wait: float = 0.0
     queue: asyncio.Queue[Message] = field(default_factory=asyncio.Queue)
     cancelled: bool = False
     gens: list[Generation] = field(default_factory=list)
@@ -101,6 +103,7 @@ class Job:
     # its text was posted yet.
     held: dict[int, tuple[StepEvent, int]] = field(default_factory=dict)
     opened: set[int] = field(default_factory=set)
+    posted_at: dict[int, float] = field(default_factory=dict)  # per sample: time.monotonic() of its last text posted
 
     def post(self, msg: Message) -> None:
         """Hand a message to the request's event loop (called from the worker thread)."""
@@ -440,8 +443,9 @@ class Scheduler:
 
     def _post_step(self, job: Job, index: int, event: StepEvent, outbox: list[tuple[Job, Message]]) -> None:
         """A step's message for sample ``index``, or its text held back until the sample has gathered the stream
-        interval's tokens (posted at once: its first text, its last, a step with logprobs or a record)."""
-        if job.want_steps or event.logprobs is not None or job.stream_interval <= 1:
+        interval's tokens and its time since its last text posted (posted at once: its first text, its last, a step
+        with logprobs or a record). Held text goes out with a later step of the sample: at most one step late."""
+        if job.want_steps or event.logprobs is not None or (job.stream_interval <= 1 and job.stream_wait <= 0):
             detail = self._step_detail(event, index if job.n > 1 else None) if job.want_steps else None
             outbox.append((job, Step(event, detail, index)))
             return
@@ -450,12 +454,15 @@ class Scheduler:
         if held is not None:
             event = StepEvent(event.record, held[0].text + event.text, event.finished)
             tokens += held[1]
-        # No text yet (the decoder holds partial characters back), or less than the interval after the first: held.
-        if not event.finished and (not event.text or (index in job.opened and tokens < job.stream_interval)):
+        now = time.monotonic()
+        due = tokens >= job.stream_interval and now - job.posted_at.get(index, -math.inf) >= job.stream_wait
+        # No text yet (the decoder holds partial characters back), or after the first text not yet due: held.
+        if not event.finished and (not event.text or (index in job.opened and not due)):
             job.held[index] = (event, tokens)
             return
         if event.text:
             job.opened.add(index)
+            job.posted_at[index] = now
             outbox.append((job, Step(event, None, index)))
 
     def _flush(self, job: Job) -> None:

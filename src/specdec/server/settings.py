@@ -25,6 +25,9 @@ class ServerSettings:
     # Tokens a streamed choice gathers before its text is sent (its first text and its last at once): fewer, larger
     # chunks for the event loop and the clients under load, against a smoother stream at 1.
     stream_interval: int = 1
+    # Milliseconds a streamed choice's text waits after its last chunk before the next is sent (its first text and its
+    # last at once): at most one chunk per this long a choice, however fast the steps come. 0: every step's text.
+    stream_interval_ms: float = 20.0
     max_body_bytes: int = 2 * 1024 * 1024
     static_dir: Path | None = field(default=STATIC_DIR)  # the web playground, served at / when present
     # Where the batch plans' pass costs start from (``tune.prime_for_serving``): None, a cost file measured on the served
@@ -44,6 +47,7 @@ class ServerSettings:
             "prefill_in_step": self.prefill_in_step is None or self.prefill_in_step >= 0,
             "request_timeout": self.request_timeout > 0,
             "stream_interval": self.stream_interval >= 1,
+            "stream_interval_ms": 0 <= self.stream_interval_ms <= 10_000,
             "max_body_bytes": self.max_body_bytes > 0,
             "model_name": bool(self.model_name),
         }
