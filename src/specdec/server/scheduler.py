@@ -444,7 +444,7 @@ class Scheduler:
     def _post_step(self, job: Job, index: int, event: StepEvent, outbox: list[tuple[Job, Message]]) -> None:
         """A step's message for sample ``index``, or its text held back until the sample has gathered the stream
         interval's tokens and its time since its last text posted (posted at once: its first text, its last, a step
-        with logprobs or a record). Held text goes out with a later step of the sample: at most one step late."""
+        with logprobs or a record). Held text goes out with the sample's first step past the interval, or its last."""
         if job.want_steps or event.logprobs is not None or (job.stream_interval <= 1 and job.stream_wait <= 0):
             detail = self._step_detail(event, index if job.n > 1 else None) if job.want_steps else None
             outbox.append((job, Step(event, detail, index)))
