@@ -457,34 +457,47 @@ def _sse_chunks(text: str) -> list[dict[str, Any]]:
     return [json.loads(e) for e in events[:-1]]
 
 
+_STREAM_BODY = {
+    "prompt": "def fibonacci(n):",
+    "max_tokens": 33,
+    "temperature": 0,
+    "ignore_eos": True,
+    "speculative": {"tau": 0},
+}
+
+
+def _stream_texts(
+    engine: Any, settings: ServerSettings, extra: dict[str, Any]
+) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    """``_STREAM_BODY`` (plus ``extra``) answered whole and streamed by an app with ``settings``: the whole text, the
+    stream's chunks before its closing one (their text must add up to the whole), and ``/health``."""
+    app = create_app(engine, settings)
+
+    async def go(client: httpx.AsyncClient) -> tuple[httpx.Response, httpx.Response, dict[str, Any]]:
+        whole = await client.post("/v1/completions", json={**_STREAM_BODY, **extra})
+        streamed = await client.post("/v1/completions", json={**_STREAM_BODY, **extra, "stream": True})
+        return whole, streamed, (await client.get("/health")).json()
+
+    try:
+        whole, streamed, health = run(app, go)
+    finally:
+        engine.observers.clear()
+    assert whole.status_code == streamed.status_code == 200
+    chunks = [c for c in _sse_chunks(streamed.text) if c["choices"][0]["finish_reason"] is None]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole.json()["choices"][0]["text"]
+    return whole.json()["choices"][0]["text"], chunks, health
+
+
 def test_stream_interval_gathers_tokens_and_keeps_the_text(engine: Any) -> None:
     """``--stream-interval 4``: after its first text a stream sends a chunk per 4 tokens at least (its last one at
     once), the same text as every step's chunk at interval 1 and as the answer in one piece; a request asking for
     logprobs still gets each step's chunk (its tokens' figures belong to the step)."""
-    body = {
-        "prompt": "def fibonacci(n):",
-        "max_tokens": 33,
-        "temperature": 0,
-        "ignore_eos": True,
-        "speculative": {"tau": 0},
-    }
 
     def texts(interval: int, extra: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
-        app = create_app(engine, ServerSettings(model_name="tiny", stream_interval=interval, stream_interval_ms=0))
-
-        async def go(client: httpx.AsyncClient) -> tuple[httpx.Response, httpx.Response, dict[str, Any]]:
-            whole = await client.post("/v1/completions", json={**body, **extra})
-            streamed = await client.post("/v1/completions", json={**body, **extra, "stream": True})
-            return whole, streamed, (await client.get("/health")).json()
-
-        try:
-            whole, streamed, health = run(app, go)
-        finally:
-            engine.observers.clear()
-        assert whole.status_code == streamed.status_code == 200 and health["stream_interval"] == interval
-        chunks = [c for c in _sse_chunks(streamed.text) if c["choices"][0]["finish_reason"] is None]
-        assert "".join(c["choices"][0]["text"] for c in chunks) == whole.json()["choices"][0]["text"]
-        return whole.json()["choices"][0]["text"], chunks
+        settings = ServerSettings(model_name="tiny", stream_interval=interval, stream_interval_ms=0)
+        text, chunks, health = _stream_texts(engine, settings, extra)
+        assert health["stream_interval"] == interval
+        return text, chunks
 
     every, each_step = texts(1, {})
     gathered, fewer = texts(4, {})
@@ -501,32 +514,11 @@ def test_stream_interval_gathers_tokens_and_keeps_the_text(engine: Any) -> None:
 def test_stream_interval_ms_sends_a_chunk_per_interval_and_keeps_the_text(engine: Any) -> None:
     """``--stream-interval-ms``: after its first text a choice's text waits that long after its last chunk (its last
     text at once). With an interval longer than the request, a stream is its first text and then the rest in its last
-    chunk, the same text as every step's chunk at 0 and as the answer in one piece; time to the first text is not
-    held; a request asking for logprobs still gets each step's chunk."""
-    body = {
-        "prompt": "def fibonacci(n):",
-        "max_tokens": 33,
-        "temperature": 0,
-        "ignore_eos": True,
-        "speculative": {"tau": 0},
-    }
+    chunk, the same text as every step's chunk at 0 and as the answer in one piece (the first text sent as it comes);
+    a request asking for logprobs still gets each step's chunk."""
 
     def texts(ms: float, extra: dict[str, Any]) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
-        app = create_app(engine, ServerSettings(model_name="tiny", stream_interval_ms=ms))
-
-        async def go(client: httpx.AsyncClient) -> tuple[httpx.Response, httpx.Response, dict[str, Any]]:
-            whole = await client.post("/v1/completions", json={**body, **extra})
-            streamed = await client.post("/v1/completions", json={**body, **extra, "stream": True})
-            return whole, streamed, (await client.get("/health")).json()
-
-        try:
-            whole, streamed, health = run(app, go)
-        finally:
-            engine.observers.clear()
-        assert whole.status_code == streamed.status_code == 200
-        chunks = [c for c in _sse_chunks(streamed.text) if c["choices"][0]["finish_reason"] is None]
-        assert "".join(c["choices"][0]["text"] for c in chunks) == whole.json()["choices"][0]["text"]
-        return whole.json()["choices"][0]["text"], chunks, health
+        return _stream_texts(engine, ServerSettings(model_name="tiny", stream_interval_ms=ms), extra)
 
     every, each_step, health = texts(0, {})
     assert health["stream_interval_ms"] == 0 and len(each_step) >= 3
