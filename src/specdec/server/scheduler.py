@@ -99,11 +99,10 @@ class Job:
     gens: list[Generation] = field(default_factory=list)
     reported: set[int] = field(default_factory=set)  # samples whose Done was posted
     finished: bool = False
-    # Per sample: its text gathered since its last post and the tokens of it (the stream interval), and whether any of
-    # its text was posted yet.
+    # Per sample: its text gathered since its last post and the tokens of it (the stream interval), and when its text
+    # was last posted (time.monotonic(); absent: none of its text posted yet).
     held: dict[int, tuple[StepEvent, int]] = field(default_factory=dict)
-    opened: set[int] = field(default_factory=set)
-    posted_at: dict[int, float] = field(default_factory=dict)  # per sample: time.monotonic() of its last text posted
+    posted_at: dict[int, float] = field(default_factory=dict)
 
     def post(self, msg: Message) -> None:
         """Hand a message to the request's event loop (called from the worker thread)."""
@@ -457,11 +456,10 @@ class Scheduler:
         now = time.monotonic()
         due = tokens >= job.stream_interval and now - job.posted_at.get(index, -math.inf) >= job.stream_wait
         # No text yet (the decoder holds partial characters back), or after the first text not yet due: held.
-        if not event.finished and (not event.text or (index in job.opened and not due)):
+        if not event.finished and (not event.text or (index in job.posted_at and not due)):
             job.held[index] = (event, tokens)
             return
         if event.text:
-            job.opened.add(index)
             job.posted_at[index] = now
             outbox.append((job, Step(event, None, index)))
 
