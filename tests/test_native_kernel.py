@@ -396,7 +396,9 @@ def test_product_rows_are_independent_of_the_row_count(isa: str, dtype: torch.dt
     output is the same bit for bit; shapes cover every output-panel tail (m mod 16), reduction tails (odd n,
     n below a vector), panel-group tails (grouped layouts: 7, 13 and 31 panels, a thread with no group) and
     row groups re-reading L2 blocks of panels (481 x 2049: blocks of 12 panels, of one group in a grouped layout);
-    AMX: reductions of whole 16-pair steps only (96), steps and pairs after them (72, 100, 2049), none (1, 17)."""
+    AMX: reductions of whole 16-pair steps only (96), steps and pairs after them (72, 100, 2049), none (1, 17).
+    Cut columns (``cut``) at 1-26 rows: chunks of 32 columns and a last one of 1 (2049, 257), 4 (100) or 8 (72), strips
+    of three panels and a strip's tail (481 outputs: 31 panels), the same sums bit for bit."""
     gen = torch.Generator().manual_seed(11)
     for m, n in [(97, 72), (16, 17), (33, 1), (200, 100), (5, 257), (70, 96), (481, 2049)]:
         w = torch.randn(m, n, generator=gen)
@@ -408,6 +410,8 @@ def test_product_rows_are_independent_of_the_row_count(isa: str, dtype: torch.dt
         assert float((whole - ref).abs().max() / ref.abs().max()) < 1e-5, (m, n)
         for k in range(1, 71):
             assert torch.equal(pw.matmul(x[:k], bias=b, threads=1 + k % 3), whole[:k]), (m, n, k)
+        for k in range(1, 27):  # cut columns (a model whose weights outgrow the cache): 3..18 (AVX2) or 24 rows
+            assert torch.equal(pw.matmul(x[:k], bias=b, threads=1 + k % 3, cut=True), whole[:k]), (m, n, k, "cut")
         perm = torch.randperm(70, generator=gen)
         assert torch.equal(pw.matmul(x[perm], bias=b, threads=3), whole[perm]), (m, n)
         for t in (0, 33, 69):  # a row alone, from the middle and the end of the call
@@ -438,7 +442,8 @@ def test_a_late_threads_share_taken_by_the_others_gives_the_same_sums_once(isa: 
     """A product's units are shared out with stealing: with the team's first thread held back 3 ms before its own
     share (as a thread whose core another process took would be), the others take units of its share, and every
     output is still computed once (the products add into ``out``: a unit taken twice would add twice) and the same
-    bit for bit as on one thread; one row groups, several row groups, and output-panel tails."""
+    bit for bit as on one thread; one row groups, several row groups (cut into chunks of columns too), and output-panel
+    tails."""
     gen = torch.Generator().manual_seed(17)
     before = nk.units_taken()
     try:
@@ -451,11 +456,11 @@ def test_a_late_threads_share_taken_by_the_others_gives_the_same_sums_once(isa: 
             nk.set_share_lag(0)
             alone = pw.matmul(x, bias=b, out=base.clone(), threads=1)
             nk.set_share_lag(3000)
-            for threads in (2, 3):
+            for threads, cut in ((2, False), (3, False), (2, True)):
                 taken = nk.units_taken()
                 # With 3 threads on 2 cores the others may be done before the first has set out its share: retry.
                 for _ in range(20):
-                    late = pw.matmul(x, bias=b, out=base.clone(), threads=threads)
+                    late = pw.matmul(x, bias=b, out=base.clone(), threads=threads, cut=cut)
                     assert torch.equal(late, alone), (m, n, k, threads)
                     if nk.units_taken() > taken:
                         break
@@ -525,6 +530,33 @@ def test_a_model_streams_its_weights_where_they_outgrow_the_last_level_cache(
         got = [runner.forward(torch.arange(20) * 7 % 50, cache)]
         got += [runner.forward(torch.tensor([t]), cache) for t in (3, 9, 27)]
         got.append(runner.forward(torch.tensor([1, 2, 3, 4]), cache))
+        outs[setting] = got
+    for a, b in zip(outs["0"], outs["1"], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_model_cuts_its_columns_where_its_weights_outgrow_the_last_level_cache(
+    isa: str, dtype: torch.dtype, tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The rule (any CPU), the switch (SPECDEC_CPU_KERNEL_CUT) and a model run both ways: a prefill, one-token passes,
+    blocks of 3-18 rows and a batch of sequences give the same logits bit for bit (the tiny target's 64 and 128 inputs
+    in chunks of 32; the fp32-arithmetic tiles cut: bf16 weights on the AVX2 build, fp16 on every build)."""
+    assert nk.cuts_columns(48 << 20, cache_bytes=8 << 20)
+    assert not nk.cuts_columns(48 << 20, cache_bytes=480 << 20)
+    assert not nk.cuts_columns(48 << 20, cache_bytes=0)  # unknown cache: whole columns
+    assert nk.cuts_columns(1, "1", cache_bytes=32 << 20)
+    assert not nk.cuts_columns(1 << 40, "off", cache_bytes=1)
+    outs = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv(nk.CUT_SWITCH, setting)
+        runner = NativeRunner.from_pretrained(tiny_models["llama"], dtype=dtype, kernel=True)
+        assert runner._fused.cut == (setting == "1")
+        caches = [runner.new_cache() for _ in range(3)]
+        got = [runner.forward(torch.arange(40) * 7 % 50, caches[0])]
+        got += [runner.forward(torch.tensor([t]), caches[0]) for t in (3, 9)]
+        got += [runner.forward(torch.arange(k) * 5 % 50, caches[0]) for k in (3, 6, 8, 13, 18)]
+        got += runner.forward_batch([(torch.arange(k) * 3 % 50, c) for k, c in zip((4, 7, 5), caches)])
         outs[setting] = got
     for a, b in zip(outs["0"], outs["1"], strict=True):
         assert torch.equal(a, b)

@@ -39,7 +39,7 @@ from specdec.runtime.native_weights import ModelWeights
 from specdec.runtime.pages import arena_for
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 18
+ABI_VERSION = 19
 # sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 # -ffp-contract=off: a multiply followed by an add stays two roundings wherever it is inlined (GCC fuses them into
@@ -266,6 +266,8 @@ def amx_permitted() -> bool:
 
 PREFETCH_SWITCH = "SPECDEC_CPU_KERNEL_PREFETCH"
 STREAM_SWITCH = "SPECDEC_CPU_KERNEL_STREAM"
+CUT_SWITCH = "SPECDEC_CPU_KERNEL_CUT"
+STREAM_CUT = 2  # SdModel::stream's bit for cut columns (bit 0: one-row products one panel at a time)
 
 
 def streams_weights(
@@ -287,6 +289,25 @@ def streams_weights(
         return True
     if (cpu_model()[0] if vendor is None else vendor) != "AuthenticAMD":
         return False
+    cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
+    return cache > 0 and weight_bytes > cache
+
+
+def cuts_columns(weight_bytes: int, env: str | None = None, cache_bytes: int | None = None) -> bool:
+    """Whether a model's products of 3 or more rows (up to three row groups) should cut their reduction into chunks
+    (``SdModel::stream``'s ``STREAM_CUT``; the kernel's "Cut columns"): where its products' weights outgrow the
+    last-level cache, on any CPU. A one-panel tile of many rows alone reads one stream of weights at a time, which left
+    the memory's read waiting on its arithmetic; three panels taken a chunk of columns at a time keep three streams
+    going (an Emerald Rapids, the AVX2 build, weights from memory: 3-8 rows 0.64-0.91x the time, 12-16 rows
+    0.85-0.99x). Over weights the caches hold the chunks' bookkeeping cost more than that saves (the default target
+    in a 480 MB L3: 1.05-1.17x the time at 3-16 rows), so a model the cache holds keeps whole columns.
+    ``SPECDEC_CPU_KERNEL_CUT=0`` / ``=1`` (``env``) decides on any model and CPU. Speed only: results are the same
+    bit for bit."""
+    choice = (env or "").strip().lower()
+    if choice in OFF:
+        return False
+    if choice in ON:
+        return True
     cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
     return cache > 0 and weight_bytes > cache
 
@@ -602,10 +623,12 @@ class PackedWeight:
         out: torch.Tensor | None = None,
         threads: int | None = None,
         stream: bool = False,
+        cut: bool = False,
     ) -> torch.Tensor:
         """``x @ w.T + bias`` for fp32 ``x`` ``[k, n]``; with ``out`` (fp32 ``[k, m]``) the result is added to it.
         ``stream``: one-row products one panel at a time, as a model whose weights outgrow the cache runs them
-        (``streams_weights``; the same results)."""
+        (``streams_weights``); ``cut``: products of several rows in chunks of columns, as such a model runs them
+        (``cuts_columns``). The same results either way."""
         if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != self.cols:
             raise ValueError(f"x must be float32 [k, {self.cols}], got {x.dtype} {tuple(x.shape)}")
         x = x.contiguous()
@@ -632,7 +655,7 @@ class PackedWeight:
             int(accumulate),
             xb.data_ptr(),
             threads or max(1, torch.get_num_threads()),
-            int(stream),
+            int(stream) | (STREAM_CUT if cut else 0),
         )
         if rc != 0:
             raise ValueError("CPU kernel refused the product (empty matrix or rows)")
@@ -699,6 +722,7 @@ class FusedLlama:
         keep.extend(mats)
         self.huge_pages = arena is not None and arena.advised
         self.stream = streams_weights(sum(sizes), os.environ.get(STREAM_SWITCH))
+        self.cut = cuts_columns(sum(sizes), os.environ.get(CUT_SWITCH))
 
         # The kernel keeps keys in blocks of sd_key_block() positions: a cache holds a whole number of blocks.
         self.key_block = block = int(lib.sd_key_block())
@@ -739,7 +763,7 @@ class FusedLlama:
             self.head_rows,
             None if self.head_ids is None else ptr(torch.tensor(self.head_ids, dtype=torch.int64), torch.int64),
             KV_TYPES[kv_dtype],
-            int(self.stream),
+            int(self.stream) | (STREAM_CUT if self.cut else 0),
         )
         self._layers, self._keep = layers, keep
         self._scratch = threading.local()  # per calling thread: concurrent requests never share scratch

@@ -36,6 +36,7 @@
 #include <time.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <atomic>
 #include <type_traits>
 #include <vector>
@@ -76,10 +77,15 @@ struct SdModel {
     // memory was fast); 0 keeps four panels side by side, four chains of dot products (a cache-resident draft's
     // one-row pass took 1.33x as long with one). Grouped layouts (sd_panel_group: bf16 dot products) keep the four
     // panels either way: a group's are one sequential stream. Speed only: a tile's shape never changes a result.
+    // | STREAM_CUT (2) where the weights outgrow the last-level cache on any CPU: products of 3 .. CUT_ROWS_MAX rows cut
+    // their columns (products: "Cut columns"), which keeps several weight streams going; over weights the caches hold
+    // (the default target on a 480 MB L3) the cut's bookkeeping cost 5-17% at 3-16 rows instead.
     int64_t stream;
 };
 
-extern "C" int sd_abi_version(void) { return 18; }
+enum { STREAM_ONE_PANEL = 1, STREAM_CUT = 2 };  // SdModel::stream, sd_matmul's `stream`
+
+extern "C" int sd_abi_version(void) { return 19; }
 
 // Which products this build uses for bf16 weights: 1 = AVX512-BF16 dot products, 0 = AVX2 fp32.
 extern "C" int sd_bf16_dot(void) {
@@ -567,6 +573,68 @@ static inline __attribute__((always_inline)) void tile_f32(const float* X, int64
     SD_EMIT(acc, R, P * VPP, o, t0, r0);
 }
 
+// Cut columns (products): a product of CUT_ROWS_MIN..CUT_ROWS_MAX rows over more than COLS_CHUNK inputs takes its panels
+// STRIP at a time and, over a strip, its row groups' tiles take COLS_CHUNK columns each in turn, each tile prefetching
+// its panel's place in the next strip into L2. A one-panel tile of many rows alone reads one stream of weights at a time
+// and left the memory's read waiting on its arithmetic; three panels a column chunk apart keep three streams going.
+// Measured on an Emerald Rapids (session 70; the AVX2 build, 2 threads, bf16 weights read from memory: copies of the
+// default target's 1728 x 640 gate/up matrix, Qwen2.5-0.5B's 896 x 4864 down and 4864 x 896 gate/up; cut / uncut,
+// best of 3 alternations of sd_matmul in a loop): 3 rows 0.72 / 0.87 / 0.64, 4 rows 0.85 / 1.00 /
+// 0.82, 6 rows 0.78 / 0.91 / 0.84, 8 rows 0.89 / 0.81 / 0.83, 12 rows 0.93 / 0.85 / 0.90, 16 rows 0.99 / 0.91 / 0.95,
+// 24 rows 1.00 / 0.99 / 0.99; 64 rows 1.09-1.11 (hence CUT_ROWS_MAX); 1-2 rows are not cut (tiles of 3-4 panels already).
+// Chunks of 128 columns were 4-15% slower than 32 at 8-16 rows; strips of 6 or 12 panels slower than 3. With fp16
+// weights on the AVX512 build: 1-8 rows alike, 12 rows 0.88, 16 rows 0.94.
+#ifndef COLS_CHUNK
+#define COLS_CHUNK 32  // (0: never cut; for A/B builds)
+#endif
+enum { STRIP = 3, STRIP_AHEAD = 64, CUT_ROWS_MIN = 3, CUT_ROWS_MAX = 3 * ROWS_MAX };
+
+// tile_f32 over columns c0..c1 of the reduction only: the sums so far start from `part` (c0 > 0) and go back to it
+// (c1 < n), the last columns' tile emits them. `part`: the tile's sums, row t's vector i at part[t * ldp + i * VLANES].
+// The same chain per element in the same order as tile_f32 (a sum stored and loaded is the same fp32 value), so the
+// same results bit for bit whatever the columns are cut into.
+template <class WT, int R, int P>
+static inline __attribute__((always_inline)) void tile_f32_cols(const float* X, int64_t ldx, const typename WT::T* Wp,
+                                                                int64_t ps, int64_t c0, int64_t c1, int64_t n,
+                                                                float* part, int64_t ldp, const OutSpec& o, int64_t t0,
+                                                                int64_t r0) {
+    VF acc[R][P * VPP];
+    if (c0 == 0) {
+#pragma GCC unroll 32
+        for (int i = 0; i < R * P * VPP; i++) acc[i / (P * VPP)][i % (P * VPP)] = vzero();
+    } else {
+#pragma GCC unroll 32
+        for (int i = 0; i < R * P * VPP; i++)
+            acc[i / (P * VPP)][i % (P * VPP)] = vloadu(part + (i / (P * VPP)) * ldp + (i % (P * VPP)) * VLANES);
+    }
+    for (int64_t c = c0; c < c1; c++) {
+#pragma GCC unroll 8
+        for (int p = 0; p < P; p++) {
+            const typename WT::T* src = Wp + p * ps + c * PANEL;
+            if (PREFETCH_AHEAD > 0 && (sizeof(typename WT::T) == 4 || (c & 1) == 0)) {  // once per 64-byte line
+                _mm_prefetch((const char*)(src + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
+                // the panel as far on in the next strip, into L2: its read begins while this strip is computed
+                if (R >= 3) _mm_prefetch((const char*)(src + STRIP * ps + STRIP_AHEAD * PANEL), _MM_HINT_T2);
+            }
+            VF w[VPP];
+            load_panel<WT>(src, w);
+#pragma GCC unroll 8
+            for (int t = 0; t < R; t++) {
+                const VF x = vbcast(X + t * ldx + c);
+#pragma GCC unroll 2
+                for (int v = 0; v < VPP; v++) acc[t][p * VPP + v] = vfma(x, w[v], acc[t][p * VPP + v]);
+            }
+        }
+    }
+    if (c1 < n) {
+#pragma GCC unroll 32
+        for (int i = 0; i < R * P * VPP; i++)
+            vstore(part + (i / (P * VPP)) * ldp + (i % (P * VPP)) * VLANES, acc[i / (P * VPP)][i % (P * VPP)]);
+        return;
+    }
+    SD_EMIT(acc, R, P * VPP, o, t0, r0);
+}
+
 // Calls f(IC<R>, IC<p>) for 1 <= p <= panels_max(R, CV): the tile's shape as compile-time constants, so its
 // accumulators stay in registers.
 template <int R, bool CV, class F>
@@ -661,14 +729,26 @@ static inline int64_t share_unit(int64_t n, int64_t nth, int64_t block, int64_t 
     return unit < 1 ? 1 : unit;
 }
 
+
 // The loop around the tiles, shared by both arithmetics. Called inside the forward's parallel region by every
 // thread of the team; ends with the team's barrier (Y complete). `panel_bytes`: bytes of one weight panel.
 // tile(IC<R>, IC<P>, t0, p) computes rows t0..t0+R x panels p..p+P into Y; CV: the weights are widened in
 // registers (see panels_max). The panels are shared out in whole groups (a group's panels are read together).
-template <bool CV, int G, class Tile>
+//
+// Cut columns (`tile_cols`, the fp32 arithmetic's tiles, given with `n` the reduction's length): where the rows make
+// 2..4 row groups, a unit's panels are taken STRIP at a time, and over a strip the row groups take COLS_CHUNK columns
+// each in turn (tile_cols(R, P, t0, p, c0, c1, part, ldp): the sums so far kept in `part` between the pieces), so the
+// groups after the first read the strip's columns from L1 right after the first has read them from memory, and the
+// memory's read goes on through the whole product. Without the cut, a block of panels (~L2_BLOCK) is read from
+// memory by the first row group's tiles, whose arithmetic keeps the read's pace, and then from L2 by the others,
+// while nothing is read from memory: the two add up (the Qwen2.5-0.5B body on the AVX2 build: 8 rows 2.0x the time
+// of one row where the arithmetic is ~1.3x). Each element is the same chain either way (see tile_f32_cols).
+template <bool CV, int G, class Tile, class TileCols = std::nullptr_t>
 static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes, int stream, Tile& tile,
-                            const ArgParts* ap = NULL, const float* Y = NULL, int64_t ldy = 0) {
+                            const ArgParts* ap = NULL, const float* Y = NULL, int64_t ldy = 0,
+                            TileCols tile_cols = nullptr, int64_t n = 0) {
     constexpr int64_t group = G;
+    constexpr bool can_cut = G == 1 && !std::is_same<TileCols, std::nullptr_t>::value;
     const int64_t np = (m + PANEL - 1) / PANEL, ng = (np + group - 1) / group;
     const int64_t nth = omp_get_num_threads();
     // Row groups: of ROWS_MAX rows and the rest last on the AVX2 build (FULL_GROUPS_FIRST), else balanced (sizes differ
@@ -678,6 +758,7 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
         groups = 0;
         for (int64_t t = 0; t < k; t += grouped_rows(k, t)) groups++;
     }
+    const bool cut = can_cut && (stream & STREAM_CUT) && COLS_CHUNK > 0 && k >= CUT_ROWS_MIN && k <= CUT_ROWS_MAX && n > COLS_CHUNK;
     // A unit of panels: with several row groups, a block of about L2_BLOCK bytes that the row groups after the first
     // re-read from L2; whole groups (tiles never leave one), or whole tiles of 1..4 panels (12).
     int64_t block = np;
@@ -689,21 +770,22 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
             block = block < 12 ? 12 : block - block % 12;
     }
     const int64_t unit = share_unit(ng, nth, block / group, group > 1 ? 1 : 12);
-    share_out(sh, ng, unit, [&](int64_t u0, int64_t u1) {
-        const int64_t q0 = u0 * group, q1 = u1 * group < np ? u1 * group : np;
+    // Every row group over panels a..b, call(R, P, t0, p) for each tile (the widest for the group's rows, narrower at
+    // the end of the range or of a group).
+    auto sweep = [&](int64_t a, int64_t b, auto&& call) {
         for (int64_t g = 0, t0 = 0; g < groups; g++) {
             const int64_t rows = group > 1 ? grouped_rows(k, t0)
                                  : FULL_GROUPS_FIRST ? (k - t0 < ROWS_MAX ? k - t0 : ROWS_MAX)
                                                      : k / groups + (g < k % groups ? 1 : 0);
             auto run = [&](auto R, auto P) {
-                for (int64_t p = q0; p < q1;) {
-                    int64_t pn = q1 - p < P ? q1 - p : P;
+                for (int64_t p = a; p < b;) {
+                    int64_t pn = b - p < P ? b - p : P;
                     if (group > 1 && pn > group - p % group) pn = group - p % group;  // a tile stays in its group
                     if (pn < P) {  // the block's (or group's) last panels: a narrower tile, same arithmetic
-                        auto narrow = [&](auto R2, auto P2) { tile(R2, P2, t0, p); };
+                        auto narrow = [&](auto R2, auto P2) { call(R2, P2, t0, p); };
                         with_panels<decltype(R)::value, CV>(pn, narrow);
                     } else {
-                        tile(R, P, t0, p);
+                        call(R, P, t0, p);
                     }
                     p += pn;
                 }
@@ -711,7 +793,7 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
             switch (rows) {  // the widest tile for this many rows
                 case 1:  // streamed weights: one panel, one sequential read per thread (SdModel::stream); grouped
                          // panels are one sequential read at any width
-                    if (stream && group == 1) run(IC<1>{}, IC<1>{});
+                    if ((stream & STREAM_ONE_PANEL) && group == 1) run(IC<1>{}, IC<1>{});
                     else run(IC<1>{}, IC<panels_max(1, CV)>{});
                     break;
                 case 2: run(IC<2>{}, IC<panels_max(2, CV)>{}); break;
@@ -730,6 +812,27 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
             }
             t0 += rows;
         }
+    };
+    share_out(sh, ng, unit, [&](int64_t u0, int64_t u1) {
+        const int64_t q0 = u0 * group, q1 = u1 * group < np ? u1 * group : np;
+        bool done = false;
+        if constexpr (can_cut) {
+            if (cut) {
+                constexpr int64_t ldp = STRIP * PANEL;
+                alignas(64) float part[CUT_ROWS_MAX * ldp];
+                for (int64_t s0 = q0; s0 < q1; s0 += STRIP) {
+                    const int64_t s1 = s0 + STRIP < q1 ? s0 + STRIP : q1;
+                    for (int64_t c0 = 0; c0 < n; c0 += COLS_CHUNK) {
+                        const int64_t c1 = c0 + COLS_CHUNK < n ? c0 + COLS_CHUNK : n;
+                        sweep(s0, s1, [&](auto R, auto P, int64_t t0, int64_t p) {
+                            tile_cols(R, P, t0, p, c0, c1, part + t0 * ldp + (p - s0) * PANEL, ldp);
+                        });
+                    }
+                }
+                done = true;
+            }
+        }
+        if (!done) sweep(q0, q1, [&](auto R, auto P, int64_t t0, int64_t p) { tile(R, P, t0, p); });
         if (ap != NULL)  // the unit's outputs are complete for every row: their argmax in parts, one slot a group
             for (int64_t q = u0; q < u1; q++) arg_parts(ap, Y, ldy, k, m, group * PANEL, q);
     });
@@ -1167,8 +1270,12 @@ static void gemm(Share& sh, int64_t wtype, const float* X, int64_t ldx, const vo
         auto tile = [&](auto R, auto P, int64_t t0, int64_t p) {
             tile_f32<WT, decltype(R)::value, decltype(P)::value>(X + t0 * ldx, ldx, Wp + p * ps, ps, n, o, t0, p * PANEL);
         };
+        auto tile_cols = [&](auto R, auto P, int64_t t0, int64_t p, int64_t c0, int64_t c1, float* part, int64_t ldp) {
+            tile_f32_cols<WT, decltype(R)::value, decltype(P)::value>(X + t0 * ldx, ldx, Wp + p * ps, ps, c0, c1, n, part,
+                                                                      ldp, o, t0, p * PANEL);
+        };
         products<sizeof(typename WT::T) != 4, 1>(sh, k, m, ps * (int64_t)sizeof(typename WT::T), stream, tile, ap, Y,
-                                                 ldy);
+                                                 ldy, tile_cols, n);
     };
     if (wtype == WT_BF16)
         run(BF16W{});
@@ -1901,7 +2008,7 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
     const ArgParts parts = {parts_base, (int32_t*)(parts_base + arg_parts_floats(m->head_rows, n_out) / 2),
                             (m->head_rows + slot_w - 1) / slot_w};
     const int64_t wt = m->wtype, kvt = m->kv_type, kvb = kv_bytes(kvt);
-    const int st = m->stream != 0;
+    const int st = (int)m->stream;  // STREAM_ONE_PANEL | STREAM_CUT
     const bool xbf = inputs_bf16(wt);  // each product's input phase writes its bf16 rows too (to_xb)
 
     for (int64_t t = 0; t < k; t++) load_row(wt, m->embed, ids[t], m->embed_stride, x + t * d, d);
