@@ -543,36 +543,6 @@ static inline void emit_tail(const float* buf, int64_t R, int64_t w, const OutSp
         }                                                                                      \
     } while (0)
 
-// Y[t0 + t][r0 + 16p + j] (+)= sum_c X[t][c] * panel p's output j (+ b), for t < R, p < P: one chain per element
-// (see above).
-// `Wp`: the first panel; `ps`: elements per panel (n * 16).
-template <class WT, int R, int P>
-static inline __attribute__((always_inline)) void tile_f32(const float* X, int64_t ldx, const typename WT::T* Wp,
-                                                           int64_t ps, int64_t n, const OutSpec& o, int64_t t0,
-                                                           int64_t r0) {
-    VF acc[R][P * VPP];
-#pragma GCC unroll 32
-    for (int i = 0; i < R * P * VPP; i++) acc[i / (P * VPP)][i % (P * VPP)] = vzero();
-    for (int64_t c = 0; c < n; c++) {
-        // Panel by panel: only one panel's weights live at a time (the accumulators take the registers).
-#pragma GCC unroll 8
-        for (int p = 0; p < P; p++) {
-            const typename WT::T* src = Wp + p * ps + c * PANEL;
-            if (PREFETCH_AHEAD > 0 && (sizeof(typename WT::T) == 4 || (c & 1) == 0))  // once per 64-byte line
-                _mm_prefetch((const char*)(src + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
-            VF w[VPP];
-            load_panel<WT>(src, w);
-#pragma GCC unroll 8
-            for (int t = 0; t < R; t++) {
-                const VF x = vbcast(X + t * ldx + c);
-#pragma GCC unroll 2
-                for (int v = 0; v < VPP; v++) acc[t][p * VPP + v] = vfma(x, w[v], acc[t][p * VPP + v]);
-            }
-        }
-    }
-    SD_EMIT(acc, R, P * VPP, o, t0, r0);
-}
-
 // Cut columns (products): a product of CUT_ROWS_MIN..CUT_ROWS_MAX rows over more than COLS_CHUNK inputs takes its panels
 // STRIP at a time and, over a strip, its row groups' tiles take COLS_CHUNK columns each in turn, each tile prefetching
 // its panel's place in the next strip into L2. A one-panel tile of many rows alone reads one stream of weights at a time
@@ -589,17 +559,19 @@ static inline __attribute__((always_inline)) void tile_f32(const float* X, int64
 #endif
 enum { STRIP = 3, STRIP_AHEAD = 64, CUT_ROWS_MIN = 3, CUT_ROWS_MAX = 3 * ROWS_MAX };
 
-// tile_f32 over columns c0..c1 of the reduction only: the sums so far start from `part` (c0 > 0) and go back to it
-// (c1 < n), the last columns' tile emits them. `part`: the tile's sums, row t's vector i at part[t * ldp + i * VLANES].
-// The same chain per element in the same order as tile_f32 (a sum stored and loaded is the same fp32 value), so the
-// same results bit for bit whatever the columns are cut into.
-template <class WT, int R, int P>
-static inline __attribute__((always_inline)) void tile_f32_cols(const float* X, int64_t ldx, const typename WT::T* Wp,
+// Y[t0 + t][r0 + 16p + j] (+)= sum_c X[t][c] * panel p's output j (+ b), for t < R, p < P: one chain per element
+// (see above). `Wp`: the first panel; `ps`: elements per panel (n * 16).
+// CUT: over columns c0..c1 of the reduction only (cut columns): the sums so far start from `part` (c0 > 0) and go
+// back to it (c1 < n), the last columns' tile emits them; `part`: the tile's sums, row t's vector i at
+// part[t * ldp + i * VLANES]. The same chain per element in the same order either way (a sum stored and loaded is the
+// same fp32 value), so the same results bit for bit whatever the columns are cut into.
+template <class WT, int R, int P, bool CUT>
+static inline __attribute__((always_inline)) void tile_f32_part(const float* X, int64_t ldx, const typename WT::T* Wp,
                                                                 int64_t ps, int64_t c0, int64_t c1, int64_t n,
                                                                 float* part, int64_t ldp, const OutSpec& o, int64_t t0,
                                                                 int64_t r0) {
     VF acc[R][P * VPP];
-    if (c0 == 0) {
+    if (!CUT || c0 == 0) {
 #pragma GCC unroll 32
         for (int i = 0; i < R * P * VPP; i++) acc[i / (P * VPP)][i % (P * VPP)] = vzero();
     } else {
@@ -608,13 +580,14 @@ static inline __attribute__((always_inline)) void tile_f32_cols(const float* X, 
             acc[i / (P * VPP)][i % (P * VPP)] = vloadu(part + (i / (P * VPP)) * ldp + (i % (P * VPP)) * VLANES);
     }
     for (int64_t c = c0; c < c1; c++) {
+        // Panel by panel: only one panel's weights live at a time (the accumulators take the registers).
 #pragma GCC unroll 8
         for (int p = 0; p < P; p++) {
             const typename WT::T* src = Wp + p * ps + c * PANEL;
             if (PREFETCH_AHEAD > 0 && (sizeof(typename WT::T) == 4 || (c & 1) == 0)) {  // once per 64-byte line
                 _mm_prefetch((const char*)(src + PREFETCH_AHEAD * PANEL), _MM_HINT_T0);
-                // the panel as far on in the next strip, into L2: its read begins while this strip is computed
-                if (R >= 3) _mm_prefetch((const char*)(src + STRIP * ps + STRIP_AHEAD * PANEL), _MM_HINT_T2);
+                // cut: the panel as far on in the next strip, into L2: its read begins while this strip is computed
+                if (CUT && R >= 3) _mm_prefetch((const char*)(src + STRIP * ps + STRIP_AHEAD * PANEL), _MM_HINT_T2);
             }
             VF w[VPP];
             load_panel<WT>(src, w);
@@ -626,7 +599,7 @@ static inline __attribute__((always_inline)) void tile_f32_cols(const float* X, 
             }
         }
     }
-    if (c1 < n) {
+    if (CUT && c1 < n) {
 #pragma GCC unroll 32
         for (int i = 0; i < R * P * VPP; i++)
             vstore(part + (i / (P * VPP)) * ldp + (i % (P * VPP)) * VLANES, acc[i / (P * VPP)][i % (P * VPP)]);
@@ -735,14 +708,12 @@ static inline int64_t share_unit(int64_t n, int64_t nth, int64_t block, int64_t 
 // tile(IC<R>, IC<P>, t0, p) computes rows t0..t0+R x panels p..p+P into Y; CV: the weights are widened in
 // registers (see panels_max). The panels are shared out in whole groups (a group's panels are read together).
 //
-// Cut columns (`tile_cols`, the fp32 arithmetic's tiles, given with `n` the reduction's length): where the rows make
-// 2..4 row groups, a unit's panels are taken STRIP at a time, and over a strip the row groups take COLS_CHUNK columns
-// each in turn (tile_cols(R, P, t0, p, c0, c1, part, ldp): the sums so far kept in `part` between the pieces), so the
-// groups after the first read the strip's columns from L1 right after the first has read them from memory, and the
-// memory's read goes on through the whole product. Without the cut, a block of panels (~L2_BLOCK) is read from
-// memory by the first row group's tiles, whose arithmetic keeps the read's pace, and then from L2 by the others,
-// while nothing is read from memory: the two add up (the Qwen2.5-0.5B body on the AVX2 build: 8 rows 2.0x the time
-// of one row where the arithmetic is ~1.3x). Each element is the same chain either way (see tile_f32_cols).
+// Cut columns (`tile_cols`, the fp32 arithmetic's tiles, given with `n` the reduction's length; `stream` &
+// STREAM_CUT): a product of CUT_ROWS_MIN..CUT_ROWS_MAX rows takes a unit's panels STRIP at a time, and over a strip its
+// row groups take COLS_CHUNK columns each in turn (tile_cols(R, P, t0, p, c0, c1, part, ldp): the sums so far kept in
+// `part` between the pieces): three weight streams side by side where a one-panel tile reads one, and the row groups
+// after the first read the strip's columns from L1 right after the first (see "Cut columns" above for what it
+// measured). Each element is the same chain either way (see tile_f32_part).
 template <bool CV, int G, class Tile, class TileCols = std::nullptr_t>
 static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes, int stream, Tile& tile,
                             const ArgParts* ap = NULL, const float* Y = NULL, int64_t ldy = 0,
@@ -1268,11 +1239,12 @@ static void gemm(Share& sh, int64_t wtype, const float* X, int64_t ldx, const vo
         const float* scale = std::is_same<WT, I8W>::value ? (const float*)(Wp + ((m + PANEL - 1) / PANEL) * ps) : NULL;
         const OutSpec o = {scale, b, Y, ldy, m, accumulate};
         auto tile = [&](auto R, auto P, int64_t t0, int64_t p) {
-            tile_f32<WT, decltype(R)::value, decltype(P)::value>(X + t0 * ldx, ldx, Wp + p * ps, ps, n, o, t0, p * PANEL);
+            tile_f32_part<WT, decltype(R)::value, decltype(P)::value, false>(X + t0 * ldx, ldx, Wp + p * ps, ps, 0, n, n,
+                                                                             NULL, 0, o, t0, p * PANEL);
         };
         auto tile_cols = [&](auto R, auto P, int64_t t0, int64_t p, int64_t c0, int64_t c1, float* part, int64_t ldp) {
-            tile_f32_cols<WT, decltype(R)::value, decltype(P)::value>(X + t0 * ldx, ldx, Wp + p * ps, ps, c0, c1, n, part,
-                                                                      ldp, o, t0, p * PANEL);
+            tile_f32_part<WT, decltype(R)::value, decltype(P)::value, true>(X + t0 * ldx, ldx, Wp + p * ps, ps, c0, c1, n,
+                                                                            part, ldp, o, t0, p * PANEL);
         };
         products<sizeof(typename WT::T) != 4, 1>(sh, k, m, ps * (int64_t)sizeof(typename WT::T), stream, tile, ap, Y,
                                                  ldy, tile_cols, n);
