@@ -213,7 +213,9 @@ def main() -> None:
             min_seconds=min_seconds,
             probe=lambda: rs.read_bandwidth(threads, mib=mib, reps=3),
         )
-        per_shape[name] = {"config": runner.config, "times": times, "path": str(path)}
+        fused = runner._fused  # how its products read their weights (native_kernel.streams_weights, cuts_columns)
+        reads = {"one_row_one_panel": bool(fused.stream), "cut_columns": bool(fused.cut)} if fused else {}
+        per_shape[name] = {"config": runner.config, "times": times, "path": str(path), "reads": reads}
         del runner
     bw1, peak1 = limits()  # again after the passes; the best of both (a shared machine only slows things down)
     bw, peak = max(bw0, bw1), max(peak0, peak1)
@@ -271,6 +273,8 @@ def main() -> None:
             "weight_mb": wbytes / 1e6,
             "floor_seconds": floor,
             "flops_per_row": flops1,
+            # how the kernel reads this model's weights (decided from its size against the last-level cache)
+            "reads": entry["reads"],
             "block": {str(k): row(k, t) for k, t in times.block.items()},
             # each round's one-row pass against the floor of the bandwidth read just before it
             "round_floor": {
@@ -288,7 +292,8 @@ def main() -> None:
                 str(a): dict(zip(("tau", "speedup"), rs.ideal_speedup(times.block, c, a))) for a in ALPHAS
             }
         result["shapes"][name] = s
-        print(f"\n{name}: {wbytes / 1e6:.0f} MB of weights ({vocab:,}-token head), floor {floor * 1e3:.2f} ms")
+        cut = " (blocks cut their columns)" if entry["reads"].get("cut_columns") else ""
+        print(f"\n{name}: {wbytes / 1e6:.0f} MB of weights ({vocab:,}-token head), floor {floor * 1e3:.2f} ms{cut}")
         rf = s["round_floor"]
         if rf["one_row_vs_floor"]:
             ratio = rf["one_row_vs_floor"]
