@@ -270,6 +270,18 @@ CUT_SWITCH = "SPECDEC_CPU_KERNEL_CUT"
 STREAM_CUT = 2  # SdModel::stream's bit for cut columns (bit 0: one-row products one panel at a time)
 
 
+def _switch(env: str | None) -> bool | None:
+    """An environment switch's setting: True (on), False (off) or None (unset, or neither: the kernel decides)."""
+    choice = (env or "").strip().lower()
+    return False if choice in OFF else True if choice in ON else None
+
+
+def _outgrows_cache(weight_bytes: int, cache_bytes: int | None = None) -> bool:
+    """Whether ``weight_bytes`` outgrow the last-level cache (``cache_bytes``, else this CPU's; unknown: no)."""
+    cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
+    return cache > 0 and weight_bytes > cache
+
+
 def streams_weights(
     weight_bytes: int, env: str | None = None, cache_bytes: int | None = None, vendor: str | None = None
 ) -> bool:
@@ -282,15 +294,12 @@ def streams_weights(
     one panel, alternating in one process), so only AMD CPUs (``vendor``, else this CPU's) stream.
     ``SPECDEC_CPU_KERNEL_STREAM=0`` / ``=1`` (``env``) decides on any model and CPU. Speed only: results are the same
     bit for bit."""
-    choice = (env or "").strip().lower()
-    if choice in OFF:
-        return False
-    if choice in ON:
-        return True
+    forced = _switch(env)
+    if forced is not None:
+        return forced
     if (cpu_model()[0] if vendor is None else vendor) != "AuthenticAMD":
         return False
-    cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
-    return cache > 0 and weight_bytes > cache
+    return _outgrows_cache(weight_bytes, cache_bytes)
 
 
 def cuts_columns(weight_bytes: int, env: str | None = None, cache_bytes: int | None = None) -> bool:
@@ -303,13 +312,8 @@ def cuts_columns(weight_bytes: int, env: str | None = None, cache_bytes: int | N
     in a 480 MB L3: 1.05-1.17x the time at 3-16 rows), so a model the cache holds keeps whole columns.
     ``SPECDEC_CPU_KERNEL_CUT=0`` / ``=1`` (``env``) decides on any model and CPU. Speed only: results are the same
     bit for bit."""
-    choice = (env or "").strip().lower()
-    if choice in OFF:
-        return False
-    if choice in ON:
-        return True
-    cache = last_level_cache_bytes() if cache_bytes is None else cache_bytes
-    return cache > 0 and weight_bytes > cache
+    forced = _switch(env)
+    return _outgrows_cache(weight_bytes, cache_bytes) if forced is None else forced
 
 
 def tuning_flags(isa: str, vendor: str, family: int, env: str | None = None) -> list[str]:
@@ -321,13 +325,8 @@ def tuning_flags(isa: str, vendor: str, family: int, env: str | None = None) -> 
     ``SPECDEC_CPU_KERNEL_PREFETCH=0`` / ``=1`` (``env``) sets it on any CPU."""
     if isa != "avx512bf16":
         return []
-    choice = (env or "").strip().lower()
-    if choice in OFF:
-        on = False
-    elif choice in ON:
-        on = True
-    else:
-        on = not (vendor == "AuthenticAMD" and family == 25)
+    forced = _switch(env)
+    on = not (vendor == "AuthenticAMD" and family == 25) if forced is None else forced
     return [] if on else ["-DBF16DP_PREFETCH=0"]
 
 
