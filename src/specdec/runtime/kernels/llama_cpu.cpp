@@ -552,7 +552,7 @@ static inline void emit_tail(const float* buf, int64_t R, int64_t w, const OutSp
 // best of 3 alternations of sd_matmul in a loop): 3 rows 0.72 / 0.87 / 0.64, 4 rows 0.85 / 1.00 /
 // 0.82, 6 rows 0.78 / 0.91 / 0.84, 8 rows 0.89 / 0.81 / 0.83, 12 rows 0.93 / 0.85 / 0.90, 16 rows 0.99 / 0.91 / 0.95,
 // 24 rows 1.00 / 0.99 / 0.99; 64 rows 1.09-1.11 (hence CUT_ROWS_MAX); 1-2 rows are not cut (tiles of 3-4 panels already).
-// Chunks of 128 columns were 4-15% slower than 32 at 8-16 rows; strips of 6 or 12 panels slower than 3. With fp16
+// Chunks of 128 columns were 5-15% slower than 32 at 8-16 rows; strips of 6 or 12 panels slower than 3. With fp16
 // weights on the AVX512 build: 1-8 rows alike, 12 rows 0.88, 16 rows 0.94.
 #ifndef COLS_CHUNK
 #define COLS_CHUNK 32  // (0: never cut; for A/B builds)
