@@ -267,7 +267,13 @@ def amx_permitted() -> bool:
 PREFETCH_SWITCH = "SPECDEC_CPU_KERNEL_PREFETCH"
 STREAM_SWITCH = "SPECDEC_CPU_KERNEL_STREAM"
 CUT_SWITCH = "SPECDEC_CPU_KERNEL_CUT"
-STREAM_CUT = 2  # SdModel::stream's bit for cut columns (bit 0: one-row products one panel at a time)
+STREAM_ONE_PANEL, STREAM_CUT = 1, 2  # SdModel::stream's bits (and sd_matmul's `stream`)
+
+
+def stream_bits(one_panel: bool, cut: bool) -> int:
+    """``SdModel::stream`` for a model's products: one-row products one panel at a time (``streams_weights``), blocks
+    cut into chunks of columns (``cuts_columns``)."""
+    return (STREAM_ONE_PANEL if one_panel else 0) | (STREAM_CUT if cut else 0)
 
 
 def _switch(env: str | None) -> bool | None:
@@ -654,7 +660,7 @@ class PackedWeight:
             int(accumulate),
             xb.data_ptr(),
             threads or max(1, torch.get_num_threads()),
-            int(stream) | (STREAM_CUT if cut else 0),
+            stream_bits(stream, cut),
         )
         if rc != 0:
             raise ValueError("CPU kernel refused the product (empty matrix or rows)")
@@ -762,7 +768,7 @@ class FusedLlama:
             self.head_rows,
             None if self.head_ids is None else ptr(torch.tensor(self.head_ids, dtype=torch.int64), torch.int64),
             KV_TYPES[kv_dtype],
-            int(self.stream) | (STREAM_CUT if self.cut else 0),
+            stream_bits(self.stream, self.cut),
         )
         self._layers, self._keep = layers, keep
         self._scratch = threading.local()  # per calling thread: concurrent requests never share scratch

@@ -36,8 +36,8 @@
 #include <time.h>
 
 #include <algorithm>
-#include <cstddef>
 #include <atomic>
+#include <cstddef>
 #include <type_traits>
 #include <vector>
 
@@ -702,7 +702,6 @@ static inline int64_t share_unit(int64_t n, int64_t nth, int64_t block, int64_t 
     return unit < 1 ? 1 : unit;
 }
 
-
 // The loop around the tiles, shared by both arithmetics. Called inside the forward's parallel region by every
 // thread of the team; ends with the team's barrier (Y complete). `panel_bytes`: bytes of one weight panel.
 // tile(IC<R>, IC<P>, t0, p) computes rows t0..t0+R x panels p..p+P into Y; CV: the weights are widened in
@@ -729,7 +728,8 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
         groups = 0;
         for (int64_t t = 0; t < k; t += grouped_rows(k, t)) groups++;
     }
-    const bool cut = can_cut && (stream & STREAM_CUT) && COLS_CHUNK > 0 && k >= CUT_ROWS_MIN && k <= CUT_ROWS_MAX && n > COLS_CHUNK;
+    const bool cut =
+        can_cut && (stream & STREAM_CUT) && COLS_CHUNK > 0 && k >= CUT_ROWS_MIN && k <= CUT_ROWS_MAX && n > COLS_CHUNK;
     // A unit of panels: with several row groups, a block of about L2_BLOCK bytes that the row groups after the first
     // re-read from L2; whole groups (tiles never leave one), or whole tiles of 1..4 panels (12).
     int64_t block = np;
@@ -786,9 +786,8 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
     };
     share_out(sh, ng, unit, [&](int64_t u0, int64_t u1) {
         const int64_t q0 = u0 * group, q1 = u1 * group < np ? u1 * group : np;
-        bool done = false;
-        if constexpr (can_cut) {
-            if (cut) {
+        if (cut) {  // (only where can_cut)
+            if constexpr (can_cut) {
                 constexpr int64_t ldp = STRIP * PANEL;
                 alignas(64) float part[CUT_ROWS_MAX * ldp];
                 for (int64_t s0 = q0; s0 < q1; s0 += STRIP) {
@@ -800,10 +799,10 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
                         });
                     }
                 }
-                done = true;
             }
+        } else {
+            sweep(q0, q1, [&](auto R, auto P, int64_t t0, int64_t p) { tile(R, P, t0, p); });
         }
-        if (!done) sweep(q0, q1, [&](auto R, auto P, int64_t t0, int64_t p) { tile(R, P, t0, p); });
         if (ap != NULL)  // the unit's outputs are complete for every row: their argmax in parts, one slot a group
             for (int64_t q = u0; q < u1; q++) arg_parts(ap, Y, ldy, k, m, group * PANEL, q);
     });
