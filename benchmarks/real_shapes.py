@@ -195,6 +195,7 @@ def main() -> None:
         draft_t1 = rs.pass_times(draft, [1], context=args.context, batches=False, rounds=rounds).block[1]
         del draft
     per_shape: dict[str, Any] = {}
+    probe = rs.read_probe(threads, mib=mib, reps=3)  # its buffer allocated once: see rs.read_probe
     for name in shapes:
         path = sources[name].path()
         try:
@@ -205,14 +206,7 @@ def main() -> None:
             raise SystemExit(f"{name}: cannot load {path} on the CPU kernel: {e}") from None
         # The memory's bandwidth is read again at every round, right before its one-row pass: on a shared host it
         # moves (a Zen 4 read 29-64 GB/s within minutes), and a floor read minutes away says little about a pass.
-        times = rs.pass_times(
-            runner,
-            ks,
-            context=args.context,
-            rounds=rounds,
-            min_seconds=min_seconds,
-            probe=lambda: rs.read_bandwidth(threads, mib=mib, reps=3),
-        )
+        times = rs.pass_times(runner, ks, context=args.context, rounds=rounds, min_seconds=min_seconds, probe=probe)
         fused = runner._fused  # how its products read their weights (native_kernel.streams_weights, cuts_columns)
         reads = {"one_row_one_panel": bool(fused.stream), "cut_columns": bool(fused.cut)} if fused else {}
         per_shape[name] = {"config": runner.config, "times": times, "path": str(path), "reads": reads}

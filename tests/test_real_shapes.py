@@ -63,6 +63,20 @@ def test_pass_times_blocks_and_batches(tmp_path: Path) -> None:
     calls = iter(range(10, 20))  # a probe runs once per round, before the round's passes
     pt = rs.pass_times(runner, [1, 2], context=16, rounds=3, min_seconds=0.001, probe=lambda: float(next(calls)))
     assert pt.probes == [10.0, 11.0, 12.0] and next(calls) == 13
+    # after a probe, the round's first pass runs once untimed, and each round starts one row count further along
+    log: list[object] = []
+    forward = runner.forward
+
+    def logged(ids: torch.Tensor, cache: object, **kw: object) -> object:
+        log.append(len(ids))
+        return forward(ids, cache, **kw)  # type: ignore[arg-type]
+
+    runner.forward = logged  # type: ignore[method-assign]
+    rs.pass_times(
+        runner, [1, 2], context=16, rounds=3, min_seconds=1e-9, batches=False, probe=lambda: log.append("p") or 1.0
+    )
+    probed = [i for i, x in enumerate(log) if x == "p"]
+    assert [log[i + 1 : i + 4] for i in probed] == [[1, 1, 2], [2, 2, 1], [1, 1, 2]]  # untimed, then the round
     with pytest.raises(ValueError, match="exceed"):
         rs.pass_times(runner, [1, 60], context=16)
     with pytest.raises(ValueError, match="positive"):

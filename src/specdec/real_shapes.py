@@ -219,16 +219,28 @@ def _kernel() -> ctypes.CDLL:
 def read_bandwidth(threads: int, mib: int = 512, reps: int = 5) -> float:
     """Bytes per second the kernel's threads read from memory (best of ``reps`` sweeps over ``mib`` MiB, well
     beyond any L3), the way the products stream their weights."""
+    return read_probe(threads, mib, reps)()
+
+
+def read_probe(threads: int, mib: int = 512, reps: int = 3) -> Callable[[], float]:
+    """``read_bandwidth`` as a probe to call again and again: its buffer is allocated (and its pages touched) once.
+    A probe that allocated its ``mib`` MiB at every call slowed the next pass: on the Xeon of session 73 one
+    Qwen2.5-0.5B-shaped pass took 37-51 ms right after such a probe against 32 ms in a row of them, so a round's
+    first pass read too slow (docs/benchmarks.md, session 73)."""
     if mib < 1 or reps < 1:
         raise ValueError("read_bandwidth needs mib >= 1 and reps >= 1")
     lib = _kernel()
     buf = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
-    best = math.inf
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        lib.sd_read_bytes(buf.data_ptr(), buf.numel() * 4, threads)
-        best = min(best, time.perf_counter() - t0)
-    return buf.numel() * 4 / best
+
+    def probe() -> float:
+        best = math.inf
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            lib.sd_read_bytes(buf.data_ptr(), buf.numel() * 4, threads)
+            best = min(best, time.perf_counter() - t0)
+        return buf.numel() * 4 / best
+
+    return probe
 
 
 def fma_peak(threads: int, kind: str = "fp32", seconds: float = 0.2, reps: int = 5) -> float:
@@ -293,7 +305,8 @@ def pass_times(
     probe: Callable[[], float] | None = None,
 ) -> PassTimes:
     """t(k) of ``runner``: each pass runs at ``context`` tokens of cache and is rolled back, so every call sees the
-    same context. Row counts take turns in rounds (k = 1, 2, ... then again), so machine noise hits them alike;
+    same context. Row counts take turns in rounds (k = 1, 2, ... then again, each round starting one further along),
+    so machine noise and whatever ran before a round hit them alike;
     each entry is the median over ``rounds`` of the mean of enough calls to last ``min_seconds``. ``probe``, when
     given, is called at the start of every round (its values in ``PassTimes.probes``): a limit measured beside the
     passes it bounds, on a machine whose limits move while it runs."""
@@ -336,10 +349,14 @@ def pass_times(
         counts[key] = max(1, math.ceil(min_seconds / max(time.perf_counter() - t0, 1e-6)))
     samples: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
     probes: list[float] = []
-    for _ in range(rounds):
+    order = list(calls)
+    for r in range(rounds):
         if probe is not None:
             probes.append(float(probe()))
-        for key, fn in calls.items():
+        turn = order[r % len(order) :] + order[: r % len(order)]  # each round starts one further along
+        calls[turn[0]]()  # untimed: the probe's sweep leaves the first pass after it slower
+        for key in turn:
+            fn = calls[key]
             n = counts[key]
             t0 = time.perf_counter()
             for _ in range(n):
