@@ -362,8 +362,7 @@ def cmd_pairs(args: argparse.Namespace, tools: dict[str, Path]) -> int:
     if not nk.kernel_available():
         raise Failure(f"the CPU kernel is unavailable: {nk.kernel_status()}")
 
-    def read() -> float:
-        return rs.read_bandwidth(args.threads, mib=512, reps=3)
+    read = rs.read_probe(args.threads, mib=512, reps=3)  # its buffer allocated once (a fresh one slows what follows)
 
     shapes: dict[str, Any] = {}
     for shape in args.shapes:
