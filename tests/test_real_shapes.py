@@ -86,6 +86,12 @@ def test_pass_times_blocks_and_batches(tmp_path: Path) -> None:
 @needs_kernel
 def test_limits_are_measured() -> None:
     assert rs.read_bandwidth(1, mib=16, reps=1) > 1e8  # > 0.1 GB/s on anything that runs this
+    # the read probe reads every line once, whatever its pattern: the sum of 1,001 lines of ones (a share not a
+    # multiple of the streams, prefetches running past the end) is their count of floats
+    lib = rs._kernel()
+    ones = torch.ones(1001 * 16)
+    for threads, streams, ahead in [(1, 1, 0), (2, 1, 0), (1, 4, 32), (2, 4, 32), (2, 3, 5), (2, 7, 1000)]:
+        assert lib.sd_read_bytes(ones.data_ptr(), ones.numel() * 4, threads, streams, ahead) == ones.numel()
     assert rs.fma_peak(1, "fp32", seconds=0.01, reps=1) > 1e9
     with pytest.raises(ValueError, match="kind must be"):
         rs.fma_peak(1, "int4")
