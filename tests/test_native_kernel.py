@@ -228,6 +228,16 @@ def test_tuning_flags_turn_the_bf16_prefetch_off_on_zen4_only() -> None:
     assert nk.tuning_flags("avx2", "GenuineIntel", 6, env="0") == []
 
 
+def test_tuning_flags_turn_the_amx_one_row_group_prefetch_off_on_model_167_only() -> None:
+    off = ["-DAMX_PREFETCH_ONE=0"]
+    assert nk.tuning_flags("amx", "GenuineIntel", 6, model=167) == off  # the Xeon of session 73
+    assert nk.tuning_flags("amx", "GenuineIntel", 6, model=207) == []  # Emerald Rapids
+    assert nk.tuning_flags("amx", "GenuineIntel", 6, model=143) == []  # Sapphire Rapids
+    assert nk.tuning_flags("avx512bf16", "GenuineIntel", 6, model=167) == []  # no tiles: nothing to turn off
+    assert nk.tuning_flags("amx", "GenuineIntel", 6, env="1", model=167) == []  # the switch, either way
+    assert nk.tuning_flags("amx", "GenuineIntel", 6, env="0", model=207) == off
+
+
 def builds_up_to(isa: str) -> bool:
     """Whether this CPU can run the kernel build ``isa`` (a downgrade from its best is forced by ISA_SWITCH)."""
     return nk.ISA_ORDER.index(nk.kernel_isa()) >= nk.ISA_ORDER.index(isa)
@@ -258,6 +268,34 @@ def test_the_prefetch_setting_never_changes_a_result(tmp_path: Path, monkeypatch
             nk._load.cache_clear()
     assert runs["1"][0] == "available (avx512bf16)"
     assert runs["0"][0] == "available (avx512bf16; bf16 tiles without prefetch)"
+    for a, b in zip(runs["1"][1], runs["0"][1], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not builds_up_to("amx"), reason="the AMX build runs only where the CPU and the OS grant the tiles")
+def test_the_amx_prefetch_setting_never_changes_a_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AMX build with and without its one-row-group prefetch (SPECDEC_CPU_KERNEL_PREFETCH): a prefill (two row
+    groups, which keep their prefetch of the next group) and verify blocks of 1..16 rows give the same logits."""
+    path = odd_checkpoint(tmp_path, hidden=128)  # 64 column pairs: whole 16-pair steps, the tiles' own loop
+    runs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv(nk.PREFETCH_SWITCH, setting)
+        monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / f"cache{setting}"))
+        nk._load.cache_clear()
+        try:
+            runner = NativeRunner.from_pretrained(path, dtype=torch.bfloat16, kernel=True)
+            status = nk.kernel_status()
+            cache = runner.new_cache()
+            outs = [runner.forward(torch.arange(30) * 7 % 97, cache)]
+            for k in (1, 2, 3, 5, 8, 16):
+                outs.append(runner.forward(torch.arange(k) * 5 % 97, cache))
+                cache.crop(30)
+            runs[setting] = (status, outs)
+        finally:
+            monkeypatch.undo()
+            nk._load.cache_clear()
+    assert runs["1"][0] == "available (amx)"
+    assert runs["0"][0] == "available (amx; one row group without prefetch)"
     for a, b in zip(runs["1"][1], runs["0"][1], strict=True):
         assert torch.equal(a, b)
 

@@ -322,16 +322,22 @@ def cuts_columns(weight_bytes: int, env: str | None = None, cache_bytes: int | N
     return _outgrows_cache(weight_bytes, cache_bytes) if forced is None else forced
 
 
-def tuning_flags(isa: str, vendor: str, family: int, env: str | None = None) -> list[str]:
+def tuning_flags(isa: str, vendor: str, family: int, env: str | None = None, model: int = 0) -> list[str]:
     """Build flags tuned to the CPU (they change speed, never a result). The bf16 dot-product tiles of 2+ rows
     prefetch their weight panels ahead (``BF16DP_PREFETCH``): on a Zen 5 blocks of 4-16 rows at real shapes took
     10-30% longer without; on a Zen 4 (AMD family 25 with AVX512-BF16: its 512-bit instructions run on 256-bit
     units) they took 10-25% longer *with* it (Qwen2.5-0.5B body, 2 threads, interleaved: 2 rows 0.78x, 3-4 rows
     ~0.75x, 5-6 rows 0.81-0.84x, 12 rows 0.88x the time without; 16 rows and one row alike), so there it is off.
-    ``SPECDEC_CPU_KERNEL_PREFETCH=0`` / ``=1`` (``env``) sets it on any CPU."""
+    The AMX build's passes of one row group (1-16 rows) prefetch their weights into L2 (``AMX_PREFETCH_ONE``): on an
+    Emerald Rapids (family 6 model 207) one-row passes took 1.4x as long without (session 45, before the weight tiles
+    were loaded with TILELOADDT1); on a Xeon of family 6 model 167 (session 73) 1.05-1.18x as long *with* it, so there
+    it is off. ``SPECDEC_CPU_KERNEL_PREFETCH=0`` / ``=1`` (``env``) sets both on any CPU."""
+    forced = _switch(env)
+    if isa == "amx":
+        on = not (vendor == "GenuineIntel" and family == 6 and model == 167) if forced is None else forced
+        return [] if on else ["-DAMX_PREFETCH_ONE=0"]
     if isa != "avx512bf16":
         return []
-    forced = _switch(env)
     on = not (vendor == "AuthenticAMD" and family == 25) if forced is None else forced
     return [] if on else ["-DBF16DP_PREFETCH=0"]
 
@@ -340,8 +346,8 @@ def _build(cxx: str) -> Path:
     src = SOURCE.read_bytes()
     link = _openmp_link()
     isa = kernel_isa()
-    vendor, family, _ = cpu_model()
-    flags = CXX_FLAGS + ISA_FLAGS[isa] + tuning_flags(isa, vendor, family, os.environ.get(PREFETCH_SWITCH))
+    vendor, family, model = cpu_model()
+    flags = CXX_FLAGS + ISA_FLAGS[isa] + tuning_flags(isa, vendor, family, os.environ.get(PREFETCH_SWITCH), model)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(b"\0".join([src, " ".join(flags + link).encode(), version.encode()])).hexdigest()[:16]
     out = cache_dir("kernels") / key / "llama_cpu.so"
@@ -508,15 +514,15 @@ def kernel_available() -> bool:
 
 
 def kernel_status() -> str:
-    """``"available (avx2)"`` / ``"available (avx512bf16)"`` (``"...; bf16 tiles without prefetch"`` where
-    ``tuning_flags`` turned it off), or why the CPU kernel is not used (for logs and ``specdec bench``'s JSON)."""
+    """``"available (avx2)"`` / ``"available (avx512bf16)"`` / ``"available (amx)"`` (``"...; bf16 tiles without
+    prefetch"`` / ``"...; one row group without prefetch"`` where ``tuning_flags`` turned it off), or why the CPU kernel is not used (for logs and ``specdec bench``'s JSON)."""
     lib, why = _load()
     if lib is None:
         return why or "unavailable"
     if not lib.sd_bf16_dot():
         return "available (avx2)"
     if lib.sd_amx():
-        return "available (amx)"
+        return "available (amx)" if lib.sd_amx_prefetch_one() else "available (amx; one row group without prefetch)"
     return (
         "available (avx512bf16)" if lib.sd_bf16dp_prefetch() else "available (avx512bf16; bf16 tiles without prefetch)"
     )

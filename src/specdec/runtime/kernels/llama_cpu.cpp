@@ -951,6 +951,14 @@ static inline void to_xb(bool on, const float* x, uint16_t* xb, int64_t n) {
 // 16 sequences x 4 rows 0.89-0.91x the time without them, session 48, when each row group re-read a block of groups).
 #define AMX_PREFETCH 8
 #endif
+#ifndef AMX_PREFETCH_ONE
+// Whether a pass of one row group (1-16 rows) prefetches at all, except where the loader turns it off
+// (native_kernel.tuning_flags): on a Xeon with AMX of family 6 model 167 (session 73) the weight tiles' own
+// TILELOADDT1 streamed better without it, passes of 1-16 rows of the Qwen2.5-0.5B body 0.87-0.96x the time and of
+// Llama-3.2-1B 0.85-0.90x (with TILELOADD and no prefetch, as slow as with the prefetch).
+#define AMX_PREFETCH_ONE 1
+#endif
+extern "C" int sd_amx_prefetch_one(void) { return AMX_PREFETCH_ONE; }
 struct AmxConfig {
     uint8_t palette, start_row;
     uint8_t reserved[14];
@@ -986,6 +994,7 @@ static inline __attribute__((always_inline)) void amx_fetch(const AmxFetch& fetc
                                                             int64_t steps, int64_t pair_elems) {
     if (AMX_PREFETCH <= 0 || fetch.ahead == NULL) return;
     if (fetch.share == 0) {  // the step AMX_PREFETCH ahead (4 KB; past the group: the next one's)
+        if (!AMX_PREFETCH_ONE) return;
         const char* ahead = (const char*)(w + AMX_PREFETCH * 16 * pair_elems);
 #pragma GCC unroll 64
         for (int l = 0; l < 64; l++) _mm_prefetch(ahead + 64 * l, _MM_HINT_T1);
