@@ -243,14 +243,15 @@ def builds_up_to(isa: str) -> bool:
     return nk.ISA_ORDER.index(nk.kernel_isa()) >= nk.ISA_ORDER.index(isa)
 
 
-@pytest.mark.skipif(not builds_up_to("avx512bf16"), reason="bf16 dot-product tiles are built only on AVX512-BF16 CPUs")
-def test_the_prefetch_setting_never_changes_a_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Builds with and without the bf16 tiles' prefetch (SPECDEC_CPU_KERNEL_PREFETCH): prefill and verify blocks of
-    1..16 rows (every tile height, two row groups) give the same logits bit for bit."""
-    path = odd_checkpoint(tmp_path)
+def runs_by_prefetch(
+    path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, isa: str | None, ks: tuple[int, ...]
+) -> dict[str, tuple[str, list[torch.Tensor]]]:
+    """The kernel built with SPECDEC_CPU_KERNEL_PREFETCH=1 and =0 (the build ``isa`` forced, else this CPU's best),
+    each build's status and its logits of a 30-token prefill and then of blocks of ``ks`` rows after it."""
     runs = {}
     for setting in ("1", "0"):
-        monkeypatch.setenv(nk.ISA_SWITCH, "avx512bf16")  # the AMX build has no bf16 dot-product tiles
+        if isa is not None:
+            monkeypatch.setenv(nk.ISA_SWITCH, isa)
         monkeypatch.setenv(nk.PREFETCH_SWITCH, setting)
         monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / f"cache{setting}"))
         nk._load.cache_clear()
@@ -259,13 +260,23 @@ def test_the_prefetch_setting_never_changes_a_result(tmp_path: Path, monkeypatch
             status = nk.kernel_status()
             cache = runner.new_cache()
             outs = [runner.forward(torch.arange(30) * 7 % 97, cache)]
-            for k in (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16):
+            for k in ks:
                 outs.append(runner.forward(torch.arange(k) * 5 % 97, cache))
                 cache.crop(30)
             runs[setting] = (status, outs)
         finally:
             monkeypatch.undo()
             nk._load.cache_clear()
+    return runs
+
+
+@pytest.mark.skipif(not builds_up_to("avx512bf16"), reason="bf16 dot-product tiles are built only on AVX512-BF16 CPUs")
+def test_the_prefetch_setting_never_changes_a_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Builds with and without the bf16 tiles' prefetch (SPECDEC_CPU_KERNEL_PREFETCH): prefill and verify blocks of
+    1..16 rows (every tile height, two row groups) give the same logits bit for bit."""
+    ks = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)
+    # the AMX build has no bf16 dot-product tiles: the AVX512-BF16 build forced
+    runs = runs_by_prefetch(odd_checkpoint(tmp_path), tmp_path, monkeypatch, "avx512bf16", ks)
     assert runs["1"][0] == "available (avx512bf16)"
     assert runs["0"][0] == "available (avx512bf16; bf16 tiles without prefetch)"
     for a, b in zip(runs["1"][1], runs["0"][1], strict=True):
@@ -277,23 +288,7 @@ def test_the_amx_prefetch_setting_never_changes_a_result(tmp_path: Path, monkeyp
     """The AMX build with and without its one-row-group prefetch (SPECDEC_CPU_KERNEL_PREFETCH): a prefill (two row
     groups, which keep their prefetch of the next group) and verify blocks of 1..16 rows give the same logits."""
     path = odd_checkpoint(tmp_path, hidden=128)  # 64 column pairs: whole 16-pair steps, the tiles' own loop
-    runs = {}
-    for setting in ("1", "0"):
-        monkeypatch.setenv(nk.PREFETCH_SWITCH, setting)
-        monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / f"cache{setting}"))
-        nk._load.cache_clear()
-        try:
-            runner = NativeRunner.from_pretrained(path, dtype=torch.bfloat16, kernel=True)
-            status = nk.kernel_status()
-            cache = runner.new_cache()
-            outs = [runner.forward(torch.arange(30) * 7 % 97, cache)]
-            for k in (1, 2, 3, 5, 8, 16):
-                outs.append(runner.forward(torch.arange(k) * 5 % 97, cache))
-                cache.crop(30)
-            runs[setting] = (status, outs)
-        finally:
-            monkeypatch.undo()
-            nk._load.cache_clear()
+    runs = runs_by_prefetch(path, tmp_path, monkeypatch, None, (1, 2, 3, 5, 8, 16))
     assert runs["1"][0] == "available (amx)"
     assert runs["0"][0] == "available (amx; one row group without prefetch)"
     for a, b in zip(runs["1"][1], runs["0"][1], strict=True):
