@@ -362,7 +362,8 @@ def pass_times(
         if probe is not None:
             probes.append(float(probe()))
         turn = order[r % len(order) :] + order[: r % len(order)]  # each round starts one further along
-        calls[turn[0]]()  # untimed: the probe's sweep leaves the first pass after it slower
+        if probe is not None:
+            calls[turn[0]]()  # untimed: the probe's sweep leaves the first pass after it slower
         for key in turn:
             fn = calls[key]
             n = counts[key]

@@ -515,7 +515,8 @@ def kernel_available() -> bool:
 
 def kernel_status() -> str:
     """``"available (avx2)"`` / ``"available (avx512bf16)"`` / ``"available (amx)"`` (``"...; bf16 tiles without
-    prefetch"`` / ``"...; one row group without prefetch"`` where ``tuning_flags`` turned it off), or why the CPU kernel is not used (for logs and ``specdec bench``'s JSON)."""
+    prefetch"`` / ``"...; one row group without prefetch"`` where ``tuning_flags`` turned it off), or why the CPU
+    kernel is not used (for logs and ``specdec bench``'s JSON)."""
     lib, why = _load()
     if lib is None:
         return why or "unavailable"
