@@ -225,7 +225,9 @@ def test_tuning_flags_turn_the_bf16_prefetch_off_on_zen4_only() -> None:
     assert nk.tuning_flags("avx512bf16", "GenuineIntel", 6) == []  # Sapphire Rapids and later
     assert nk.tuning_flags("avx2", "AuthenticAMD", 25) == []  # Zen 3: the AVX2 build has no bf16 tiles
     assert nk.tuning_flags("avx512bf16", "AuthenticAMD", 25, env="1") == []  # the switch, either way
-    assert nk.tuning_flags("avx512bf16", "GenuineIntel", 6, env="off") == off
+    both = ["-DBF16DP_PREFETCH=0", "-DBF16DP_BLOCK_AHEAD=0"]  # the switch off: the next block's fetch off too
+    assert nk.tuning_flags("avx512bf16", "GenuineIntel", 6, env="off") == both
+    assert nk.tuning_flags("avx512bf16", "AuthenticAMD", 25, env="0") == both
     assert nk.tuning_flags("avx2", "GenuineIntel", 6, env="0") == []
 
 
@@ -244,8 +246,14 @@ def builds_up_to(isa: str) -> bool:
     return nk.ISA_ORDER.index(nk.kernel_isa()) >= nk.ISA_ORDER.index(isa)
 
 
+@pytest.fixture(scope="module")
+def builds_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One kernel cache for this module's builds with the prefetch switch set (a build is ~30 s; each is made once)."""
+    return tmp_path_factory.mktemp("prefetch_builds")
+
+
 def runs_by_prefetch(
-    path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, isa: str | None, ks: tuple[int, ...]
+    path: Path, builds: Path, monkeypatch: pytest.MonkeyPatch, isa: str | None, ks: tuple[int, ...]
 ) -> dict[str, tuple[str, list[torch.Tensor]]]:
     """The kernel built with SPECDEC_CPU_KERNEL_PREFETCH=1 and =0 (the build ``isa`` forced, else this CPU's best),
     each build's status and its logits of a 30-token prefill and then of blocks of ``ks`` rows after it."""
@@ -254,7 +262,7 @@ def runs_by_prefetch(
         if isa is not None:
             monkeypatch.setenv(nk.ISA_SWITCH, isa)
         monkeypatch.setenv(nk.PREFETCH_SWITCH, setting)
-        monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / f"cache{setting}"))
+        monkeypatch.setenv("SPECDEC_CACHE_DIR", str(builds / f"cache{setting}"))
         nk._load.cache_clear()
         try:
             runner = NativeRunner.from_pretrained(path, dtype=torch.bfloat16, kernel=True)
@@ -272,24 +280,62 @@ def runs_by_prefetch(
 
 
 @pytest.mark.skipif(not builds_up_to("avx512bf16"), reason="bf16 dot-product tiles are built only on AVX512-BF16 CPUs")
-def test_the_prefetch_setting_never_changes_a_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_prefetch_setting_never_changes_a_result(
+    tmp_path: Path, builds_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Builds with and without the bf16 tiles' prefetch (SPECDEC_CPU_KERNEL_PREFETCH): prefill and verify blocks of
     1..16 rows (every tile height, two row groups) give the same logits bit for bit."""
     ks = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)
     # the AMX build has no bf16 dot-product tiles: the AVX512-BF16 build forced
-    runs = runs_by_prefetch(odd_checkpoint(tmp_path), tmp_path, monkeypatch, "avx512bf16", ks)
+    runs = runs_by_prefetch(odd_checkpoint(tmp_path), builds_dir, monkeypatch, "avx512bf16", ks)
     assert runs["1"][0] == "available (avx512bf16)"
-    assert runs["0"][0] == "available (avx512bf16; bf16 tiles without prefetch)"
+    assert runs["0"][0] == "available (avx512bf16; bf16 tiles without prefetch or block ahead)"
     for a, b in zip(runs["1"][1], runs["0"][1], strict=True):
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(not builds_up_to("avx512bf16"), reason="bf16 dot-product tiles are built only on AVX512-BF16 CPUs")
+def test_the_block_ahead_never_changes_a_product(builds_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Products of several row groups over a matrix of several L2 blocks a thread (3,001 x 203 bf16: 6.5 KB panels,
+    blocks of 40, 188 panels), whose later row groups fetch the thread's next block (BF16DP_BLOCK_AHEAD), against the
+    build without any prefetch, on 1-3 threads: equal bit for bit at 8-33 rows (two to six row groups, every tail),
+    and each row equal to the same row alone."""
+    gen = torch.Generator().manual_seed(74)
+    w = torch.randn(3001, 203, generator=gen) * 0.1
+    x = torch.randn(33, 203, generator=gen)
+    ks = (8, 9, 13, 16, 25, 33)
+    outs: dict[str, list[torch.Tensor]] = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv(nk.ISA_SWITCH, "avx512bf16")
+        monkeypatch.setenv(nk.PREFETCH_SWITCH, setting)
+        monkeypatch.setenv("SPECDEC_CACHE_DIR", str(builds_dir / f"cache{setting}"))
+        nk._load.cache_clear()
+        try:
+            lib = nk._library()
+            assert lib is not None and lib.sd_bf16dp_block_ahead() == int(setting)
+            packed = nk.PackedWeight(w, torch.bfloat16)
+            outs[setting] = []
+            for threads in (1, 2, 3):
+                outs[setting] += [packed.matmul(x[:k], threads=threads) for k in ks]
+                outs[setting].append(torch.cat([packed.matmul(x[t : t + 1], threads=threads) for t in range(33)]))
+        finally:
+            monkeypatch.undo()
+            nk._load.cache_clear()
+    for a, b in zip(outs["1"], outs["0"], strict=True):
+        assert torch.equal(a, b)
+    alone = outs["1"][len(ks)]  # one thread, row by row
+    for out in outs["1"]:
+        assert torch.equal(out, alone[: out.shape[0]])
+
+
 @pytest.mark.skipif(not builds_up_to("amx"), reason="the AMX build runs only where the CPU and the OS grant the tiles")
-def test_the_amx_prefetch_setting_never_changes_a_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_amx_prefetch_setting_never_changes_a_result(
+    tmp_path: Path, builds_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The AMX build with and without its one-row-group prefetch (SPECDEC_CPU_KERNEL_PREFETCH): a prefill (two row
     groups, which keep their prefetch of the next group) and verify blocks of 1..16 rows give the same logits."""
     path = odd_checkpoint(tmp_path, hidden=128)  # 64 column pairs: whole 16-pair steps, the tiles' own loop
-    runs = runs_by_prefetch(path, tmp_path, monkeypatch, None, (1, 2, 3, 5, 8, 16))
+    runs = runs_by_prefetch(path, builds_dir, monkeypatch, None, (1, 2, 3, 5, 8, 16))
     assert runs["1"][0] == "available (amx)"
     assert runs["0"][0] == "available (amx; one row group without prefetch)"
     for a, b in zip(runs["1"][1], runs["0"][1], strict=True):

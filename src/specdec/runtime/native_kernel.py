@@ -39,7 +39,7 @@ from specdec.runtime.native_weights import ModelWeights
 from specdec.runtime.pages import arena_for
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 19
+ABI_VERSION = 20
 # sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 # -ffp-contract=off: a multiply followed by an add stays two roundings wherever it is inlined (GCC fuses them into
@@ -331,13 +331,19 @@ def tuning_flags(isa: str, vendor: str, family: int, env: str | None = None, mod
     The AMX build's passes of one row group (1-16 rows) prefetch their weights into L2 (``AMX_PREFETCH_ONE``): on an
     Emerald Rapids (family 6 model 207) one-row passes took 1.4x as long without (session 45, before the weight tiles
     were loaded with TILELOADDT1); on a Xeon of family 6 model 167 (session 73) 1.05-1.18x as long *with* it, so there
-    it is off. ``SPECDEC_CPU_KERNEL_PREFETCH=0`` / ``=1`` (``env``) sets both on any CPU."""
+    it is off. The bf16 dot-product products of several row groups fetch each thread's next block of weights into L2
+    while the row groups after the first run (``BF16DP_BLOCK_AHEAD``, on every CPU; on a Zen 5, session 74: products of
+    32-64 rows 0.85-0.94x the time, batched passes of 16-32 rows 0.93-0.95x, Qwen2.5-0.5B-shaped blocks of 8-16
+    rows 0.92x). ``SPECDEC_CPU_KERNEL_PREFETCH=0`` / ``=1`` (``env``) turns every one of them off / the tile prefetches
+    on, on any CPU."""
     forced = _switch(env)
     if isa == "amx":
         on = not (vendor == "GenuineIntel" and family == 6 and model == 167) if forced is None else forced
         return [] if on else ["-DAMX_PREFETCH_ONE=0"]
     if isa != "avx512bf16":
         return []
+    if forced is False:
+        return ["-DBF16DP_PREFETCH=0", "-DBF16DP_BLOCK_AHEAD=0"]
     on = not (vendor == "AuthenticAMD" and family == 25) if forced is None else forced
     return [] if on else ["-DBF16DP_PREFETCH=0"]
 
@@ -515,8 +521,9 @@ def kernel_available() -> bool:
 
 def kernel_status() -> str:
     """``"available (avx2)"`` / ``"available (avx512bf16)"`` / ``"available (amx)"`` (``"...; bf16 tiles without
-    prefetch"`` / ``"...; one row group without prefetch"`` where ``tuning_flags`` turned it off), or why the CPU
-    kernel is not used (for logs and ``specdec bench``'s JSON)."""
+    prefetch"`` / ``"...; one row group without prefetch"`` where ``tuning_flags`` turned it off, ``"...; bf16 tiles
+    without prefetch or block ahead"`` where ``SPECDEC_CPU_KERNEL_PREFETCH=0`` turned both off), or why the CPU kernel
+    is not used (for logs and ``specdec bench``'s JSON)."""
     lib, why = _load()
     if lib is None:
         return why or "unavailable"
@@ -524,9 +531,11 @@ def kernel_status() -> str:
         return "available (avx2)"
     if lib.sd_amx():
         return "available (amx)" if lib.sd_amx_prefetch_one() else "available (amx; one row group without prefetch)"
-    return (
-        "available (avx512bf16)" if lib.sd_bf16dp_prefetch() else "available (avx512bf16; bf16 tiles without prefetch)"
-    )
+    if lib.sd_bf16dp_prefetch():
+        return "available (avx512bf16)"
+    if lib.sd_bf16dp_block_ahead():
+        return "available (avx512bf16; bf16 tiles without prefetch)"
+    return "available (avx512bf16; bf16 tiles without prefetch or block ahead)"
 
 
 def pack_weight(

@@ -85,7 +85,7 @@ struct SdModel {
 
 enum { STREAM_ONE_PANEL = 1, STREAM_CUT = 2 };  // SdModel::stream, sd_matmul's `stream`
 
-extern "C" int sd_abi_version(void) { return 19; }
+extern "C" int sd_abi_version(void) { return 20; }
 
 // Which products this build uses for bf16 weights: 1 = AVX512-BF16 dot products, 0 = AVX2 fp32.
 extern "C" int sd_bf16_dot(void) {
@@ -249,6 +249,13 @@ static inline float exp1(float x) {
 #define BF16DP_PREFETCH 1
 #endif
 extern "C" int sd_bf16dp_prefetch(void) { return BF16DP_PREFETCH; }
+#ifndef BF16DP_BLOCK_AHEAD
+// The bf16 dot-product products of several row groups fetch the thread's next block of weight panels into L2 while the
+// row groups after the first multiply on this one from L2 (BlockAhead), as the AMX build fetches its next group: the
+// first row group over a block then finds its weights in L2 instead of waiting on memory.
+#define BF16DP_BLOCK_AHEAD 1
+#endif
+extern "C" int sd_bf16dp_block_ahead(void) { return BF16DP_BLOCK_AHEAD; }
 
 template <int V>
 using IC = std::integral_constant<int, V>;
@@ -636,9 +643,19 @@ static inline __attribute__((always_inline)) void with_panels(int64_t p, F& f) {
 struct alignas(64) Cursor {
     std::atomic<uint64_t> v{0};
 };
+// Lines a tile prefetches into L2 as it goes, `per` each step, from `p` up to `end` (none where p >= end): the next
+// block of weights of a product with several row groups (products, tile_bf16dp).
+struct BlockAhead {
+    const char* p;
+    const char* end;
+    int64_t per;
+};
 struct Share {  // a thread's view of its team's cursors (one Share per thread, the cursors shared by the team)
     Cursor* cursors;
     uint64_t product;  // products this thread has begun in the parallel region
+    int64_t end;       // share_out: the end of the range the unit being run was taken from (its owner's share; a
+                       // unit taken from another thread's share: the unit's own end)
+    BlockAhead ahead;  // products: what the tiles of the row groups after the first prefetch
 };
 static constexpr int CURSOR_INDEX_BITS = 40;
 static constexpr uint64_t CURSOR_INDEX = ((uint64_t)1 << CURSOR_INDEX_BITS) - 1;
@@ -657,6 +674,7 @@ static inline void share_out(Share& sh, int64_t n, int64_t unit, F&& run) {
     const uint64_t product = ++sh.product;
     if (unit < 1) unit = 1;
     if (nth == 1) {
+        sh.end = n;
         for (int64_t a = 0; a < n; a += unit) run(a, a + unit < n ? a + unit : n);
         return;
     }
@@ -675,6 +693,7 @@ static inline void share_out(Share& sh, int64_t n, int64_t unit, F&& run) {
         const int64_t u = (int64_t)(mine.fetch_add(1, std::memory_order_acq_rel) & CURSOR_INDEX);
         const int64_t a = i0 + u * unit;
         if (a >= i1) break;
+        sh.end = i1;
         run(a, a + unit < i1 ? a + unit : i1);
     }
     for (int64_t d = 1; d < nth; d++) {  // then what is left of the others' shares
@@ -685,7 +704,8 @@ static inline void share_out(Share& sh, int64_t n, int64_t unit, F&& run) {
             const int64_t a = t0 + (int64_t)(v & CURSOR_INDEX) * unit;
             if (a >= t1) break;
             if (theirs.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
-                run(a, a + unit < t1 ? a + unit : t1);
+                sh.end = a + unit < t1 ? a + unit : t1;  // its owner's next unit is its owner's to fetch
+                run(a, sh.end);
                 g_units_taken.fetch_add(1, std::memory_order_relaxed);
             }
         }
@@ -713,10 +733,15 @@ static inline int64_t share_unit(int64_t n, int64_t nth, int64_t block, int64_t 
 // `part` between the pieces): three weight streams side by side where a one-panel tile reads one, and the row groups
 // after the first read the strip's columns from L1 right after the first (see "Cut columns" above for what it
 // measured). Each element is the same chain either way (see tile_f32_part).
+//
+// Block ahead (`ahead_base`: the weights' first panel, grouped layouts; NULL: none): with several row groups, the tiles
+// of the row groups after the first fetch the thread's next block of panels (the rest of its share, a block at most)
+// into L2 as they go, spread over their steps (sh.ahead), so the next block's first row group multiplies on weights in
+// L2 where it would wait on memory.
 template <bool CV, int G, class Tile, class TileCols = std::nullptr_t>
 static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes, int stream, Tile& tile,
                             const ArgParts* ap = NULL, const float* Y = NULL, int64_t ldy = 0,
-                            TileCols tile_cols = nullptr, int64_t n = 0) {
+                            TileCols tile_cols = nullptr, int64_t n = 0, const void* ahead_base = NULL) {
     constexpr int64_t group = G;
     constexpr bool can_cut = G == 1 && !std::is_same<TileCols, std::nullptr_t>::value;
     const int64_t np = (m + PANEL - 1) / PANEL, ng = (np + group - 1) / group;
@@ -741,10 +766,12 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
             block = block < 12 ? 12 : block - block % 12;
     }
     const int64_t unit = share_unit(ng, nth, block / group, group > 1 ? 1 : 12);
+    BlockAhead next = {NULL, NULL, 0};  // the block ahead of the unit being run (set per unit, below)
     // Every row group over panels a..b, call(R, P, t0, p) for each tile (the widest for the group's rows, narrower at
     // the end of the range or of a group).
     auto sweep = [&](int64_t a, int64_t b, auto&& call) {
         for (int64_t g = 0, t0 = 0; g < groups; g++) {
+            if (g <= 1) sh.ahead = g == 0 ? BlockAhead{NULL, NULL, 0} : next;  // the later row groups fetch
             const int64_t rows = group > 1 ? grouped_rows(k, t0)
                                  : FULL_GROUPS_FIRST ? (k - t0 < ROWS_MAX ? k - t0 : ROWS_MAX)
                                                      : k / groups + (g < k % groups ? 1 : 0);
@@ -783,9 +810,23 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
             }
             t0 += rows;
         }
+        sh.ahead = BlockAhead{NULL, NULL, 0};
     };
     share_out(sh, ng, unit, [&](int64_t u0, int64_t u1) {
         const int64_t q0 = u0 * group, q1 = u1 * group < np ? u1 * group : np;
+        if (ahead_base != NULL && groups > 1) {
+            // The next block of the share this unit came from, fetched over the later row groups' tile steps: a group
+            // of its rows runs (q1 - q0) / group tiles of panel_bytes / 64 steps each (one panel line a step per
+            // panel), and the block holds (q2 - q1) * panel_bytes / 64 lines.
+            const int64_t e = sh.end * group < np ? sh.end * group : np;
+            const int64_t q2 = q1 + (q1 - q0) < e ? q1 + (q1 - q0) : e;
+            const int64_t steps = (groups - 1) * ((q1 - q0 + group - 1) / group);
+            int64_t per = steps > 0 ? ((q2 - q1) + steps - 1) / steps : 0;
+            if (per > 2) per = 2;  // (two row groups at least: a step fetches 1-2 lines)
+            next = q2 > q1 ? BlockAhead{(const char*)ahead_base + q1 * panel_bytes,
+                                        (const char*)ahead_base + q2 * panel_bytes, per}
+                           : BlockAhead{NULL, NULL, 0};
+        }
         if (cut) {  // (only where can_cut)
             if constexpr (can_cut) {
                 constexpr int64_t ldp = STRIP * PANEL;
@@ -820,14 +861,24 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
 template <int R, int P>
 static inline __attribute__((always_inline)) void tile_bf16dp(const uint16_t* Xb, int64_t ldxb, const uint16_t* Wp,
                                                               int64_t pstride, int64_t cstride, int64_t n,
-                                                              const OutSpec& o, int64_t t0, int64_t r0) {
+                                                              const OutSpec& o, int64_t t0, int64_t r0,
+                                                              BlockAhead& ahead) {
     __m512 acc[R][P];
 #pragma GCC unroll 32
     for (int i = 0; i < R * P; i++) acc[i / P][i % P] = _mm512_setzero_ps();
     constexpr int HELD = R * P + P + 1 <= 32 ? P : 31 - R * P;
     static_assert(HELD >= 1, "tile_bf16dp: too many accumulators");
     const int64_t pairs = n >> 1;
+    // The block ahead's lines (BlockAhead): `per` a step, from `fetch` to `fetch_end`.
+    const char* fetch = ahead.p;
+    const char* const fetch_end = ahead.end;
+    const int64_t per = ahead.per;
     for (int64_t c2 = 0; c2 < pairs; c2++) {
+        if (BF16DP_BLOCK_AHEAD && fetch < fetch_end) {
+            _mm_prefetch(fetch, _MM_HINT_T1);
+            if (per > 1) _mm_prefetch(fetch + 64, _MM_HINT_T1);
+            fetch += 64 * per;
+        }
         __m512bh w[P];
 #pragma GCC unroll 8
         for (int p = 0; p < P; p++) {
@@ -860,6 +911,7 @@ static inline __attribute__((always_inline)) void tile_bf16dp(const uint16_t* Xb
                 acc[t][p] = _mm512_dpbf16_ps(acc[t][p], x, (__m512bh)_mm512_loadu_si512(Wp + p * pstride + pairs * cstride));
         }
     }
+    ahead.p = fetch;
     SD_EMIT(acc, R, P, o, t0, r0);
 }
 
@@ -1229,9 +1281,10 @@ static void gemm(Share& sh, int64_t wtype, const float* X, int64_t ldx, const vo
         auto tile = [&](auto R, auto P, int64_t t0, int64_t p) {  // p..p+P in one group (products keeps them so)
             const uint16_t* at = Wp + (p - p % G) * ps + (p % G) * (2 * PANEL);
             tile_bf16dp<decltype(R)::value, decltype(P)::value>(xb + t0 * n, n, at, 2 * PANEL, G * 2 * PANEL, n, o, t0,
-                                                                 p * PANEL);
+                                                                 p * PANEL, sh.ahead);
         };
-        products<false, BF16_GROUP>(sh, k, m, ps * 2, stream, tile, ap, Y, ldy);
+        products<false, BF16_GROUP>(sh, k, m, ps * 2, stream, tile, ap, Y, ldy, nullptr, 0,
+                                    BF16DP_BLOCK_AHEAD ? (const void*)Wp : NULL);
 #endif
         return;
     }
@@ -1277,7 +1330,7 @@ extern "C" int sd_matmul(int64_t wtype, const float* X, const void* W, const flo
     std::vector<Cursor> cursors((size_t)threads);
 #pragma omp parallel num_threads((int)threads)
     {
-        Share sh = {cursors.data(), 0};
+        Share sh = {cursors.data(), 0, 0, {NULL, NULL, 0}};
         gemm(sh, wtype, X, n, W, b, Y, m, k, n, m, (int)accumulate, xb, (int)stream);
     }
     return 0;
@@ -2019,7 +2072,7 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
     std::vector<Cursor> cursors((size_t)threads);
 #pragma omp parallel num_threads((int)threads)
     {
-        Share sh = {cursors.data(), 0};
+        Share sh = {cursors.data(), 0, 0, {NULL, NULL, 0}};
         float* scores = score_base + (int64_t)omp_get_thread_num() * per_thread;  // also the packing panel
         std::vector<AttUnit> units;  // the layer's attention units: every thread makes the same list
         int64_t last_unit = -2;  // the unit this thread ran last (its first of a layer fetches its own values)
