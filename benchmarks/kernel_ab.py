@@ -9,8 +9,12 @@ sequences, one row each, every sequence with its own cache of ``--context`` toke
     python benchmarks/kernel_ab.py --baseline ../main --ks 64 128 --context 16   # prefill-sized blocks
     python benchmarks/kernel_ab.py --baseline ../main --batch --ks 1 4 16 --context 300  # k sequences, a row each
     python benchmarks/kernel_ab.py --baseline ../main --batch --rows 3 --ks 16  # 16 sequences' verify blocks of 3
+    python benchmarks/kernel_ab.py --baseline ../main --products 3456x640 640x1728 --ks 16 64  # products alone
 
 Shapes: ``default`` (the shipped target), ``draft`` (the shipped draft) or a name of ``specdec.real_shapes.SHAPES``.
+``--products MxN ...``: the products alone instead of passes, ``PackedWeight.matmul`` of k rows by each M x N matrix
+(outputs x inputs, random bf16), ``--copies`` copies of it cycled so that their weights come from memory as a pass's
+do where they outgrow the caches (``--copies 1``: the same matrix over and over, from the caches).
 Besides the ratio of the medians, each round's B/A (A and B alternate within a round) is reported as a median and
 range: on a machine whose memory changes speed within minutes, the two kernels' rounds are what share a state.
 """
@@ -106,6 +110,61 @@ def run_pass(
     return out
 
 
+def table(samples: dict[tuple[str, int], list[float]], ks: list[int], unit: float, label: str) -> None:
+    """The timing table: medians (and minima) of A and B per k, their ratios, and B/A round by round."""
+    med = {key: statistics.median(v) for key, v in samples.items()}
+    low = {key: min(v) for key, v in samples.items()}
+    print("medians (and minima) over rounds; ratios of medians (of minima); B/A round by round: median (range)")
+    print(f"{'k':>4} {'A ' + label:>15} {'B ' + label:>15} {'B/A':>13} {'A k/1':>6} {'B k/1':>6} {'B/A by round':>20}")
+    for k in ks:
+        a, b, la, lb = med[("A", k)], med[("B", k)], low[("A", k)], low[("B", k)]
+        a1, b1 = med.get(("A", 1), float("nan")), med.get(("B", 1), float("nan"))
+        per = [y / x for x, y in zip(samples[("A", k)], samples[("B", k)])]
+        print(
+            f"{k:>4} {a * unit:>7.2f} ({la * unit:>5.2f}) {b * unit:>7.2f} ({lb * unit:>5.2f}) {b / a:>6.3f} ({lb / la:.3f})"
+            f" {a / a1:>6.2f} {b / b1:>6.2f} {statistics.median(per):>7.3f} ({min(per):.2f}-{max(per):.2f})"
+        )
+    sys.stdout.flush()
+
+
+def products_ab(base: Any, nk: Any, shape: tuple[int, int], ks: list[int], rounds: int, copies: int) -> None:
+    """A and B's products of k rows by ``copies`` random bf16 matrices of ``shape`` in turn, interleaved by round."""
+    gen = torch.Generator().manual_seed(0)
+    mats = [torch.randn(*shape, generator=gen) * 0.05 for _ in range(copies)]
+    packed = {name: [mod.PackedWeight(w, torch.bfloat16) for w in mats] for name, mod in (("A", base), ("B", nk))}
+    xs = {k: torch.randn(k, shape[1], generator=gen) for k in ks}
+    threads = torch.get_num_threads()
+    k_max = max(ks)
+    diff = max(
+        float((a.matmul(xs[k_max], threads=threads) - b.matmul(xs[k_max], threads=threads)).abs().max())
+        for a, b in zip(packed["A"], packed["B"])
+    )
+    print(
+        f"\nproducts {shape[0]} x {shape[1]}, {copies} copies: max absolute difference A vs B at k={k_max}: {diff:.2e}"
+    )
+    samples: dict[tuple[str, int], list[float]] = {(name, k): [] for name in packed for k in ks}
+    for rnd in range(rounds):
+        for k in ks:
+            for name in list(packed)[:: 1 if rnd % 2 == 0 else -1]:
+                for w in packed[name][:2]:  # the caches as the other side left them, warmed on this side's calls
+                    w.matmul(xs[k], threads=threads)
+                t0 = time.perf_counter()
+                for w in packed[name]:
+                    w.matmul(xs[k], threads=threads)
+                samples[(name, k)].append((time.perf_counter() - t0) / copies)
+    table(samples, ks, 1e6, "µs")
+
+
+def parse_product(text: str) -> tuple[int, int]:
+    try:
+        m, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a product is MxN (outputs x inputs), got {text!r}") from None
+    if m < 1 or n < 1:
+        raise argparse.ArgumentTypeError(f"a product's sizes must be positive, got {text!r}")
+    return m, n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", type=Path, required=True, help="a checkout whose kernel is A")
@@ -125,7 +184,13 @@ def main() -> None:
         help="each pass followed by its rows' argmax, as greedy verification reads it (from a kernel of ABI 17 on, "
         "taken in the pass; before, a call of its own)",
     )
+    ap.add_argument(
+        "--products", type=parse_product, nargs="+", metavar="MxN", help="time products alone (see above), not passes"
+    )
+    ap.add_argument("--copies", type=int, default=12, help="with --products: matrices cycled (default 12)")
     args = ap.parse_args()
+    if args.copies < 1:
+        ap.error("--copies must be at least 1")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     from specdec import real_shapes
@@ -139,6 +204,11 @@ def main() -> None:
 
     base = load_baseline(args.baseline.resolve())
     print(f"A = {args.baseline} ({base.kernel_status()}), B = this tree ({nk.kernel_status()}), {args.dtype}")
+    if args.products:
+        print(f"threads {torch.get_num_threads()}, products alone, bf16 weights")
+        for product in args.products:
+            products_ab(base, nk, product, args.ks, args.rounds, args.copies)
+        return
     print(f"threads {torch.get_num_threads()}, context {args.context}, caches {args.kv_dtype}")
     for shape in args.shapes:
         path = ROOT / "src/specdec/models" / shipped[shape] if shape in shipped else real_shapes.checkpoint(shape)
@@ -182,19 +252,7 @@ def main() -> None:
                     for _ in range(n):
                         call(name, k)
                     samples[(name, k)].append((time.perf_counter() - t0) / n)
-        med = {key: statistics.median(v) for key, v in samples.items()}
-        low = {key: min(v) for key, v in samples.items()}
-        print("medians (and minima) over rounds; ratios of medians (of minima); B/A round by round: median (range)")
-        print(f"{'k':>4} {'A ms':>15} {'B ms':>15} {'B/A':>13} {'A k/1':>6} {'B k/1':>6} {'B/A by round':>20}")
-        for k in args.ks:
-            a, b, la, lb = med[("A", k)], med[("B", k)], low[("A", k)], low[("B", k)]
-            a1, b1 = med.get(("A", 1), float("nan")), med.get(("B", 1), float("nan"))
-            per = [y / x for x, y in zip(samples[("A", k)], samples[("B", k)])]
-            print(
-                f"{k:>4} {a * 1e3:>7.2f} ({la * 1e3:>5.2f}) {b * 1e3:>7.2f} ({lb * 1e3:>5.2f}) {b / a:>6.3f} ({lb / la:.3f})"
-                f" {a / a1:>6.2f} {b / b1:>6.2f} {statistics.median(per):>7.3f} ({min(per):.2f}-{max(per):.2f})"
-            )
-        sys.stdout.flush()
+        table(samples, args.ks, 1e3, "ms")
 
 
 if __name__ == "__main__":

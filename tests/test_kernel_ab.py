@@ -46,3 +46,32 @@ def test_kernel_ab_names_an_unknown_shape() -> None:
     assert out.returncode == 2
     assert "unknown shape 'llama-1b'" in out.stderr and "llama3.2-1b" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_kernel_ab_times_products_alone() -> None:
+    """--products: this checkout against itself on two matrices (an odd one among them), the same products bit for
+    bit and a row of the table for every k."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "kernel_ab.py"), "--baseline", str(ROOT), "--ks", "1", "9"]
+    cmd += ["--products", "300x72", "97x130", "--copies", "2", "--rounds", "2", "--threads", "2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    diffs = re.findall(r"products (\d+) x (\d+), 2 copies: max absolute difference A vs B at k=9: (\S+)", out.stdout)
+    assert [(m, n) for m, n, _ in diffs] == [("300", "72"), ("97", "130")], out.stdout
+    assert all(float(d) == 0.0 for _, _, d in diffs)
+    rows = [re.findall(r"\d+(?:\.\d+)?", line) for line in out.stdout.splitlines() if re.match(r"\s+\d+\s+\d", line)]
+    assert [int(r[0]) for r in rows] == [1, 9, 1, 9]
+
+
+def test_kernel_ab_names_a_malformed_product() -> None:
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "kernel_ab.py"),
+        "--baseline",
+        str(ROOT),
+        "--products",
+        "3456by640",
+    ]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 2
+    assert "a product is MxN (outputs x inputs), got '3456by640'" in out.stderr
+    assert "Traceback" not in out.stderr
