@@ -7,6 +7,7 @@ every checkpoint family on both back ends.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from pathlib import Path
 
@@ -1182,3 +1183,21 @@ def test_int8_is_refused_where_it_cannot_run(tiny_models: dict[str, Path]) -> No
         specdec.load(tiny_models["llama"], tiny_models["draft"], draft_dtype="int8", runtime="hf")
     with pytest.raises(UnsupportedError, match="int8 weights run only on the CPU kernel"):
         NativeRunner.from_pretrained(tiny_models["draft"], dtype=torch.int8, kernel=False)
+
+
+def test_a_build_says_it_is_compiling_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first use on a machine compiles the kernel (~40 s on 2 cores): the build logs a note naming the cache as it
+    starts, and a second call finds the build cached and says nothing. (A stand-in compiler writes the files.)"""
+    cxx = tmp_path / "cxx"
+    cxx.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do if [ "$1" = -o ]; then : > "$2"; fi; shift; done\n')
+    cxx.chmod(0o755)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    caplog.set_level(logging.INFO, logger="specdec.kernel")
+    first = nk._build(str(cxx))
+    notes = [r.getMessage() for r in caplog.records if r.name == "specdec.kernel"]
+    assert len(notes) == 1 and "compiling the CPU kernel" in notes[0] and str(tmp_path / "cache") in notes[0]
+    caplog.clear()
+    assert nk._build(str(cxx)) == first and first.exists()
+    assert not [r for r in caplog.records if r.name == "specdec.kernel"]

@@ -1,6 +1,6 @@
 """The native runtime's CPU kernel: a whole forward pass of a Llama-family model in one C++ call.
 
-``kernels/llama_cpu.cpp`` is compiled at first use with the system C++ compiler (about 3 s) into a
+``kernels/llama_cpu.cpp`` is compiled at first use with the system C++ compiler (about 40 s on 2 cores) into a
 per-user cache (``$SPECDEC_CACHE_DIR``, else ``$XDG_CACHE_HOME/specdec``, else ``~/.cache/specdec``),
 keyed by the source, the flags and the compiler, and loaded with ctypes. It needs an x86-64 CPU with
 AVX2/FMA/F16C and a compiler; where either is missing, or ``SPECDEC_CPU_KERNEL=0`` is set, the runtime
@@ -19,10 +19,12 @@ import bisect
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -37,6 +39,8 @@ from specdec.runtime.cpu import OFF, ON, cpu_flags, cpu_model, last_level_cache_
 from specdec.runtime.native_config import NativeConfig, rope_tables
 from specdec.runtime.native_weights import ModelWeights
 from specdec.runtime.pages import arena_for
+
+log = logging.getLogger("specdec.kernel")
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
 ABI_VERSION = 20
@@ -359,6 +363,11 @@ def _build(cxx: str) -> Path:
     out = cache_dir("kernels") / key / "llama_cpu.so"
     if out.exists():
         return out
+    # A build takes ~40 s on 2 cores (the many tile shapes): say so where someone is watching, as it starts.
+    note = f"compiling the CPU kernel for this CPU ({isa}; once, cached in {out.parent.parent}, ~40 s on 2 cores)"
+    log.info(note)
+    if sys.stderr.isatty():
+        print(f"specdec: {note}", file=sys.stderr, flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
