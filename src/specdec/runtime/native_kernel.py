@@ -336,10 +336,10 @@ def tuning_flags(isa: str, vendor: str, family: int, env: str | None = None, mod
     Emerald Rapids (family 6 model 207) one-row passes took 1.4x as long without (session 45, before the weight tiles
     were loaded with TILELOADDT1); on a Xeon of family 6 model 167 (session 73) 1.05-1.18x as long *with* it, so there
     it is off. The bf16 dot-product products of several row groups fetch each thread's next block of weights into L2
-    while the row groups after the first run (``BF16DP_BLOCK_AHEAD``, on every CPU; on a Zen 5, session 74: products of
-    32-64 rows 0.85-0.94x the time, batched passes of 16-32 rows 0.93-0.95x, Qwen2.5-0.5B-shaped blocks of 8-16
-    rows 0.92x). ``SPECDEC_CPU_KERNEL_PREFETCH=0`` / ``=1`` (``env``) turns every one of them off / the tile prefetches
-    on, on any CPU."""
+    while the row groups after the first run (``BF16DP_BLOCK_AHEAD``, on every CPU; measured on a Zen 5 only, session
+    74: products of 16-64 rows 0.84-0.99x the time by the machine's state, batched passes of 16-64 rows 0.92-0.97x,
+    Qwen2.5-0.5B-shaped blocks of 8-16 rows 0.92-1.00x). ``SPECDEC_CPU_KERNEL_PREFETCH=0`` / ``=1`` (``env``) turns
+    every one of them off / the tile prefetches on, on any CPU."""
     forced = _switch(env)
     if isa == "amx":
         on = not (vendor == "GenuineIntel" and family == 6 and model == 167) if forced is None else forced
