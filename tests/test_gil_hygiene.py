@@ -102,8 +102,14 @@ def test_the_kernels_argmax_keeps_the_gil() -> None:
     out = torch.empty(n, dtype=torch.int64)
     expected = logits.argmax(dim=-1).tolist()
     with gil_contender():
-        # the same function through the CDLL handle lets the GIL go (the control)
-        released = seconds(lambda: lib.sd_argmax_rows(logits.data_ptr(), n, v, out.data_ptr(), 1))
+        # The same function through the CDLL handle lets the GIL go (the control). The other thread takes it only if
+        # the OS runs it within the call's 1-3 ms: on a Zen 5 of session 74 one CI run's call (1.3 ms) went by without,
+        # so the control has five tries, the first that sees the GIL taken ending them.
+        released = 0.0
+        for _ in range(5):
+            released = seconds(lambda: lib.sd_argmax_rows(logits.data_ptr(), n, v, out.data_ptr(), 1))
+            if released >= SLOW_S:
+                break
         times = [seconds(lambda: nk.kernel_argmax_rows(lib, logits)) for _ in range(3)]
     assert released >= SLOW_S, "the harness should see a ctypes call that lets the GIL go"
     assert out.tolist() == expected
