@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -253,19 +255,30 @@ def builds_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("prefetch_builds")
 
 
+@contextmanager
+def prefetch_build(builds: Path, monkeypatch: pytest.MonkeyPatch, isa: str | None, setting: str) -> Iterator[None]:
+    """The kernel loaded as built with SPECDEC_CPU_KERNEL_PREFETCH=``setting`` (the build ``isa`` forced, else this
+    CPU's best), from ``builds``' cache of such builds; the process's own kernel again afterwards."""
+    if isa is not None:
+        monkeypatch.setenv(nk.ISA_SWITCH, isa)
+    monkeypatch.setenv(nk.PREFETCH_SWITCH, setting)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(builds / f"cache{setting}"))
+    nk._load.cache_clear()
+    try:
+        yield
+    finally:
+        monkeypatch.undo()
+        nk._load.cache_clear()
+
+
 def runs_by_prefetch(
     path: Path, builds: Path, monkeypatch: pytest.MonkeyPatch, isa: str | None, ks: tuple[int, ...]
 ) -> dict[str, tuple[str, list[torch.Tensor]]]:
-    """The kernel built with SPECDEC_CPU_KERNEL_PREFETCH=1 and =0 (the build ``isa`` forced, else this CPU's best),
-    each build's status and its logits of a 30-token prefill and then of blocks of ``ks`` rows after it."""
+    """The kernel built with SPECDEC_CPU_KERNEL_PREFETCH=1 and =0 (``prefetch_build``), each build's status and its
+    logits of a 30-token prefill and then of blocks of ``ks`` rows after it."""
     runs = {}
     for setting in ("1", "0"):
-        if isa is not None:
-            monkeypatch.setenv(nk.ISA_SWITCH, isa)
-        monkeypatch.setenv(nk.PREFETCH_SWITCH, setting)
-        monkeypatch.setenv("SPECDEC_CACHE_DIR", str(builds / f"cache{setting}"))
-        nk._load.cache_clear()
-        try:
+        with prefetch_build(builds, monkeypatch, isa, setting):
             runner = NativeRunner.from_pretrained(path, dtype=torch.bfloat16, kernel=True)
             status = nk.kernel_status()
             cache = runner.new_cache()
@@ -274,9 +287,6 @@ def runs_by_prefetch(
                 outs.append(runner.forward(torch.arange(k) * 5 % 97, cache))
                 cache.crop(30)
             runs[setting] = (status, outs)
-        finally:
-            monkeypatch.undo()
-            nk._load.cache_clear()
     return runs
 
 
@@ -307,11 +317,7 @@ def test_the_block_ahead_never_changes_a_product(builds_dir: Path, monkeypatch: 
     ks = (8, 9, 13, 16, 25, 33)
     outs: dict[str, list[torch.Tensor]] = {}
     for setting in ("1", "0"):
-        monkeypatch.setenv(nk.ISA_SWITCH, "avx512bf16")
-        monkeypatch.setenv(nk.PREFETCH_SWITCH, setting)
-        monkeypatch.setenv("SPECDEC_CACHE_DIR", str(builds_dir / f"cache{setting}"))
-        nk._load.cache_clear()
-        try:
+        with prefetch_build(builds_dir, monkeypatch, "avx512bf16", setting):
             lib = nk._library()
             assert lib is not None and lib.sd_bf16dp_block_ahead() == int(setting)
             packed = nk.PackedWeight(w, torch.bfloat16)
@@ -319,9 +325,6 @@ def test_the_block_ahead_never_changes_a_product(builds_dir: Path, monkeypatch: 
             for threads in (1, 2, 3):
                 outs[setting] += [packed.matmul(x[:k], threads=threads) for k in ks]
                 outs[setting].append(torch.cat([packed.matmul(x[t : t + 1], threads=threads) for t in range(33)]))
-        finally:
-            monkeypatch.undo()
-            nk._load.cache_clear()
     for a, b in zip(outs["1"], outs["0"], strict=True):
         assert torch.equal(a, b)
     alone = outs["1"][len(ks)]  # one thread, row by row

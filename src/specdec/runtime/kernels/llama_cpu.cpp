@@ -822,7 +822,9 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
             const int64_t q2 = q1 + (q1 - q0) < e ? q1 + (q1 - q0) : e;
             const int64_t steps = (groups - 1) * ((q1 - q0 + group - 1) / group);
             int64_t per = steps > 0 ? ((q2 - q1) + steps - 1) / steps : 0;
-            if (per > 2) per = 2;  // (two row groups at least: a step fetches 1-2 lines)
+            // At most two lines a step (tile_bf16dp): with two row groups a step would need up to four, and then
+            // the first half of the block is fetched (four a step measured no better).
+            if (per > 2) per = 2;
             next = q2 > q1 ? BlockAhead{(const char*)ahead_base + q1 * panel_bytes,
                                         (const char*)ahead_base + q2 * panel_bytes, per}
                            : BlockAhead{NULL, NULL, 0};
