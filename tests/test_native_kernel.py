@@ -222,12 +222,13 @@ def test_the_build_is_the_best_the_cpu_and_os_allow_and_only_a_downgrade_is_forc
 
 
 def test_tuning_flags_turn_the_bf16_prefetch_off_on_zen4_only() -> None:
-    off = ["-DBF16DP_PREFETCH=0"]
+    ahead = [f"-DBF16DP_AHEAD_ROWS={nk.ZEN4_AHEAD_ROWS}"]  # Zen 4: only full row groups fetch the next block
+    off = ["-DBF16DP_PREFETCH=0", *ahead]
     assert nk.tuning_flags("avx512bf16", "AuthenticAMD", 25) == off  # Zen 4 (family 25 with AVX512-BF16)
     assert nk.tuning_flags("avx512bf16", "AuthenticAMD", 26) == []  # Zen 5
     assert nk.tuning_flags("avx512bf16", "GenuineIntel", 6) == []  # Sapphire Rapids and later
     assert nk.tuning_flags("avx2", "AuthenticAMD", 25) == []  # Zen 3: the AVX2 build has no bf16 tiles
-    assert nk.tuning_flags("avx512bf16", "AuthenticAMD", 25, env="1") == []  # the switch, either way
+    assert nk.tuning_flags("avx512bf16", "AuthenticAMD", 25, env="1") == ahead  # the switch, either way
     both = ["-DBF16DP_PREFETCH=0", "-DBF16DP_BLOCK_AHEAD=0"]  # the switch off: the next block's fetch off too
     assert nk.tuning_flags("avx512bf16", "GenuineIntel", 6, env="off") == both
     assert nk.tuning_flags("avx512bf16", "AuthenticAMD", 25, env="0") == both
@@ -256,13 +257,26 @@ def builds_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @contextmanager
-def prefetch_build(builds: Path, monkeypatch: pytest.MonkeyPatch, isa: str | None, setting: str) -> Iterator[None]:
-    """The kernel loaded as built with SPECDEC_CPU_KERNEL_PREFETCH=``setting`` (the build ``isa`` forced, else this
-    CPU's best), from ``builds``' cache of such builds; the process's own kernel again afterwards."""
+def prefetch_build(
+    builds: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    isa: str | None,
+    setting: str | None,
+    cpu: tuple[str, int, int] | None = None,
+) -> Iterator[None]:
+    """The kernel loaded as built with SPECDEC_CPU_KERNEL_PREFETCH=``setting`` (``None``: unset; the build ``isa``
+    forced, else this CPU's best; tuned as for ``cpu``, a (vendor, family, model), else this CPU), from ``builds``'
+    cache of such builds; the process's own kernel again afterwards."""
     if isa is not None:
         monkeypatch.setenv(nk.ISA_SWITCH, isa)
-    monkeypatch.setenv(nk.PREFETCH_SWITCH, setting)
-    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(builds / f"cache{setting}"))
+    if setting is None:
+        monkeypatch.delenv(nk.PREFETCH_SWITCH, raising=False)
+    else:
+        monkeypatch.setenv(nk.PREFETCH_SWITCH, setting)
+    if cpu is not None:
+        monkeypatch.setattr(nk, "cpu_model", lambda: cpu)
+    tag = f"{setting}-{'-'.join(map(str, cpu))}" if cpu is not None else str(setting)
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(builds / f"cache{tag}"))
     nk._load.cache_clear()
     try:
         yield
@@ -310,25 +324,35 @@ def test_the_block_ahead_never_changes_a_product(builds_dir: Path, monkeypatch: 
     """Products of several row groups over a matrix of several L2 blocks a thread (3,001 x 203 bf16: 6.5 KB panels,
     blocks of 40, 188 panels), whose later row groups fetch the thread's next block (BF16DP_BLOCK_AHEAD), against the
     build without any prefetch, on 1-3 threads: equal bit for bit at 8-33 rows (two to six row groups, every tail),
-    and each row equal to the same row alone."""
+    and each row equal to the same row alone. Both ways the block ahead is built: every later row group fetching
+    (the build tuned as for a Zen 5) and only the full ones (as for a Zen 4: 8 and 9 rows fetch nothing, 13's group
+    of 7 does, 16's middle group of 6 does and its last of 4 does not), whatever this CPU is."""
     gen = torch.Generator().manual_seed(74)
     w = torch.randn(3001, 203, generator=gen) * 0.1
     x = torch.randn(33, 203, generator=gen)
     ks = (8, 9, 13, 16, 25, 33)
+    builds = {  # name: (the switch, the CPU tuned for), SPECDEC_CPU_KERNEL_PREFETCH=0 building no prefetch at all
+        "every group": ("1", ("AuthenticAMD", 26, 2), 1),
+        "full groups": (None, ("AuthenticAMD", 25, 17), nk.ZEN4_AHEAD_ROWS),
+        "none": ("0", None, None),
+    }
     outs: dict[str, list[torch.Tensor]] = {}
-    for setting in ("1", "0"):
-        with prefetch_build(builds_dir, monkeypatch, "avx512bf16", setting):
+    for name, (setting, cpu, rows) in builds.items():
+        with prefetch_build(builds_dir, monkeypatch, "avx512bf16", setting, cpu):
             lib = nk._library()
-            assert lib is not None and lib.sd_bf16dp_block_ahead() == int(setting)
+            assert lib is not None and lib.sd_bf16dp_block_ahead() == (rows is not None)
+            if rows is not None:
+                assert lib.sd_bf16dp_ahead_rows() == rows
             packed = nk.PackedWeight(w, torch.bfloat16)
-            outs[setting] = []
+            outs[name] = []
             for threads in (1, 2, 3):
-                outs[setting] += [packed.matmul(x[:k], threads=threads) for k in ks]
-                outs[setting].append(torch.cat([packed.matmul(x[t : t + 1], threads=threads) for t in range(33)]))
-    for a, b in zip(outs["1"], outs["0"], strict=True):
-        assert torch.equal(a, b)
-    alone = outs["1"][len(ks)]  # one thread, row by row
-    for out in outs["1"]:
+                outs[name] += [packed.matmul(x[:k], threads=threads) for k in ks]
+                outs[name].append(torch.cat([packed.matmul(x[t : t + 1], threads=threads) for t in range(33)]))
+    for name in ("every group", "full groups"):
+        for a, b in zip(outs[name], outs["none"], strict=True):
+            assert torch.equal(a, b), name
+    alone = outs["none"][len(ks)]  # one thread, row by row
+    for out in outs["every group"] + outs["full groups"]:
         assert torch.equal(out, alone[: out.shape[0]])
 
 

@@ -326,6 +326,9 @@ def cuts_columns(weight_bytes: int, env: str | None = None, cache_bytes: int | N
     return _outgrows_cache(weight_bytes, cache_bytes) if forced is None else forced
 
 
+ZEN4_AHEAD_ROWS = 6  # on a Zen 4, only row groups of 6 rows after the first fetch the next block (tuning_flags)
+
+
 def tuning_flags(isa: str, vendor: str, family: int, env: str | None = None, model: int = 0) -> list[str]:
     """Build flags tuned to the CPU (they change speed, never a result). The bf16 dot-product tiles of 2+ rows
     prefetch their weight panels ahead (``BF16DP_PREFETCH``): on a Zen 5 blocks of 4-16 rows at real shapes took
@@ -338,8 +341,11 @@ def tuning_flags(isa: str, vendor: str, family: int, env: str | None = None, mod
     it is off. The bf16 dot-product products of several row groups fetch each thread's next block of weights into L2
     while the row groups after the first run (``BF16DP_BLOCK_AHEAD``, on every CPU; measured on a Zen 5 only, session
     74: products of 16-64 rows 0.84-0.99x the time by the machine's state, batched passes of 16-64 rows 0.92-0.97x,
-    Qwen2.5-0.5B-shaped blocks of 8-16 rows 0.92-1.00x). ``SPECDEC_CPU_KERNEL_PREFETCH=0`` / ``=1`` (``env``) turns
-    every one of them off / the tile prefetches on, on any CPU."""
+    Qwen2.5-0.5B-shaped blocks of 8-16 rows 0.92-1.00x). On a Zen 4 only full row groups (``ZEN4_AHEAD_ROWS``) after
+    the first take part in that fetch (``BF16DP_AHEAD_ROWS``): with every group fetching, a short last group's fast
+    steps each issuing a fetch, passes of 8-11 rows took 1.03-1.23x the time of no fetch at all (session 75, family 25
+    model 17); with full groups only, 8-16 rows 0.95-1.00x, 16 x 4 rows 0.96. ``SPECDEC_CPU_KERNEL_PREFETCH=0`` /
+    ``=1`` (``env``) turns every one of them off / the tile prefetches on, on any CPU."""
     forced = _switch(env)
     if isa == "amx":
         on = not (vendor == "GenuineIntel" and family == 6 and model == 167) if forced is None else forced
@@ -348,8 +354,9 @@ def tuning_flags(isa: str, vendor: str, family: int, env: str | None = None, mod
         return []
     if forced is False:
         return ["-DBF16DP_PREFETCH=0", "-DBF16DP_BLOCK_AHEAD=0"]
-    on = not (vendor == "AuthenticAMD" and family == 25) if forced is None else forced
-    return [] if on else ["-DBF16DP_PREFETCH=0"]
+    zen4 = vendor == "AuthenticAMD" and family == 25
+    on = not zen4 if forced is None else forced
+    return ([] if on else ["-DBF16DP_PREFETCH=0"]) + ([f"-DBF16DP_AHEAD_ROWS={ZEN4_AHEAD_ROWS}"] if zen4 else [])
 
 
 def _build(cxx: str) -> Path:

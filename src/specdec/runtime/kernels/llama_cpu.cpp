@@ -256,6 +256,12 @@ extern "C" int sd_bf16dp_prefetch(void) { return BF16DP_PREFETCH; }
 #define BF16DP_BLOCK_AHEAD 1
 #endif
 extern "C" int sd_bf16dp_block_ahead(void) { return BF16DP_BLOCK_AHEAD; }
+#ifndef BF16DP_AHEAD_ROWS
+// The fewest rows a row group after the first must hold to take part in the next block's fetch (native_kernel.
+// tuning_flags raises it where a short group's fast steps, each fetching, measured slower: a Zen 4).
+#define BF16DP_AHEAD_ROWS 1
+#endif
+extern "C" int sd_bf16dp_ahead_rows(void) { return BF16DP_AHEAD_ROWS; }
 
 template <int V>
 using IC = std::integral_constant<int, V>;
@@ -767,6 +773,11 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
     }
     const int64_t unit = share_unit(ng, nth, block / group, group > 1 ? 1 : 12);
     BlockAhead next = {NULL, NULL, 0};  // the block ahead of the unit being run (set per unit, below)
+    // The row groups that fetch it: those after the first of BF16DP_AHEAD_ROWS rows or more (every one by default).
+    int64_t fetchers = 0;
+    if constexpr (G > 1)
+        for (int64_t t = grouped_rows(k, 0); t < k; t += grouped_rows(k, t))
+            fetchers += grouped_rows(k, t) >= BF16DP_AHEAD_ROWS;
     // Every row group over panels a..b, call(R, P, t0, p) for each tile (the widest for the group's rows, narrower at
     // the end of the range or of a group).
     auto sweep = [&](int64_t a, int64_t b, auto&& call) {
@@ -775,6 +786,10 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
             const int64_t rows = group > 1 ? grouped_rows(k, t0)
                                  : FULL_GROUPS_FIRST ? (k - t0 < ROWS_MAX ? k - t0 : ROWS_MAX)
                                                      : k / groups + (g < k % groups ? 1 : 0);
+            // A later group of fewer rows fetches nothing (the fetch goes on in the next group that does).
+            const BlockAhead held = sh.ahead;
+            const bool skip = g > 0 && rows < BF16DP_AHEAD_ROWS;
+            if (skip) sh.ahead = BlockAhead{NULL, NULL, 0};
             auto run = [&](auto R, auto P) {
                 for (int64_t p = a; p < b;) {
                     int64_t pn = b - p < P ? b - p : P;
@@ -808,19 +823,20 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
                     }
                     break;
             }
+            if (skip) sh.ahead = held;
             t0 += rows;
         }
         sh.ahead = BlockAhead{NULL, NULL, 0};
     };
     share_out(sh, ng, unit, [&](int64_t u0, int64_t u1) {
         const int64_t q0 = u0 * group, q1 = u1 * group < np ? u1 * group : np;
-        if (ahead_base != NULL && groups > 1) {
+        if (ahead_base != NULL && fetchers > 0) {
             // The next block of the share this unit came from, fetched over the later row groups' tile steps: a group
             // of its rows runs (q1 - q0) / group tiles of panel_bytes / 64 steps each (one panel line a step per
             // panel), and the block holds (q2 - q1) * panel_bytes / 64 lines.
             const int64_t e = sh.end * group < np ? sh.end * group : np;
             const int64_t q2 = q1 + (q1 - q0) < e ? q1 + (q1 - q0) : e;
-            const int64_t steps = (groups - 1) * ((q1 - q0 + group - 1) / group);
+            const int64_t steps = fetchers * ((q1 - q0 + group - 1) / group);
             int64_t per = steps > 0 ? ((q2 - q1) + steps - 1) / steps : 0;
             // At most two lines a step (tile_bf16dp): with two row groups a step would need up to four, and then
             // the first half of the block is fetched (four a step measured no better).
