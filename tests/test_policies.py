@@ -1284,6 +1284,21 @@ def test_the_batch_depth_search_holds_the_last_depth_against_noise_and_reaches_b
     assert _search_depth([3.00], 2, 0.03) == 0
 
 
+def test_the_depth_margin_is_a_setting_of_the_policy() -> None:
+    """``adaptive:depth_margin=M`` sets what each further depth is asked (the search's DEPTH_MARGIN): the deep depth
+    past the dip above, 10% over depth 1 four positions on, is reached at 0.02 a position and not at 0.03; a margin
+    outside [0, 1) is refused by name."""
+    from specdec.policy.adaptive import DEPTH_MARGIN, _search_depth
+
+    rates = [2.40, 3.00, 2.70, 2.90, 3.10, 3.30, 3.20]
+    assert _search_depth(rates, 1, 0.03, 0.02) == 5
+    assert _search_depth(rates, 1, 0.03, 0.03) == 1
+    assert make_policy("adaptive").depth_margin == DEPTH_MARGIN  # type: ignore[attr-defined]
+    assert make_policy("adaptive:depth_margin=0.01").depth_margin == 0.01  # type: ignore[attr-defined]
+    with pytest.raises(InvalidRequestError, match="depth_margin"):
+        make_policy("adaptive:depth_margin=1.5")
+
+
 def test_cost_estimates_learn_a_pause_as_at_most_a_few_times_their_usual_cost() -> None:
     """A pass, a draft or a one-sequence step measured at ~50x its usual cost (a machine's or a collector's pause: a
     144 ms draft forward where 0.3 ms is usual) is learnt as OUTLIER_FACTOR times it, once its size or depth has been

@@ -77,11 +77,12 @@ STEP_BIAS_WARM = 4.0
 DEPTH_PATIENCE = 3  # the batch planner prices depths up to this many beyond the last plan's
 
 
-def _search_depth(rates: list[float], last: int | None, margin: float) -> int:
+def _search_depth(rates: list[float], last: int | None, margin: float, depth_margin: float = DEPTH_MARGIN) -> int:
     """The batch's depth from its predicted goodput by depth (``rates[0]`` plain). Among the drafting depths, from
     the depth the last plan chose (``last``; depth 1 before any plan, or after a plain one): a deeper depth is asked
-    DEPTH_MARGIN more per position beyond it (deeper predictions err more), a shallower one DEPTH_MARGIN once (the
-    predictions move by a few percent from plan to plan); then drafting only if that depth beats plain by ``margin``.
+    ``depth_margin`` (DEPTH_MARGIN unless the policy sets it) more per position beyond it (deeper predictions err
+    more), a shallower one that much once (the predictions move by a few percent from plan to plan); then drafting
+    only if that depth beats plain by ``margin``.
 
     A search from depth 1 upward (each deeper depth asked to beat the best so far) flipped between depths on the
     predictions' noise where the goodput is flat across the depths a batch runs, and from a shallow depth it rarely
@@ -93,7 +94,7 @@ def _search_depth(rates: list[float], last: int | None, margin: float) -> int:
     anchor = min(max(last or 1, 1), len(rates) - 1)
     best, score = anchor, rates[anchor]
     for cut in range(1, len(rates)):
-        s = rates[cut] / (1.0 + DEPTH_MARGIN * (cut - anchor if cut > anchor else 1))
+        s = rates[cut] / (1.0 + depth_margin * (cut - anchor if cut > anchor else 1))
         if cut != anchor and s > score:
             best, score = cut, s
     return best if rates[best] > rates[0] * (1.0 + margin) else 0
@@ -244,15 +245,20 @@ class AdaptivePolicy(Policy):
         probe_tau: int = 1,
         row_granule: int | None = None,
         step_bias: bool = True,
+        depth_margin: float = DEPTH_MARGIN,
     ) -> None:
         """``row_granule``: the rows of the target's row groups, for the price of a pass (a pass of more rows than
         one group pays for the second about whole); None: as the measured costs say (``prime``), 0: none (a pass's
         price smooth in its rows). ``step_bias``: a batch plan adds the step bias to every depth's price where its
-        prices are not its measured shapes plus the steps' excess beyond them (``step_bias``); False: never."""
+        prices are not its measured shapes plus the steps' excess beyond them (``step_bias``); False: never.
+        ``depth_margin``: how much more goodput a batch plan asks of each depth beyond its last (``_search_depth``)."""
         if not isinstance(max_tau, int) or max_tau < 1:
             raise InvalidRequestError(f"max_tau must be an integer >= 1, got {max_tau}", "max_tau")
         if not 0 <= margin < 1:
             raise InvalidRequestError(f"margin must be in [0, 1), got {margin}", "margin")
+        if not 0 <= depth_margin < 1:
+            raise InvalidRequestError(f"depth_margin must be in [0, 1), got {depth_margin}", "depth_margin")
+        self.depth_margin = depth_margin
         if slo_p95_s is not None and not slo_p95_s > 0:
             raise InvalidRequestError(f"slo_p95_s must be > 0 seconds, got {slo_p95_s}", "slo_p95_s")
         if not 0 < prior < 1:
@@ -564,7 +570,7 @@ class AdaptivePolicy(Policy):
             factors.append(calibration.factor(max(taus, default=0)))
             rates.append(got / (max(seconds - sunk, 1e-9) + bias) * factors[-1])
         last = self._batch_depth if self._batch_planned else None
-        depth = _search_depth(rates, last, self.margin)
+        depth = _search_depth(rates, last, self.margin, self.depth_margin)
         # The plan is replayed over the next steps (below), which come without this step's prompt rows: their depth is
         # searched among the same depths priced without them. Replayed as made, the plan of the step where 16 requests
         # joined at once (207 prompt rows, each drafted row dear in a pass that size) held 16 sequences plain for 8
@@ -575,7 +581,7 @@ class AdaptivePolicy(Policy):
             for taus, factor in zip(by_depth, factors):
                 got, seconds = priced(taus, 0)
                 steady_rates.append(got / (max(seconds, 1e-9) + bias) * factor)
-            steady = _search_depth(steady_rates, last, self.margin)
+            steady = _search_depth(steady_rates, last, self.margin, self.depth_margin)
         # Depths never run leave the cost curves unmeasured where they would be read (rows beyond any pass seen,
         # draft forwards never run) and acceptance unlearnt: now and then run one deeper when predicted nearly
         # as good, or whatever predicted while no draft forward has been measured (its cost is then a prior).
