@@ -331,7 +331,9 @@ def test_the_block_ahead_never_changes_a_product(builds_dir: Path, monkeypatch: 
     w = torch.randn(3001, 203, generator=gen) * 0.1
     x = torch.randn(33, 203, generator=gen)
     ks = (8, 9, 13, 16, 25, 33)
-    builds = {  # name: (the switch, the CPU tuned for), SPECDEC_CPU_KERNEL_PREFETCH=0 building no prefetch at all
+    # name: (the switch, the CPU the build is tuned for, the rows a later group needs to fetch; None: no block ahead),
+    # SPECDEC_CPU_KERNEL_PREFETCH=0 building no prefetch at all
+    builds = {
         "every group": ("1", ("AuthenticAMD", 26, 2), 1),
         "full groups": (None, ("AuthenticAMD", 25, 17), nk.ZEN4_AHEAD_ROWS),
         "none": ("0", None, None),

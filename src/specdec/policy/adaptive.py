@@ -258,7 +258,6 @@ class AdaptivePolicy(Policy):
             raise InvalidRequestError(f"margin must be in [0, 1), got {margin}", "margin")
         if not 0 <= depth_margin < 1:
             raise InvalidRequestError(f"depth_margin must be in [0, 1), got {depth_margin}", "depth_margin")
-        self.depth_margin = depth_margin
         if slo_p95_s is not None and not slo_p95_s > 0:
             raise InvalidRequestError(f"slo_p95_s must be > 0 seconds, got {slo_p95_s}", "slo_p95_s")
         if not 0 < prior < 1:
@@ -268,6 +267,7 @@ class AdaptivePolicy(Policy):
         self.row_granule = row_granule
         self.use_step_bias = bool(step_bias)
         self.max_tau, self.margin, self.prior, self.early_stop = max_tau, margin, prior, early_stop
+        self.depth_margin = depth_margin
         self.bucket_edges = tuple(sorted(bucket_edges))
         self.slo_p95_s = slo_p95_s
         self.min_backoff, self.max_backoff, self.probe_tau = min_backoff, max_backoff, probe_tau

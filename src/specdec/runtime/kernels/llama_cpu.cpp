@@ -755,9 +755,13 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
     // Row groups: of ROWS_MAX rows and the rest last on the AVX2 build (FULL_GROUPS_FIRST), else balanced (sizes differ
     // by <= 1) of at most ROWS_MAX rows; over grouped panels, GROUPED_ROWS each and the rest last (grouped_rows).
     int64_t groups = (k + ROWS_MAX - 1) / ROWS_MAX;
+    // The row groups that fetch the next block (grouped panels only, below): those after the first of BF16DP_AHEAD_ROWS
+    // rows or more (every one by default).
+    int64_t fetchers = 0;
     if constexpr (G > 1) {
         groups = 0;
-        for (int64_t t = 0; t < k; t += grouped_rows(k, t)) groups++;
+        for (int64_t t = 0; t < k; t += grouped_rows(k, t))
+            if (groups++ > 0 && grouped_rows(k, t) >= BF16DP_AHEAD_ROWS) fetchers++;
     }
     const bool cut =
         can_cut && (stream & STREAM_CUT) && COLS_CHUNK > 0 && k >= CUT_ROWS_MIN && k <= CUT_ROWS_MAX && n > COLS_CHUNK;
@@ -773,11 +777,6 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
     }
     const int64_t unit = share_unit(ng, nth, block / group, group > 1 ? 1 : 12);
     BlockAhead next = {NULL, NULL, 0};  // the block ahead of the unit being run (set per unit, below)
-    // The row groups that fetch it: those after the first of BF16DP_AHEAD_ROWS rows or more (every one by default).
-    int64_t fetchers = 0;
-    if constexpr (G > 1)
-        for (int64_t t = grouped_rows(k, 0); t < k; t += grouped_rows(k, t))
-            fetchers += grouped_rows(k, t) >= BF16DP_AHEAD_ROWS;
     // Every row group over panels a..b, call(R, P, t0, p) for each tile (the widest for the group's rows, narrower at
     // the end of the range or of a group).
     auto sweep = [&](int64_t a, int64_t b, auto&& call) {
