@@ -223,15 +223,16 @@ def test_the_build_is_the_best_the_cpu_and_os_allow_and_only_a_downgrade_is_forc
 
 def test_tuning_flags_turn_the_bf16_prefetch_off_on_zen4_only() -> None:
     ahead = [f"-DBF16DP_AHEAD_ROWS={nk.ZEN4_AHEAD_ROWS}"]  # Zen 4: only full row groups fetch the next block
-    off = ["-DBF16DP_PREFETCH=0", *ahead]
+    groups = [f"-DBF16DP_GROUP_ROWS={nk.ZEN4_GROUP_ROWS}"]  # Zen 4: row groups of 8, whatever the prefetch switch
+    off = ["-DBF16DP_PREFETCH=0", *ahead, *groups]
     assert nk.tuning_flags("avx512bf16", "AuthenticAMD", 25) == off  # Zen 4 (family 25 with AVX512-BF16)
     assert nk.tuning_flags("avx512bf16", "AuthenticAMD", 26) == []  # Zen 5
     assert nk.tuning_flags("avx512bf16", "GenuineIntel", 6) == []  # Sapphire Rapids and later
     assert nk.tuning_flags("avx2", "AuthenticAMD", 25) == []  # Zen 3: the AVX2 build has no bf16 tiles
-    assert nk.tuning_flags("avx512bf16", "AuthenticAMD", 25, env="1") == ahead  # the switch, either way
+    assert nk.tuning_flags("avx512bf16", "AuthenticAMD", 25, env="1") == ahead + groups  # the switch, either way
     both = ["-DBF16DP_PREFETCH=0", "-DBF16DP_BLOCK_AHEAD=0"]  # the switch off: the next block's fetch off too
     assert nk.tuning_flags("avx512bf16", "GenuineIntel", 6, env="off") == both
-    assert nk.tuning_flags("avx512bf16", "AuthenticAMD", 25, env="0") == both
+    assert nk.tuning_flags("avx512bf16", "AuthenticAMD", 25, env="0") == both + groups
     assert nk.tuning_flags("avx2", "GenuineIntel", 6, env="0") == []
 
 
@@ -325,18 +326,21 @@ def test_the_block_ahead_never_changes_a_product(builds_dir: Path, monkeypatch: 
     blocks of 40, 188 panels), whose later row groups fetch the thread's next block (BF16DP_BLOCK_AHEAD), against the
     build without any prefetch, on 1-3 threads: equal bit for bit at 8-33 rows (two to six row groups, every tail),
     and each row equal to the same row alone. Both ways the block ahead is built: every later row group fetching
-    (the build tuned as for a Zen 5) and only the full ones (as for a Zen 4: 8 and 9 rows fetch nothing, 13's group
-    of 7 does, 16's middle group of 6 does and its last of 4 does not), whatever this CPU is."""
+    (the build tuned as for a Zen 5: groups of 6) and only the full ones of groups of 8 (as for a Zen 4: the 8 x 4
+    tile, and its narrower ones at the panels' tail; 8 rows are one group, 9 are 5 + 4 and fetch nothing, 13's group of
+    5 does not, 16's second group of 8 does, 25 and 33 end in 5 + 4), whatever this CPU is. The reference is built
+    without any prefetch, in groups of 6 (as for a Zen 5)."""
     gen = torch.Generator().manual_seed(74)
     w = torch.randn(3001, 203, generator=gen) * 0.1
     x = torch.randn(33, 203, generator=gen)
     ks = (8, 9, 13, 16, 25, 33)
     # name: (the switch, the CPU the build is tuned for, the rows a later group needs to fetch; None: no block ahead),
     # SPECDEC_CPU_KERNEL_PREFETCH=0 building no prefetch at all
+    zen5, zen4 = ("AuthenticAMD", 26, 2), ("AuthenticAMD", 25, 17)
     builds = {
-        "every group": ("1", ("AuthenticAMD", 26, 2), 1),
-        "full groups": (None, ("AuthenticAMD", 25, 17), nk.ZEN4_AHEAD_ROWS),
-        "none": ("0", None, None),
+        "every group": ("1", zen5, 1),
+        "full groups": (None, zen4, nk.ZEN4_AHEAD_ROWS),
+        "none": ("0", zen5, None),
     }
     outs: dict[str, list[torch.Tensor]] = {}
     for name, (setting, cpu, rows) in builds.items():
@@ -345,6 +349,7 @@ def test_the_block_ahead_never_changes_a_product(builds_dir: Path, monkeypatch: 
             assert lib is not None and lib.sd_bf16dp_block_ahead() == (rows is not None)
             if rows is not None:
                 assert lib.sd_bf16dp_ahead_rows() == rows
+            assert lib.sd_bf16dp_group_rows() == (nk.ZEN4_GROUP_ROWS if cpu == zen4 else 6)
             packed = nk.PackedWeight(w, torch.bfloat16)
             outs[name] = []
             for threads in (1, 2, 3):

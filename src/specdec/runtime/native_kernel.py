@@ -327,6 +327,7 @@ def cuts_columns(weight_bytes: int, env: str | None = None, cache_bytes: int | N
 
 
 ZEN4_AHEAD_ROWS = 6  # on a Zen 4, only row groups of 6 rows after the first fetch the next block (tuning_flags)
+ZEN4_GROUP_ROWS = 8  # on a Zen 4, row groups of 8 rows (an 8 x 4 tile) over grouped panels, elsewhere 6 (tuning_flags)
 
 
 def tuning_flags(isa: str, vendor: str, family: int, env: str | None = None, model: int = 0) -> list[str]:
@@ -344,19 +345,24 @@ def tuning_flags(isa: str, vendor: str, family: int, env: str | None = None, mod
     Qwen2.5-0.5B-shaped blocks of 8-16 rows 0.92-1.00x). On a Zen 4 only full row groups (``ZEN4_AHEAD_ROWS``) after
     the first take part in that fetch (``BF16DP_AHEAD_ROWS``): with every group fetching, a short last group's fast
     steps each issuing a fetch, passes of 8-11 rows took 1.03-1.23x the time of no fetch at all (session 75, family 25
-    model 17); with full groups only, 8-16 rows 0.95-1.00x, 16 x 4 rows 0.96. ``SPECDEC_CPU_KERNEL_PREFETCH=0`` /
-    ``=1`` (``env``) turns every one of them off / the tile prefetches on, on any CPU."""
+    model 17); with full groups only, 8-16 rows 0.95-1.00x, 16 x 4 rows 0.96. On a Zen 4 the bf16 dot-product products
+    cut their rows into groups of 8 (``BF16DP_GROUP_ROWS``, an 8-row x 4-panel tile) where elsewhere they take 6: 8 rows
+    are then one read of the weights instead of a read and a second pass of 2 rows from L2 (session 76: Llama-3.2-1B-
+    and Qwen2.5-0.5B-shaped blocks of 8 rows 0.89-0.93x the time, 16 rows 0.94-0.97x; weights in the caches alike).
+    ``SPECDEC_CPU_KERNEL_PREFETCH=0`` / ``=1`` (``env``) turns every prefetch off / the tile prefetches on, on any CPU
+    (the row groups stay as tuned)."""
     forced = _switch(env)
     if isa == "amx":
         on = not (vendor == "GenuineIntel" and family == 6 and model == 167) if forced is None else forced
         return [] if on else ["-DAMX_PREFETCH_ONE=0"]
     if isa != "avx512bf16":
         return []
-    if forced is False:
-        return ["-DBF16DP_PREFETCH=0", "-DBF16DP_BLOCK_AHEAD=0"]
     zen4 = vendor == "AuthenticAMD" and family == 25
+    groups = [f"-DBF16DP_GROUP_ROWS={ZEN4_GROUP_ROWS}"] if zen4 else []
+    if forced is False:
+        return ["-DBF16DP_PREFETCH=0", "-DBF16DP_BLOCK_AHEAD=0", *groups]
     on = not zen4 if forced is None else forced
-    return ([] if on else ["-DBF16DP_PREFETCH=0"]) + ([f"-DBF16DP_AHEAD_ROWS={ZEN4_AHEAD_ROWS}"] if zen4 else [])
+    return ([] if on else ["-DBF16DP_PREFETCH=0"]) + ([f"-DBF16DP_AHEAD_ROWS={ZEN4_AHEAD_ROWS}"] if zen4 else []) + groups
 
 
 def _build(cxx: str) -> Path:

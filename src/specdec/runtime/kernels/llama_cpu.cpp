@@ -316,12 +316,21 @@ enum { PANELS_MAX = 4 };
 // at ~40% of the peak (a 1 x 4 tile loads a weight vector per VDPBF16PS). Measured on a Zen 4 (2 threads, a 3456 x 640 bf16
 // matrix, 53 MB of copies cycled): 8 rows as 6 + 2 took 0.89-0.95x the time of 8 x 3-panel then 8 x 1-panel tiles
 // (and of 4 + 4), 16 rows as 6 + 6 + 4 0.91-0.94x (8 + 8) of those; 7 rows as one group 0.82x 6 + 1 (0.90x at 4864
-// inputs, and over weights in the caches).
-enum { GROUPED_ROWS = 6 };
+// inputs, and over weights in the caches). Groups of 8 (BF16DP_GROUP_ROWS=8, native_kernel.tuning_flags: a Zen 4) run
+// 8 rows as one 8 x 4 tile (tile_8x4_steps), one read of the weights where 6 + 2 read them and then ran 2 rows from L2:
+// measured on a Zen 4 (session 76, interleaved, products over weights from memory) 8 rows 0.83x (2048 x 8192) and
+// 0.97x (8192 x 2048) the time of 6 + 2, 16 rows as 8 + 8 0.96-0.98x 6 + 6 + 4; over weights in the caches alike.
+#ifndef BF16DP_GROUP_ROWS
+#define BF16DP_GROUP_ROWS 6
+#endif
+enum { GROUPED_ROWS = BF16DP_GROUP_ROWS };
+static_assert(GROUPED_ROWS == 6 || GROUPED_ROWS == 8, "BF16DP_GROUP_ROWS: 6 or 8");
+extern "C" int sd_bf16dp_group_rows(void) { return GROUPED_ROWS; }
 // The rows of the row group from row t0 of k over grouped panels: 6, or all that are left where they are at most 7
-// (so no row is left alone).
+// (so no row is left alone). With groups of 8: 8, or all that are left where they are at most 8, 9 as 5 + 4.
 static inline int64_t grouped_rows(int64_t k, int64_t t0) {
     const int64_t left = k - t0;
+    if (GROUPED_ROWS == 8) return left <= 8 ? left : left == 9 ? 5 : 8;
     return left == GROUPED_ROWS + 1 || left <= GROUPED_ROWS ? left : GROUPED_ROWS;
 }
 #ifdef SD_AVX512BF16
@@ -814,8 +823,9 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
                 case 5: run(IC<5>{}, IC<panels_max(5, CV)>{}); break;
                 case 6: run(IC<6>{}, IC<panels_max(6, CV)>{}); break;
                 default:
-                    if constexpr (G > 1) {  // 7 rows over a group's 4 panels (grouped_rows; tile_bf16dp)
-                        run(IC<7>{}, IC<G>{});
+                    if constexpr (G > 1) {  // 7-8 rows over a group's 4 panels (grouped_rows; tile_bf16dp)
+                        if (rows == 7) run(IC<7>{}, IC<G>{});
+                        else run(IC<8>{}, IC<G>{});
                     } else if constexpr (ROWS_MAX >= 8) {  // panel after panel: 7-8 x 3
                         if (rows == 7) run(IC<7>{}, IC<panels_max(7, CV)>{});
                         else run(IC<8>{}, IC<panels_max(8, CV)>{});
@@ -868,6 +878,115 @@ static inline void products(Share& sh, int64_t k, int64_t m, int64_t panel_bytes
 }
 
 #ifdef SD_AVX512BF16
+// The steps of an 8-row x 4-panel tile (row groups of 8, BF16DP_GROUP_ROWS): 32 accumulators, more than the registers
+// hold beside a weight vector, so written out by hand: accumulators 0-29 (row t, panel p: 4t + p) in zmm0-29, the last
+// two (row 7, panels 2-3) in L1 (sums), each panel's weight vector loaded once into zmm30 and multiplied with the 8
+// rows' pairs broadcast from memory by the instruction itself. The same chains as tile_bf16dp's (one VDPBF16PS a pair,
+// in order; its two products are summed lane by lane whichever operand holds the weights). The compiler, given the
+// intrinsics, kept 8-10 accumulators on the stack (1.3x the time of 6 + 2 rows over weights in the caches). Writes the
+// 32 sums (16 floats each) to `sums`; fetches the block ahead's lines as tile_bf16dp does (one or two a step) and
+// returns where the fetch got to. The grouped layout's panels of a pair lie 64 bytes apart (pstride 2 * PANEL).
+static inline const char* tile_8x4_steps(const uint16_t* Xb, int64_t ldxb, const uint16_t* Wp, int64_t cstride,
+                                         int64_t pairs, const char* fetch, const char* fetch_end, int64_t per,
+                                         float* sums) {
+    const char* x0 = (const char*)Xb;
+    const int64_t L = 2 * ldxb, L3 = 3 * L;
+    const char* x4 = x0 + 4 * L;
+    const char* w = (const char*)Wp;
+    const int64_t wstep = 2 * cstride;
+    const int64_t fper = 64 * (per > 0 ? per : 1);
+    const char* f = BF16DP_BLOCK_AHEAD ? fetch : fetch_end;
+    int64_t n = pairs;
+    __asm__ volatile(
+        "vpxord %%zmm0, %%zmm0, %%zmm0\n\t"
+        "vmovaps %%zmm0, (%[s])\n\t"
+        "vmovaps %%zmm0, 64(%[s])\n\t"
+        "vmovaps %%zmm0, %%zmm1\n\tvmovaps %%zmm0, %%zmm2\n\tvmovaps %%zmm0, %%zmm3\n\tvmovaps %%zmm0, %%zmm4\n\t"
+        "vmovaps %%zmm0, %%zmm5\n\tvmovaps %%zmm0, %%zmm6\n\tvmovaps %%zmm0, %%zmm7\n\tvmovaps %%zmm0, %%zmm8\n\t"
+        "vmovaps %%zmm0, %%zmm9\n\tvmovaps %%zmm0, %%zmm10\n\tvmovaps %%zmm0, %%zmm11\n\tvmovaps %%zmm0, %%zmm12\n\t"
+        "vmovaps %%zmm0, %%zmm13\n\tvmovaps %%zmm0, %%zmm14\n\tvmovaps %%zmm0, %%zmm15\n\tvmovaps %%zmm0, %%zmm16\n\t"
+        "vmovaps %%zmm0, %%zmm17\n\tvmovaps %%zmm0, %%zmm18\n\tvmovaps %%zmm0, %%zmm19\n\tvmovaps %%zmm0, %%zmm20\n\t"
+        "vmovaps %%zmm0, %%zmm21\n\tvmovaps %%zmm0, %%zmm22\n\tvmovaps %%zmm0, %%zmm23\n\tvmovaps %%zmm0, %%zmm24\n\t"
+        "vmovaps %%zmm0, %%zmm25\n\tvmovaps %%zmm0, %%zmm26\n\tvmovaps %%zmm0, %%zmm27\n\tvmovaps %%zmm0, %%zmm28\n\t"
+        "vmovaps %%zmm0, %%zmm29\n\t"
+        "test %[n], %[n]\n\t"
+        "jle 3f\n\t"
+        "1:\n\t"
+        "cmp %[fe], %[f]\n\t"
+        "jae 2f\n\t"
+        "prefetcht1 (%[f])\n\t"
+        "prefetcht1 -64(%[f],%[fper],1)\n\t"
+        "add %[fper], %[f]\n\t"
+        "2:\n\t"
+        // panel 0: accumulators 0, 4, ..., 28
+        "vmovdqu64 (%[w]), %%zmm30\n\t"
+        "vdpbf16ps (%[x0])%{1to16%}, %%zmm30, %%zmm0\n\t"
+        "vdpbf16ps (%[x0],%[L],1)%{1to16%}, %%zmm30, %%zmm4\n\t"
+        "vdpbf16ps (%[x0],%[L],2)%{1to16%}, %%zmm30, %%zmm8\n\t"
+        "vdpbf16ps (%[x0],%[L3],1)%{1to16%}, %%zmm30, %%zmm12\n\t"
+        "vdpbf16ps (%[x4])%{1to16%}, %%zmm30, %%zmm16\n\t"
+        "vdpbf16ps (%[x4],%[L],1)%{1to16%}, %%zmm30, %%zmm20\n\t"
+        "vdpbf16ps (%[x4],%[L],2)%{1to16%}, %%zmm30, %%zmm24\n\t"
+        "vdpbf16ps (%[x4],%[L3],1)%{1to16%}, %%zmm30, %%zmm28\n\t"
+        // panel 1: 1, 5, ..., 29
+        "vmovdqu64 64(%[w]), %%zmm30\n\t"
+        "vdpbf16ps (%[x0])%{1to16%}, %%zmm30, %%zmm1\n\t"
+        "vdpbf16ps (%[x0],%[L],1)%{1to16%}, %%zmm30, %%zmm5\n\t"
+        "vdpbf16ps (%[x0],%[L],2)%{1to16%}, %%zmm30, %%zmm9\n\t"
+        "vdpbf16ps (%[x0],%[L3],1)%{1to16%}, %%zmm30, %%zmm13\n\t"
+        "vdpbf16ps (%[x4])%{1to16%}, %%zmm30, %%zmm17\n\t"
+        "vdpbf16ps (%[x4],%[L],1)%{1to16%}, %%zmm30, %%zmm21\n\t"
+        "vdpbf16ps (%[x4],%[L],2)%{1to16%}, %%zmm30, %%zmm25\n\t"
+        "vdpbf16ps (%[x4],%[L3],1)%{1to16%}, %%zmm30, %%zmm29\n\t"
+        // panel 2: 2, 6, ..., 26, and row 7's in L1
+        "vmovdqu64 128(%[w]), %%zmm30\n\t"
+        "vmovaps (%[s]), %%zmm31\n\t"
+        "vdpbf16ps (%[x0])%{1to16%}, %%zmm30, %%zmm2\n\t"
+        "vdpbf16ps (%[x0],%[L],1)%{1to16%}, %%zmm30, %%zmm6\n\t"
+        "vdpbf16ps (%[x0],%[L],2)%{1to16%}, %%zmm30, %%zmm10\n\t"
+        "vdpbf16ps (%[x0],%[L3],1)%{1to16%}, %%zmm30, %%zmm14\n\t"
+        "vdpbf16ps (%[x4])%{1to16%}, %%zmm30, %%zmm18\n\t"
+        "vdpbf16ps (%[x4],%[L],1)%{1to16%}, %%zmm30, %%zmm22\n\t"
+        "vdpbf16ps (%[x4],%[L],2)%{1to16%}, %%zmm30, %%zmm26\n\t"
+        "vdpbf16ps (%[x4],%[L3],1)%{1to16%}, %%zmm30, %%zmm31\n\t"
+        "vmovaps %%zmm31, (%[s])\n\t"
+        // panel 3: 3, 7, ..., 27, and row 7's in L1
+        "vmovdqu64 192(%[w]), %%zmm30\n\t"
+        "vmovaps 64(%[s]), %%zmm31\n\t"
+        "vdpbf16ps (%[x0])%{1to16%}, %%zmm30, %%zmm3\n\t"
+        "vdpbf16ps (%[x0],%[L],1)%{1to16%}, %%zmm30, %%zmm7\n\t"
+        "vdpbf16ps (%[x0],%[L],2)%{1to16%}, %%zmm30, %%zmm11\n\t"
+        "vdpbf16ps (%[x0],%[L3],1)%{1to16%}, %%zmm30, %%zmm15\n\t"
+        "vdpbf16ps (%[x4])%{1to16%}, %%zmm30, %%zmm19\n\t"
+        "vdpbf16ps (%[x4],%[L],1)%{1to16%}, %%zmm30, %%zmm23\n\t"
+        "vdpbf16ps (%[x4],%[L],2)%{1to16%}, %%zmm30, %%zmm27\n\t"
+        "vdpbf16ps (%[x4],%[L3],1)%{1to16%}, %%zmm30, %%zmm31\n\t"
+        "vmovaps %%zmm31, 64(%[s])\n\t"
+        "add $4, %[x0]\n\t"
+        "add $4, %[x4]\n\t"
+        "add %[ws], %[w]\n\t"
+        "dec %[n]\n\t"
+        "jnz 1b\n\t"
+        "3:\n\t"
+        // sums[i] = accumulator i (30 and 31 from where they lived)
+        "vmovaps (%[s]), %%zmm30\n\t"
+        "vmovaps 64(%[s]), %%zmm31\n\t"
+        "vmovaps %%zmm0, 0(%[s])\n\tvmovaps %%zmm1, 64(%[s])\n\tvmovaps %%zmm2, 128(%[s])\n\tvmovaps %%zmm3, 192(%[s])\n\t"
+        "vmovaps %%zmm4, 256(%[s])\n\tvmovaps %%zmm5, 320(%[s])\n\tvmovaps %%zmm6, 384(%[s])\n\tvmovaps %%zmm7, 448(%[s])\n\t"
+        "vmovaps %%zmm8, 512(%[s])\n\tvmovaps %%zmm9, 576(%[s])\n\tvmovaps %%zmm10, 640(%[s])\n\tvmovaps %%zmm11, 704(%[s])\n\t"
+        "vmovaps %%zmm12, 768(%[s])\n\tvmovaps %%zmm13, 832(%[s])\n\tvmovaps %%zmm14, 896(%[s])\n\tvmovaps %%zmm15, 960(%[s])\n\t"
+        "vmovaps %%zmm16, 1024(%[s])\n\tvmovaps %%zmm17, 1088(%[s])\n\tvmovaps %%zmm18, 1152(%[s])\n\tvmovaps %%zmm19, 1216(%[s])\n\t"
+        "vmovaps %%zmm20, 1280(%[s])\n\tvmovaps %%zmm21, 1344(%[s])\n\tvmovaps %%zmm22, 1408(%[s])\n\tvmovaps %%zmm23, 1472(%[s])\n\t"
+        "vmovaps %%zmm24, 1536(%[s])\n\tvmovaps %%zmm25, 1600(%[s])\n\tvmovaps %%zmm26, 1664(%[s])\n\tvmovaps %%zmm27, 1728(%[s])\n\t"
+        "vmovaps %%zmm28, 1792(%[s])\n\tvmovaps %%zmm29, 1856(%[s])\n\tvmovaps %%zmm30, 1920(%[s])\n\tvmovaps %%zmm31, 1984(%[s])\n\t"
+        : [x0] "+r"(x0), [x4] "+r"(x4), [w] "+r"(w), [n] "+r"(n), [f] "+r"(f)
+        : [L] "r"(L), [L3] "r"(L3), [ws] "r"(wstep), [fe] "r"(fetch_end), [fper] "r"(fper), [s] "r"(sums)
+        : "memory", "cc", "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9", "xmm10",
+          "xmm11", "xmm12", "xmm13", "xmm14", "xmm15", "xmm16", "xmm17", "xmm18", "xmm19", "xmm20", "xmm21", "xmm22",
+          "xmm23", "xmm24", "xmm25", "xmm26", "xmm27", "xmm28", "xmm29", "xmm30", "xmm31");
+    return BF16DP_BLOCK_AHEAD ? f : fetch;
+}
+
 // CPUs with AVX512-BF16 (Zen 4/5, Sapphire Rapids and later): bf16 weights times activations rounded to bf16,
 // 32 products per VDPBF16PS accumulated in fp32: twice (Zen 4) to four times (Sapphire Rapids) the multiply-adds
 // per cycle of fp32 FMAs. One lane of a panel vector holds the pair of columns (c, c+1) of one output.
@@ -883,13 +1002,21 @@ static inline __attribute__((always_inline)) void tile_bf16dp(const uint16_t* Xb
     __m512 acc[R][P];
 #pragma GCC unroll 32
     for (int i = 0; i < R * P; i++) acc[i / P][i % P] = _mm512_setzero_ps();
-    constexpr int HELD = R * P + P + 1 <= 32 ? P : 31 - R * P;
+    constexpr bool WIDE = R * P >= 32;  // 8 x 4: tile_8x4_steps
+    constexpr int HELD = WIDE ? 1 : R * P + P + 1 <= 32 ? P : 31 - R * P;
     static_assert(HELD >= 1, "tile_bf16dp: too many accumulators");
     const int64_t pairs = n >> 1;
     // The block ahead's lines (BlockAhead): `per` a step, from `fetch` to `fetch_end`.
     const char* fetch = ahead.p;
     const char* const fetch_end = ahead.end;
     const int64_t per = ahead.per;
+    if constexpr (WIDE) {
+        static_assert(R == 8 && P == 4, "tile_bf16dp: the wide tile is 8 x 4");
+        alignas(64) float sums[32 * 16];
+        fetch = tile_8x4_steps(Xb, ldxb, Wp, cstride, pairs, fetch, fetch_end, per, sums);
+#pragma GCC unroll 32
+        for (int i = 0; i < 32; i++) acc[i / 4][i % 4] = _mm512_load_ps(sums + 16 * i);
+    } else
     for (int64_t c2 = 0; c2 < pairs; c2++) {
         if (BF16DP_BLOCK_AHEAD && fetch < fetch_end) {
             _mm_prefetch(fetch, _MM_HINT_T1);
