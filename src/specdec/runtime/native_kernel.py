@@ -362,7 +362,9 @@ def tuning_flags(isa: str, vendor: str, family: int, env: str | None = None, mod
     if forced is False:
         return ["-DBF16DP_PREFETCH=0", "-DBF16DP_BLOCK_AHEAD=0", *groups]
     on = not zen4 if forced is None else forced
-    return ([] if on else ["-DBF16DP_PREFETCH=0"]) + ([f"-DBF16DP_AHEAD_ROWS={ZEN4_AHEAD_ROWS}"] if zen4 else []) + groups
+    return (
+        ([] if on else ["-DBF16DP_PREFETCH=0"]) + ([f"-DBF16DP_AHEAD_ROWS={ZEN4_AHEAD_ROWS}"] if zen4 else []) + groups
+    )
 
 
 def _build(cxx: str) -> Path:
