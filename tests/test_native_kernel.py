@@ -322,16 +322,16 @@ def test_the_prefetch_setting_never_changes_a_result(
 
 @pytest.mark.skipif(not builds_up_to("avx512bf16"), reason="bf16 dot-product tiles are built only on AVX512-BF16 CPUs")
 def test_the_block_ahead_never_changes_a_product(builds_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Products of several row groups over a matrix of several L2 blocks a thread (3,001 x 203 bf16: 6.5 KB panels,
-    blocks of 40, 188 panels), whose later row groups fetch the thread's next block (BF16DP_BLOCK_AHEAD), against the
-    build without any prefetch, on 1-3 threads: equal bit for bit at 8-33 rows (two to six row groups, every tail),
+    """Products of several row groups over a matrix of several L2 blocks a thread (2,950 x 203 bf16: 6.5 KB panels,
+    blocks of 40, 185 panels: the last group of panels holds one, the last panel 6 outputs), whose later row groups
+    fetch the thread's next block (BF16DP_BLOCK_AHEAD), against the build without any prefetch, on 1-3 threads: equal bit for bit at 8-33 rows (two to six row groups, every tail),
     and each row equal to the same row alone. Both ways the block ahead is built: every later row group fetching
     (the build tuned as for a Zen 5: groups of 6) and only the full ones of groups of 8 (as for a Zen 4: the 8 x 4
-    tile, and its narrower ones at the panels' tail; 8 rows are one group, 9 are 5 + 4 and fetch nothing, 13's group of
+    tile, and an 8 x 1 one over the last group; 8 rows are one group, 9 are 5 + 4 and fetch nothing, 13's group of
     5 does not, 16's second group of 8 does, 25 and 33 end in 5 + 4), whatever this CPU is. The reference is built
     without any prefetch, in groups of 6 (as for a Zen 5)."""
     gen = torch.Generator().manual_seed(74)
-    w = torch.randn(3001, 203, generator=gen) * 0.1
+    w = torch.randn(2950, 203, generator=gen) * 0.1
     x = torch.randn(33, 203, generator=gen)
     ks = (8, 9, 13, 16, 25, 33)
     # name: (the switch, the CPU the build is tuned for, the rows a later group needs to fetch; None: no block ahead),
