@@ -540,6 +540,79 @@ def test_a_batch_planners_excess_fit_keeps_a_shape_slope_where_its_steps_ran_one
     assert spread.coefficients()[1] == pytest.approx(0.1e-3, rel=0.1)  # the prior pulls it ~5% here
 
 
+def test_a_plain_step_is_not_priced_below_its_share_of_shapes_measured_on_a_busy_machine() -> None:
+    """Shapes measured apart from the steps while the machine was busy (every pass and draft line 1.6x what it costs
+    quiet), then 200 steps of 4 sequences at depth 5 alone, each at its quiet cost (the shape ÷ 1.6): their excess is
+    a share of the shape below zero. Read on the fitted line (slope ridged toward the prior, the intercept carrying
+    the rest), a plain step's small shape went far below its cost (a traced server priced its plain 4-sequence steps at
+    0.75-1.11 ms where they took 1.96 and flipped between plain and shallow steps, session 76); below the shapes the
+    steps ran, the excess keeps the share it had at the least of them. Steps of two depths learn the share as the
+    line's slope (below 0, no steeper than the line through 0). A positive excess at a shallower shape still reads on
+    the line. No noise: cannot flake."""
+    from specdec.policy.estimates import StepCosts, batch_excess_fit
+
+    policy = shaped_policy()
+    batch = policy.batch_costs
+    busy, rest = 1.6, 0.5e-3
+    for i in range(200):
+        steps = [
+            replace(
+                record_for(f"s{k}", i + 1, 5, 3),
+                other_time=rest,
+                draft_time=(batch.measured_shape(24, 5, 4) - batch.measured_pass(24)) / busy,
+                verify_time=batch.measured_pass(24) / busy,
+                batch_size=4,
+                rows=24,
+                drafting=4,
+                draft_passes=5,
+                draft_fed=8,
+            )
+            for k in range(4)
+        ]
+        batch.observe_step(steps)
+    assert batch.shaped_excess
+    price = batch.pricer(4, StepCosts())
+    deep = batch.measured_shape(24, 5, 4) / busy + rest
+    assert price(24, 5, 4) == pytest.approx(deep, rel=0.02)
+    for rows, depth in ((4, 0), (8, 1), (12, 2)):
+        truth = batch.measured_shape(rows, depth, 4) / busy + rest
+        assert price(rows, depth, 4) == pytest.approx(truth, rel=0.05), (rows, depth)
+    # Steps of two depths (plain 3 steps in 5, depth 2 the others: a plan flipping between them), 16 sequences: their
+    # excess is a share of each shape (and 10% more for the event loop's share), and each depth is priced at its own
+    # cost. Held to a slope of 0 or more, the line put the mean excess on both: plain too cheap, depth 2 too dear.
+    policy = shaped_policy()
+    batch = policy.batch_costs
+    for i in range(200):
+        depth = 2 if i % 5 in (1, 3) else 0
+        rows = 16 * (depth + 1)
+        draft = batch.measured_shape(rows, depth, 16) - batch.measured_pass(rows)
+        steps = [
+            replace(
+                record_for(f"s{k}", i + 1, depth, depth),
+                other_time=rest,
+                draft_time=draft * 1.1 / busy,
+                verify_time=batch.measured_pass(rows) * 1.1 / busy,
+                batch_size=16,
+                rows=rows,
+                drafting=16 if depth else 0,
+                draft_passes=depth,
+                draft_fed=32 if depth else 0,
+            )
+            for k in range(16)
+        ]
+        batch.observe_step(steps)
+    price = batch.pricer(16, StepCosts())
+    for rows, depth in ((16, 0), (48, 2), (32, 1), (64, 3)):
+        truth = batch.measured_shape(rows, depth, 16) * 1.1 / busy + rest
+        assert price(rows, depth, 16) == pytest.approx(truth, rel=0.05), (rows, depth)
+    # Where the steps ran beyond their shapes, a smaller shape still reads on the line (its slope the prior's).
+    above = batch_excess_fit()
+    for _ in range(100):
+        above.observe(4.0, 3e-3)
+    a, c = above.coefficients()
+    assert c > 0.0 and above(2.0) == pytest.approx(a + 2.0 * c)
+
+
 def test_a_first_batch_after_lone_requests_prices_its_rest_as_a_share_more_per_sequence_not_proportionally() -> None:
     """A server's lone requests teach the rest of a one-sequence step (0.6 ms here); the first batch of 16 that follows
     has no rest of its own measured yet. Priced proportionally (16 x 0.6 = 9.6 ms), every plain or shallow step looked

@@ -560,13 +560,20 @@ EXCESS_SHAPE_UNIT = 1e3  # the kernel's ExcessFit's size, a step's shape, in mil
 # server's lighter loads a policy at 16 clients held depths 5-6 at 0.79-0.83x the tokens of τ = 2 (session 51). Data
 # spread over shapes moves the slope where it is.
 EXCESS_SHAPE_PRIOR = 0.2e-3  # seconds of excess per millisecond of shape
+# The least slope a batch planner's excess may take on the shape: a step then still costs at least half its shape's
+# growth. Below zero the excess says the shapes were measured dear (a server primed while another process ran: every
+# pass and draft a share dearer, 1.6x in a busy-priming test, session 77), which is a share of each shape; held at 0
+# that share went into the intercept, a 16-sequence step of depth 2 priced at 13.9-14.9 ms where such steps took 12.4
+# and a plain one at 4.5 where it took 5.2, and a server at 16 clients ran 160 of its 257 steps plain (3.0 tokens/ms
+# against depth 2's 3.3).
+EXCESS_SHAPE_FLOOR = -0.5e-3  # seconds of excess per millisecond of shape
 POLICY_TIME_DECAY = 0.97  # per batch step: the mean of the policy's own work spans a few replanning cycles
 
 
 def batch_excess_fit() -> ExcessFit:
     """The ExcessFit a batch planner learns its drafts' and passes' excess with: by the step's shape in milliseconds,
     its slope ridged toward EXCESS_SHAPE_PRIOR."""
-    return ExcessFit(prior=EXCESS_SHAPE_PRIOR)
+    return ExcessFit(prior=EXCESS_SHAPE_PRIOR, least_slope=EXCESS_SHAPE_FLOOR)
 
 
 def rest_fit() -> ExcessFit:
@@ -578,7 +585,8 @@ def rest_fit() -> ExcessFit:
 class ExcessFit:
     """Seconds a step spends beyond what was measured apart from the steps, as a line in one of the step's sizes,
     e(x) = a + c·x: decayed least squares, c ridged toward ``prior`` (``ridge`` is in the size's units squared) and
-    kept at 0 or above (a machine's noise must not make a size look cheaper the larger it is).
+    kept at ``least_slope`` or above (0 by default: a machine's noise must not make a size look cheaper the larger it
+    is; a step's shape, measured dear, may take a negative excess per unit of shape, ``EXCESS_SHAPE_FLOOR``).
 
     A batch planner keeps two (``BatchCosts``): its drafts' and passes' time beyond their shapes measured quietly, by
     the shape (a server's event loop streams the last step's tokens and its clients send the next requests while the
@@ -593,8 +601,8 @@ class ExcessFit:
     steps a policy runs priced the shallow depths 30-40% too dear (sessions 47-48), and they were never run to
     correct it."""
 
-    def __init__(self, decay: float = 0.98, ridge: float = 16.0, prior: float = 0.0) -> None:
-        self.decay, self.ridge, self.prior = decay, ridge, prior
+    def __init__(self, decay: float = 0.98, ridge: float = 16.0, prior: float = 0.0, least_slope: float = 0.0) -> None:
+        self.decay, self.ridge, self.prior, self.least_slope = decay, ridge, prior, least_slope
         self._sums = [0.0] * 5  # decayed Σ of w, x, y, x², x·y
         self._fit: tuple[float, float] | None = None
 
@@ -618,13 +626,44 @@ class ExcessFit:
         mx, my = sx / n, sy / n
         # centred variance and covariance times n, the ridge added toward the prior slope
         c = (sxy - n * mx * my + self.ridge * self.prior) / (sxx - n * mx * mx + self.ridge)
-        c = max(c, 0.0)
+        c = max(c, self.least_slope_at(mx, my))
         self._fit = (my - c * mx, c)
         return self._fit
 
+    def least_slope_at(self, mx: float, my: float) -> float:
+        """The least slope the fit takes where the sizes' mean is ``mx`` and the excess's ``my``: 0 while the excess
+        is 0 or more; below 0, a line no steeper than the one through 0 and the mean (a negative excess as a share of
+        the size: shapes measured dear), and never below ``least_slope``. Steeper, steps run cold at a small shape for
+        a start (7 ms beyond where the later steps ran 3) turned the slope negative by a few steps' weight and priced
+        the shallow depths out; a line through 0 prices a size by the share the steps measured."""
+        if self.least_slope >= 0.0 or my >= 0.0 or mx <= 0.0:
+            return max(self.least_slope, 0.0)
+        return max(self.least_slope, my / mx)
+
+    def least_size(self) -> float:
+        """The low end of the sizes observed (their decayed mean less one deviation; the size itself where all were
+        one)."""
+        n, sx, _, sxx, _ = self._sums
+        if n <= 0.0:
+            return 0.0
+        mean = sx / n
+        return max(mean - math.sqrt(max(sxx / n - mean * mean, 0.0)), 0.0)
+
     def __call__(self, x: float) -> float:
+        """The excess at size ``x``: the line, except that below the sizes observed (``least_size``) it stays no
+        further below zero than the share of the size it was at the least of them. An excess below zero is a step
+        cheaper than its shapes measured apart, and that comes from shapes measured on a busy machine (a server primed
+        while another process ran measured its passes 1.3-2x dear), a share of each shape, not a constant: read on the
+        line, steps run deep alone (one size) put the whole negative intercept on a plain step's small shape, and a
+        server priced its plain 4-sequence steps at 0.75-1.11 ms where they took 1.96 and ran them at 0.8x the tokens
+        of its deeper steps (session 76)."""
         a, c = self.coefficients()
-        return a + c * x
+        excess = a + c * x
+        if excess < 0.0:
+            least = self.least_size()
+            if 0.0 < x < least:
+                excess = max(excess, min(a + c * least, 0.0) * x / least)
+        return excess
 
 
 DRAFT_ROW_GROWTH = 0.05  # until measured: a lockstep draft forward costs 5% more per further sequence
