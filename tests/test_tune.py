@@ -154,6 +154,12 @@ def test_measured_batch_costs_prime_the_adaptive_policy_only_for_their_models(
     costs, note = matching_costs(engine, path)
     assert not costs and "other models or settings" in note
     lines = {"1": [3e-4, 1e-4], "16": [9e-4, 3e-4]}
+    # Figures a busy machine left (a pass of 32 rows cheaper than one of 16; a file from before tune checked them):
+    # not used, and said.
+    busy = {**doc, "rows_table": {"1": 0.001, "16": 0.0182, "32": 0.0089}, "model": model_identity(engine)}
+    path.write_text(json.dumps(busy))
+    costs, note = matching_costs(engine, path)
+    assert not costs and "implausible (a pass of 32 rows measured 8.90 ms, of 16 rows 18.20 ms" in note
     path.write_text(
         json.dumps(
             {
@@ -213,6 +219,58 @@ def test_a_server_measures_its_costs_on_a_thread_that_ends(
     monkeypatch.setattr(tune, "measure_batched_costs", broken)
     with pytest.raises(RuntimeError, match="the pass failed"):
         tune.starting_costs(engine, tmp_path / "none.json")
+
+
+def test_tune_does_not_save_costs_a_busy_machine_measured_each_time(
+    tiny_models: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``specdec tune --save-costs`` measures its batched passes again while they are implausible (as a server's
+    start does), and where they are implausible each time writes no file (a server would refuse it) and says why in
+    one line, exit 1. Plausible on a later try: saved, the tries said."""
+    import specdec.tune as tune
+
+    monkeypatch.setattr(tune, "START_PAUSE_S", 0.0)
+    tries: list[int] = []
+    busy = {"rows_table": {1: 1.4e-3, 16: 18.2e-3, 32: 8.9e-3}}
+    quiet = {"rows_table": {1: 1.4e-3, 16: 3.0e-3, 32: 4.9e-3}, "draft_lines": {1: (3.6e-4, 1e-4)}}
+    answers: list[dict[str, Any]] = []
+
+    def measure(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        tries.append(1)
+        return answers.pop(0)
+
+    monkeypatch.setattr(tune, "measure_batched_costs", measure)
+    costs, prompts = tmp_path / "costs.json", tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def fibonacci(n):"}\n')
+    argv = [
+        "tune",
+        "--prompts",
+        str(prompts),
+        "--target",
+        str(tiny_models["llama"]),
+        "--draft",
+        str(tiny_models["draft"]),
+        "--max-new-tokens",
+        "4",
+        "--max-tau",
+        "2",
+        "--dtype",
+        "float32",
+        "--no-measure",
+        "--save-costs",
+        str(costs),
+    ]
+    answers[:] = [busy] * tune.START_ATTEMPTS
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert len(tries) == tune.START_ATTEMPTS and not costs.exists()
+    line = next(x for x in err.splitlines() if "error" in x)
+    assert "implausibly 4 times (a pass of 32 rows measured 8.90 ms, of 16 rows 18.20 ms)" in line
+    assert f"{costs} not written" in line and "Traceback" not in err
+    answers[:] = [busy, quiet]
+    assert main(argv) == 0
+    assert "2 tries, the machine was busy" in capsys.readouterr().err
+    assert json.loads(costs.read_text())["rows_table"] == {"1": 1.4e-3, "16": 3.0e-3, "32": 4.9e-3}
 
 
 def test_costs_a_busy_machine_measured_are_refused() -> None:

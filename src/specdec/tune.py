@@ -395,6 +395,11 @@ def matching_costs(engine: Any, path: Path | None = None) -> tuple[MeasuredCosts
     costs = costs_of(doc)
     if not costs.passes:
         return none, f"measured costs {path} have no batched passes: not used"
+    why = implausible_costs(
+        {"rows_table": costs.passes, "draft_lines": costs.draft_lines, "row_granule": costs.row_granule}
+    )
+    if why is not None:  # a file from before tune checked its measurements, or edited
+        return none, f"measured costs {path} are implausible ({why}: a busy machine?): not used (re-run specdec tune)"
     return costs, f"batch costs from {path} ({len(costs.passes)} pass sizes measured)"
 
 
@@ -471,24 +476,35 @@ def starting_costs(engine: Any, path: Path | None = None, measure: bool = True) 
     if not measure:
         return costs, note + ": batch costs learnt from steps"
     t0 = time.perf_counter()
-    pause = random.Random()  # seeded from the OS: servers started together pause for different times
-    for attempt in range(1, START_ATTEMPTS + 1):
-        measured = _on_own_thread(
-            lambda: measure_batched_costs(engine, rounds=START_ROUNDS, min_seconds=0.01, pick=min)
+    measured, attempts, why = plausible_batched_costs(
+        engine, lambda: measure_batched_costs(engine, rounds=START_ROUNDS, min_seconds=0.01, pick=min)
+    )
+    if why is None:
+        again = f", {attempts} tries: the machine was busy" if attempts > 1 else ""
+        return costs_of(measured), (
+            f"{note}: batch costs measured now in {time.perf_counter() - t0:.1f} s{again} "
+            "(specdec tune --threads auto --save-costs keeps them in a file)"
         )
-        why = implausible_costs(measured)
-        if why is None:
-            again = f", {attempt} tries: the machine was busy" if attempt > 1 else ""
-            return costs_of(measured), (
-                f"{note}: batch costs measured now in {time.perf_counter() - t0:.1f} s{again} "
-                "(specdec tune --threads auto --save-costs keeps them in a file)"
-            )
-        if attempt < START_ATTEMPTS:
-            time.sleep(pause.uniform(0.25, 1.0) * START_PAUSE_S)
     return costs, (
-        f"{note}: batch costs learnt from steps (measured {START_ATTEMPTS} times at start, implausible each time, "
+        f"{note}: batch costs learnt from steps (measured {attempts} times at start, implausible each time, "
         f"the machine busy: {why})"
     )
+
+
+def plausible_batched_costs(
+    engine: Any, measure: Callable[[], dict[str, Any]], attempts: int = START_ATTEMPTS
+) -> tuple[dict[str, Any], int, str | None]:
+    """``measure()`` (``measure_batched_costs`` on ``engine``, run on a thread of its own) up to ``attempts`` times,
+    after a random pause each time its figures are implausible (``implausible_costs``): the last figures, the tries
+    taken and why they are implausible (None: plausible). Servers started together pause for different times."""
+    pause = random.Random()  # seeded from the OS
+    for attempt in range(1, attempts + 1):
+        measured = _on_own_thread(measure)
+        why = implausible_costs(measured)
+        if why is None or attempt == attempts:
+            return measured, attempt, why
+        time.sleep(pause.uniform(0.25, 1.0) * START_PAUSE_S)
+    raise AssertionError("unreachable")
 
 
 def prime_for_serving(engine: Any, settings: Any) -> str:

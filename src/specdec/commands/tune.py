@@ -97,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
         measure_draft,
         measure_recommended,
         model_identity,
+        plausible_batched_costs,
         recommend,
         to_json,
     )
@@ -158,8 +159,17 @@ def run(args: argparse.Namespace) -> int:
             print(
                 "measuring batched passes (1-128 rows over up to 16 sequences) for the cost file ...", file=sys.stderr
             )
-            batched = measure_batched_costs(engine)
+            batched, tries, why = plausible_batched_costs(engine, lambda: measure_batched_costs(engine))
             path = Path(args.save_costs) if args.save_costs else measured_costs_path()
+            if why is not None:
+                print(
+                    f"specdec tune: error: batched passes measured implausibly {tries} times ({why}): the machine is "
+                    f"busy; {path} not written (run it again on a quiet machine)",
+                    file=sys.stderr,
+                )
+                return 1
+            if tries > 1:
+                print(f"batched passes: {tries} tries, the machine was busy", file=sys.stderr)
             path.parent.mkdir(parents=True, exist_ok=True)
             doc = {**best.costs, **batched, "name": "cpu", "model": model_identity(engine)}
             path.write_text(json.dumps(doc, indent=1) + "\n")
