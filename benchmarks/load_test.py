@@ -401,7 +401,7 @@ async def run_level(
     serves its last ones in ever smaller batches: at 16 clients and 48 requests a third of the steps ran below 16
     sequences, and the whole round's tokens/s read 0.82-0.93 of this figure in process; a one-request-per-pass server
     serves as fast with fewer). That is the throughput "at N clients" whatever the number of requests."""
-    counter = iter(range(args.requests))
+    counter = iter(range(requests_at(args.requests, concurrency)))
     sdk = args.client == "openai"
     conns = [] if sdk else [StreamConnection(url, headers, args.timeout) for _ in range(concurrency)]
     clients = [openai_client(url, args.api_key, args.timeout) for _ in range(concurrency)] if sdk else []
@@ -533,6 +533,21 @@ def spawned_servers(args: argparse.Namespace) -> contextlib.AbstractContextManag
         return lambda port: [*head, "--port", str(port), *cache, *shlex.split(args.serve_args), *extra]
 
     return running_servers([("batched", serve([])), ("unbatched", serve(["--max-batch", "1"]))])
+
+
+ROUNDS = 6  # default --rounds
+LEAST_REQUESTS = 16  # default --requests: twice the clients, at least this many
+
+
+def requests_at(requests: int | None, concurrency: int) -> int:
+    """Requests a mode's round sends at ``concurrency`` clients: ``--requests``, by default twice the clients and at
+    least LEAST_REQUESTS. Short rounds, many of them (``ROUNDS``): these machines change speed within seconds (a
+    traced server ran the same 16-row pass at 4.6 ms for a whole 96-request round of one mode and 3.1 ms in the next
+    mode's round), and two long rounds put that drift on a mode's ratio: the policy read 0.89 of τ = 3 at 4 clients in
+    two runs of 2 rounds of 96 requests, 0.99-1.01 in runs of 6-10 shorter rounds on the same code (session 77), where
+    rounds of the same length alternating every few seconds ran its passes at the same rows in the same times as τ =
+    3's. Twice the clients keeps a round past its first wave of requests (the figure with every client busy)."""
+    return requests if requests is not None else max(LEAST_REQUESTS, 2 * concurrency)
 
 
 def level_schedule(modes: list[str], concurrency: list[int], rounds: int, warmup: int) -> list[tuple[str, str, int]]:
@@ -870,12 +885,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None, help="model id to send (default: none, the server's)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
-    p.add_argument("--requests", type=int, default=64, help="requests per mode, concurrency level and round")
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=None,
+        help=f"requests per mode, concurrency level and round (default: twice the clients, at least {LEAST_REQUESTS})",
+    )
     p.add_argument(
         "--rounds",
         type=int,
-        default=2,
-        help="alternations of the modes at each level, the order rotated each round (default 2: each mode early and late)",
+        default=ROUNDS,
+        help=f"alternations of the modes at each level, the order rotated each round (default {ROUNDS}: short rounds, "
+        "many of them, so that the machine's changes of speed fall on every mode alike)",
     )
     p.add_argument(
         "--level-warmup",
@@ -942,6 +963,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         return args
     if args.level_warmup < 0:
         p.error(f"--level-warmup: expected 0 or more new tokens, got {args.level_warmup}")
+    if args.requests is not None and args.requests < 1:
+        p.error(f"--requests: expected 1 or more, got {args.requests}")
+    if args.rounds < 1:
+        p.error(f"--rounds: expected 1 or more, got {args.rounds}")
     if args.client == "openai":
         try:
             import openai  # noqa: F401

@@ -125,6 +125,23 @@ def test_the_modes_take_turns_in_an_order_rotated_each_round() -> None:
     assert order([], 2) == []
 
 
+def test_a_round_sends_twice_the_clients_requests_by_default_and_bad_counts_are_refused() -> None:
+    """Short rounds, many of them: by default a round is twice the clients' requests (at least 16), six rounds a
+    level; ``--requests`` sets it whatever the clients. A count below 1 is a one-line error."""
+    mod = _module()
+    assert [mod.requests_at(None, c) for c in (1, 4, 8, 16, 32)] == [16, 16, 16, 32, 64]
+    assert mod.requests_at(96, 32) == 96 and mod.ROUNDS == 6
+    for flag in ("--requests", "--rounds"):
+        run = subprocess.run(
+            [sys.executable, str(SCRIPT), "--url", "http://127.0.0.1:9", flag, "0"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert run.returncode == 2 and f"load_test.py: error: {flag}: expected 1 or more, got 0" in run.stderr
+        assert "Traceback" not in run.stderr
+
+
 def test_each_level_warms_every_mode_before_its_measured_rounds() -> None:
     """A level's first batches of its size pay one-off costs, which landed on whichever mode ran first: each level
     starts with one unmeasured burst per mode, then its rotated rounds; none with --level-warmup 0."""
