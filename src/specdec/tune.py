@@ -477,7 +477,7 @@ def starting_costs(engine: Any, path: Path | None = None, measure: bool = True) 
         return costs, note + ": batch costs learnt from steps"
     t0 = time.perf_counter()
     measured, attempts, why = plausible_batched_costs(
-        engine, lambda: measure_batched_costs(engine, rounds=START_ROUNDS, min_seconds=0.01, pick=min)
+        lambda: measure_batched_costs(engine, rounds=START_ROUNDS, min_seconds=0.01, pick=min)
     )
     if why is None:
         again = f", {attempts} tries: the machine was busy" if attempts > 1 else ""
@@ -492,9 +492,9 @@ def starting_costs(engine: Any, path: Path | None = None, measure: bool = True) 
 
 
 def plausible_batched_costs(
-    engine: Any, measure: Callable[[], dict[str, Any]], attempts: int = START_ATTEMPTS
+    measure: Callable[[], dict[str, Any]], attempts: int = START_ATTEMPTS
 ) -> tuple[dict[str, Any], int, str | None]:
-    """``measure()`` (``measure_batched_costs`` on ``engine``, run on a thread of its own) up to ``attempts`` times,
+    """``measure()`` (``measure_batched_costs`` on an engine, run on a thread of its own) up to ``attempts`` times,
     after a random pause each time its figures are implausible (``implausible_costs``): the last figures, the tries
     taken and why they are implausible (None: plausible). Servers started together pause for different times."""
     pause = random.Random()  # seeded from the OS

@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
             print(
                 "measuring batched passes (1-128 rows over up to 16 sequences) for the cost file ...", file=sys.stderr
             )
-            batched, tries, why = plausible_batched_costs(engine, lambda: measure_batched_costs(engine))
+            batched, tries, why = plausible_batched_costs(lambda: measure_batched_costs(engine))
             path = Path(args.save_costs) if args.save_costs else measured_costs_path()
             if why is not None:
                 print(

@@ -651,7 +651,8 @@ class ExcessFit:
 
     def __call__(self, x: float) -> float:
         """The excess at size ``x``: the line, except that below the sizes observed (``least_size``) it stays no
-        further below zero than the share of the size it was at the least of them. An excess below zero is a step
+        further below zero than the share of the size it was at the least of them (not below zero where it was 0 or more
+        there). An excess below zero is a step
         cheaper than its shapes measured apart, and that comes from shapes measured on a busy machine (a server primed
         while another process ran measured its passes 1.3-2x dear), a share of each shape, not a constant: read on the
         line, steps run deep alone (one size) put the whole negative intercept on a plain step's small shape, and a
