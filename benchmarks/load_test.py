@@ -392,8 +392,8 @@ def request_body(args: argparse.Namespace, mode: str, i: int) -> dict[str, Any]:
 async def run_level(
     url: str, args: argparse.Namespace, mode: str, concurrency: int, result: Result, headers: dict[str, str]
 ) -> None:
-    """``requests_at(args.requests, concurrency)`` requests through ``concurrency`` clients, each on its own keep-alive connection, sending
-    its next request when its last one is done.
+    """``requests_at(args.requests, concurrency)`` requests through ``concurrency`` clients, each on its own
+    keep-alive connection, sending its next request when its last one is done.
 
     Besides the round's tokens over its whole time, the tokens streamed while every client had a request in flight:
     from the first response's end (the clients' first requests, sent together, have met in the server by then) to
