@@ -61,6 +61,8 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from specdec.retry_after import retry_delay
+
 PROMPTS = [
     "def quicksort(items):\n",
     "def binary_search(items, target):\n    lo, hi = 0, len(items)\n",
@@ -109,6 +111,7 @@ class Result:
     wall: float = 0.0
     samples: list[Sample] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    refused: int = 0  # 429s the clients met (each then tried again after the wait the server asked: not errors)
     texts: dict[int, set[str]] = field(default_factory=dict)  # prompt index -> outputs seen
     rounds: list[float] = field(default_factory=list)  # output tokens/s of each round (the spread of the figure)
     # Of each round, the tokens streamed while every client had a request in flight, and for how long (``run_level``).
@@ -129,6 +132,7 @@ class Result:
             "concurrency": self.concurrency,
             "requests": len(self.samples),
             "errors": len(self.errors),
+            "refused": self.refused,
             "tokens_per_s": tokens / self.wall if self.wall else 0.0,
             "requests_per_s": len(self.samples) / self.wall if self.wall else 0.0,
             "p50_latency_s": _pct(lat, 50),
@@ -180,8 +184,9 @@ class StreamConnection:
         if self._writer is None:
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
 
-    async def post_stream(self, path: str, body: dict[str, Any]) -> tuple[int, AsyncIterator[bytes]]:
-        """POST ``body``; the status code and the response body's pieces as they arrive."""
+    async def post_stream(self, path: str, body: dict[str, Any]) -> tuple[int, dict[str, str], AsyncIterator[bytes]]:
+        """POST ``body``; the status code, the response's headers (names in lower case) and its body's pieces as they
+        arrive."""
         data = json.dumps(body).encode()
         for attempt in (0, 1):  # a kept-alive connection the server closed meanwhile: reconnect once
             await self.connect()
@@ -200,7 +205,7 @@ class StreamConnection:
             lines = head.decode("latin-1").split("\r\n")
             status = int(lines[0].split(" ", 2)[1])
             fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
-            return status, self._body(fields)
+            return status, fields, self._body(fields)
         raise AssertionError("unreachable")
 
     async def _body(self, fields: dict[str, str]) -> AsyncIterator[bytes]:
@@ -236,8 +241,8 @@ def _raise_reported(obj: dict[str, Any]) -> None:
 class _Reading:
     """What one streamed completion's SSE events say: its text, completion tokens and time to first text."""
 
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
+    def __init__(self, started: float | None = None) -> None:
+        self.t0 = time.perf_counter() if started is None else started
         self.ttft = float("nan")
         self.text: list[str] = []
         self.arrivals: list[float] = []
@@ -298,13 +303,26 @@ class _Reading:
         )
 
 
-async def one_request(conn: StreamConnection, body: dict[str, Any]) -> Sample:
-    """One completion: its latency, time to first text (streamed), completion tokens (the usage chunk) and text."""
-    reading = _Reading()
-    status, pieces = await conn.post_stream("/v1/completions", body)
+class Refused(Exception):
+    """A 429: the server's waiting line is full. ``delay``: the seconds it asks the client to wait (``retry_delay``),
+    None where it says nothing."""
+
+    def __init__(self, message: str, delay: float | None) -> None:
+        super().__init__(message)
+        self.delay = delay
+
+
+async def one_request(conn: StreamConnection, body: dict[str, Any], started: float | None = None) -> Sample:
+    """One completion: its latency (from ``started``, a ``perf_counter`` reading, where a refusal came before it),
+    time to first text (streamed), completion tokens (the usage chunk) and text."""
+    reading = _Reading(started)
+    status, fields, pieces = await conn.post_stream("/v1/completions", body)
     if status != 200:
         raw = b"".join([p async for p in pieces])
-        raise RuntimeError(f"HTTP {status}: {raw.decode(errors='replace')[:200]}")
+        message = f"HTTP {status}: {raw.decode(errors='replace')[:200]}"
+        if status == 429:
+            raise Refused(message, retry_delay(fields))
+        raise RuntimeError(message)
     if not body.get("stream"):
         reading.whole(json.loads(b"".join([p async for p in pieces])))
         return reading.sample()
@@ -342,12 +360,13 @@ def openai_client(url: str, api_key: str | None, timeout: float) -> Any:
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key or "none", max_retries=0, timeout=timeout)
 
 
-async def one_request_openai(client: Any, body: dict[str, Any], model: str) -> Sample:
+async def one_request_openai(client: Any, body: dict[str, Any], model: str, started: float | None = None) -> Sample:
     """``one_request`` through the ``openai`` package (``--client openai``): what a Python application sends and reads,
-    with that package's cost a request on the machine measured. Its errors come back as ``one_request``'s do."""
+    with that package's cost a request on the machine measured. Its errors come back as ``one_request``'s do (a 429 as
+    ``Refused``: the package's own retries are off, so both clients wait alike)."""
     import openai
 
-    reading = _Reading()
+    reading = _Reading(started)
     fields = {k: body[k] for k in SDK_FIELDS if k in body}
     extra = {k: v for k, v in body.items() if k not in SDK_FIELDS and k != "model"} or None
     try:
@@ -358,6 +377,8 @@ async def one_request_openai(client: Any, body: dict[str, Any], model: str) -> S
         else:
             reading.whole(answer.model_dump())
     except openai.APIStatusError as e:
+        if e.status_code == 429:
+            raise Refused(f"HTTP 429: {str(e)[:200]}", retry_delay(e.response.headers)) from None
         raise RuntimeError(f"HTTP {e.status_code}: {str(e)[:200]}") from None
     except openai.APIConnectionError as e:
         raise OSError(f"openai client: {e}") from None
@@ -408,14 +429,26 @@ async def run_level(
     first_done: list[float] = []  # when the first response of the round ended
     dry: list[float] = []  # when the first client found no request left
 
+    async def send(n: int, body: dict[str, Any]) -> Sample:
+        """One request as a well-behaved client sends it: refused (429), it waits what the server asks and tries
+        again, its latency counted from its first try, until ``args.timeout`` has passed since then."""
+        started = time.perf_counter()
+        while True:
+            try:
+                if sdk:
+                    return await one_request_openai(clients[n], body, args.model or args.served_model, started)
+                return await one_request(conns[n], body, started)
+            except Refused as e:
+                result.refused += 1
+                delay = REFUSED_WAIT if e.delay is None else e.delay
+                if time.perf_counter() + delay - started > args.timeout:
+                    raise RuntimeError(f"{e} (refused until the client's --timeout)") from None
+                await asyncio.sleep(delay)
+
     async def worker(n: int) -> None:
         for i in counter:
             try:
-                body = request_body(args, mode, i)
-                if sdk:
-                    sample = await one_request_openai(clients[n], body, args.model or args.served_model)
-                else:
-                    sample = await one_request(conns[n], body)
+                sample = await send(n, request_body(args, mode, i))
                 result.samples.append(sample)
                 result.texts.setdefault(i % len(args.prompt_list), set()).add(sample.text)
                 if not first_done:
@@ -536,6 +569,7 @@ def spawned_servers(args: argparse.Namespace) -> contextlib.AbstractContextManag
 
 
 ROUNDS = 6  # default --rounds
+REFUSED_WAIT = 0.1  # seconds a client waits after a 429 that says nothing of when to try again
 LEAST_REQUESTS = 16  # default --requests: twice the clients, at least this many
 
 
@@ -676,6 +710,14 @@ def render(report: dict[str, Any]) -> str:
             f"{ratio} | {_cell(r.get('steady_tokens_per_s'), digits=1)} | {r['requests_per_s']:.2f} | "
             f"{r['p50_latency_s']:.3f} | {r['p95_latency_s']:.3f} | "
             f"{_seconds(r['p50_ttft_s'])} | {r.get('identical_prompts', '')} |"
+        )
+    refused = [r for r in rows if r.get("refused")]
+    if refused:
+        lines.append(
+            "\nRefused with 429 (the server's waiting line full; each client waited what the refusal asked, "
+            "retry-after-ms or Retry-After, and tried again, its latency counted from its first try): "
+            + ", ".join(f"{r['refused']} at {r['mode']} x{r['concurrency']}" for r in refused)
+            + "."
         )
     cached = [r for r in rows if r.get("cached_prompt_tokens")]
     if cached:

@@ -48,6 +48,8 @@ from typing import Any
 
 import httpx
 
+from specdec.retry_after import retry_delay
+
 STOPS: list[str | list[str]] = ["\n", ")", ":", ["\n\n", "return"]]
 FORMATS: list[dict[str, Any]] = [  # response_format values (about one request in ten asks for one)
     {"type": "json_object"},
@@ -373,7 +375,7 @@ async def replay(client: httpx.AsyncClient, url: str, tally: Tally) -> dict[str,
 
 
 def refused(plan: Plan, r: httpx.Response, tally: Tally) -> float | None:
-    """Tally a refusal; for a 429, the seconds its ``Retry-After`` asks (at most 1 s)."""
+    """Tally a refusal; for a 429, the seconds it asks (``retry-after-ms``, else ``Retry-After``; at most 1 s)."""
     try:
         error = r.json()["error"]
         message, kind = str(error["message"]), error["type"]
@@ -384,10 +386,11 @@ def refused(plan: Plan, r: httpx.Response, tally: Tally) -> float | None:
         tally.problem(plan, f"HTTP {r.status_code} ({kind}): {message}")
     elif r.status_code == 429:
         tally.outcomes["429 (queue full), tried again"] += 1
-        try:
-            return min(1.0, max(0.01, float(r.headers.get("retry-after", "0.1"))))
-        except ValueError:
-            tally.problem(plan, f"429 with a Retry-After that is not a number: {r.headers['retry-after']!r}")
+        delay = retry_delay(r.headers) if {"retry-after", "retry-after-ms"} & set(r.headers.keys()) else 0.1
+        if delay is None:
+            tally.problem(plan, f"429 with a Retry-After that is not a number: {r.headers.get('retry-after')!r}")
+        else:
+            return min(1.0, max(0.01, delay))
     elif NO_TEMPLATE in message:
         tally.outcomes["400 no chat template"] += 1
     else:

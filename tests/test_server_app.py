@@ -333,6 +333,7 @@ def test_full_queue_answers_429_with_retry_after(engine: Any) -> None:
     assert codes.count(200) >= 2 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
     busy = next(r for r in responses if r.status_code == 429)
     assert int(busy.headers["retry-after"]) >= 1 and busy.json()["error"]["type"] == "rate_limit_error"
+    assert 1 <= int(busy.headers["retry-after-ms"]) <= 1000 * int(busy.headers["retry-after"])
     texts = {r.json()["choices"][0]["text"] for r in responses if r.status_code == 200}
     assert len(texts) == 1  # the admitted ones all ran to the same greedy output
 

@@ -55,6 +55,7 @@ from starlette.types import Message, Receive, Scope, Send
 from specdec.commands.common import ModelSettings
 from specdec.engine import Engine
 from specdec.errors import InvalidRequestError
+from specdec.retry_after import retry_headers
 from specdec.runtime.heap import freeze_heap
 from specdec.server.errors import APIError
 from specdec.server.guard import Guard
@@ -560,7 +561,7 @@ class _Forwarder:
         else:
             why = "no replica has reported in the last few seconds: the replicas are starting or being replaced; retry"
         if fleet is None:
-            await _Relay(send).fail(APIError(503, why, None, "no_replicas", headers={"Retry-After": "1"}))
+            await _Relay(send).fail(APIError(503, why, None, "no_replicas", headers=retry_headers(1.0)))
             return
         await _send_ok(send, json.dumps(fleet).encode(), "application/json", head)
 
@@ -665,7 +666,7 @@ def _replica_error(failure: BaseException, relay: _Relay, lost: bool, attempts: 
             f"{what} before answering{tried}; it is being replaced: retry the request",
             None,
             "replica_failed",
-            headers={"Retry-After": "1"},
+            headers=retry_headers(1.0),
         )
     return APIError(
         503,

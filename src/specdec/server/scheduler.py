@@ -33,6 +33,7 @@ from typing import Any
 
 from specdec.engine import Engine, Generation, GenerationResult, StepEvent
 from specdec.errors import SpecdecError
+from specdec.retry_after import retry_headers
 from specdec.sampling_params import TokenLogprob
 from specdec.server.errors import APIError, from_specdec
 
@@ -187,7 +188,7 @@ class Scheduler:
                     "waiting; retry later",
                     None,
                     "queue_full",
-                    headers={"Retry-After": str(self.retry_after())},
+                    headers=retry_headers(self.retry_after()),
                 )
             self._waiting.append(job)
             self._cond.notify_all()
@@ -205,10 +206,10 @@ class Scheduler:
                 job.post(Failed(_cancelled_error()))
             self._cond.notify_all()
 
-    def retry_after(self) -> int:
-        """Seconds until a slot is likely free: the waiting line drained at the recent pace."""
-        per_slot = self._mean_latency * (len(self._waiting) + 1) / self.max_active
-        return int(min(60, max(1, math.ceil(per_slot))))
+    def retry_after(self) -> float:
+        """Seconds until a slot is likely free: the waiting line drained at the recent pace (``retry_headers`` writes
+        them as whole seconds and as milliseconds)."""
+        return self._mean_latency * (len(self._waiting) + 1) / self.max_active
 
     def snapshot(self) -> dict[str, int]:
         with self._cond:
