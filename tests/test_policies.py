@@ -1520,3 +1520,45 @@ def test_the_steps_pass_curve_reads_a_size_only_from_its_own_row_group() -> None
     assert grouped(18, 0.0) == pytest.approx(4.3e-3, rel=0.05)
     assert smooth(18, 0.0) < 3.9e-3
     assert grouped(14, 0.0) == pytest.approx(2.95e-3, rel=0.03)
+
+
+def test_a_batch_planned_plain_from_costs_measured_dear_explores_two_steps_and_comes_to_draft() -> None:
+    """A batch of 16 primed with drafting priced 1.6x what it costs (passes beyond 16 rows and the draft's line
+    measured on a busy machine) plans plain. Its explorations from plain draft one token, and a draft that sat out
+    plain steps first takes their tokens in (a catch-up, 16 sequences x the steps since, that no depth pays while
+    drafting goes on: learnt from no cost or calibration). Each exploration from plain runs two steps, so the second
+    measures what drafting costs (here 32 tokens in 3.8 ms against a plain step's 16 in 2.5); the batch then drafts.
+    Explored one step at a time (the code before session 78) it never measured a steady drafting step and held every
+    step plain (in process, at 16 sequences from such a cost file: 0.83-0.93x τ = 2). Deterministic."""
+    dear = 1.6
+    policy = AdaptivePolicy()
+    # what the passes (1 ms + 1/16 ms a row) and the draft's forwards (0.3 ms each) cost, drafting shapes measured dear
+    passes = {rows: (1.0e-3 + rows * 0.0625e-3) * (dear if rows > 16 else 1.0) for rows in (16, 32, 48, 64, 80)}
+    policy.prime(MeasuredCosts(passes, {16: dear * 0.3e-3}, {16: (dear * 0.3e-3, dear * 0.3e-3)}))
+    for k in range(16):
+        policy.begin(ctx_for(f"s{k}", 0, 0, 0))
+    plain_since = 0  # plain steps since the draft last drafted (its catch-up at the next drafting step)
+    depths = []
+    for step in range(240):
+        plan = policy.plan([ctx_for(f"s{k}", step, 3 * step, step) for k in range(16)])
+        depth = max(d.tau for d in plan)
+        depths.append(depth)
+        fed = 16 * (plain_since + 1) if depth else 0  # each sequence's tokens the draft has not taken in, then 1
+        records = [
+            replace(
+                record_for(f"s{k}", step + 1, d.tau, min(d.tau, 2)),  # every draft keeps 2 tokens at most
+                draft_time=0.3e-3 * depth + 0.02e-3 * (fed - 16 if fed > 16 else 0),
+                verify_time=1.0e-3 + 0.0625e-3 * 16 * (depth + 1),
+                other_time=0.5e-3,
+                batch_size=16,
+                rows=16 * (depth + 1),
+                drafting=16 if depth else 0,
+                draft_passes=depth,
+                draft_fed=fed,
+            )
+            for k, d in enumerate(plan)
+        ]
+        plain_since = 0 if depth else plain_since + 1
+        policy.observe_step(records)
+    assert depths[:8].count(0) == 8  # plain, as its costs predict ...
+    assert sum(d > 0 for d in depths[-80:]) >= 70, depths  # ... until its explorations measured drafting

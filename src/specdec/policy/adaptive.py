@@ -58,6 +58,7 @@ ARM_SETTLED_GAP = 0.04  # the stop rule this much ahead in goodput: settled
 ARM_CHECK_EVERY_SETTLED = 32  # steps: then one in 32 goes without the rule
 GAIN_PER_TOKEN = 0.02  # budget-limited: an extra draft token must add this many expected tokens
 REPLAN_EVERY = 8  # batch steps a batch plan serves (see ``plan``)
+EXPLORE_FROM_PLAIN_STEPS = 2  # steps an exploration from a plain batch plan runs (the first catches the draft up)
 # Sequences from which a batch replays its plan (a single request plans every step, ``next_tau``). At 2-3 sequences a
 # fresh plan every step cost ~0.4-0.6 ms of a 4-6 ms step (in process, an Emerald Rapids, session 48: the policy
 # 0.74-0.91x the best fixed tau at 2-3 sequences with 4, 0.94-1.00x with 2).
@@ -287,8 +288,8 @@ class AdaptivePolicy(Policy):
         self._reuse: dict[str, Decision] = {}  # the last batch plan, by request
         self._joined: dict[str, Decision] = {}  # ... and the decisions of requests that joined its replays since
         self._reuse_until = 0  # ... replayed through this batch step
-        # the plan's exploring depth and its requests' decisions there, for the plan's next step
-        self._explore_next: tuple[int, dict[str, Decision]] | None = None
+        # the plan's exploring depth, its requests' decisions there and the steps to explore, for the plan's next step
+        self._explore_next: tuple[int, dict[str, Decision], int] | None = None
         self._explored = 0  # the batch step whose plan last explored (one deeper, or down: ``plan``)
         self._explore_down = False  # the next exploration looks down (they alternate)
         self._explore_gap = EXPLORE_EVERY  # batch steps from one exploration to the next (``plan``)
@@ -678,7 +679,15 @@ class AdaptivePolicy(Policy):
         self._reuse_until = self._batch_steps + (REPLAN_EVERY - 1 if reuse else 0)
         if explore and reuse:
             explored = decisions(target, True, replayed=True)
-            self._explore_next = target, {ctx.request_id: d for ctx, d in zip(ctxs, explored)}
+            # From plain, two steps: the first's draft takes in the tokens of the plain steps before it (a catch-up that
+            # no depth pays while drafting goes on, so no cost or calibration learns from it: ``steady_draft``), and
+            # only the second measures what drafting costs. Explored one step at a time, a batch planned plain from
+            # costs measured dear never measured a drafting step it could learn from: in process at 16 sequences,
+            # started from a cost file measured on a busy machine, a policy held 156 of its 295 steps plain (3.49
+            # tokens/ms against τ = 2's 3.84; its explorations at depth 1 measured 9-17 ms a step, catch-up included,
+            # where τ = 1's steps took 6.4), 0.90-0.93x the best fixed τ (session 78).
+            steps = EXPLORE_FROM_PLAIN_STEPS if base == 0 else 1
+            self._explore_next = target, {ctx.request_id: d for ctx, d in zip(ctxs, explored)}, steps
         return out
 
     def _batch_horizon(self) -> int:
@@ -705,8 +714,11 @@ class AdaptivePolicy(Policy):
         pending, self._explore_next = self._explore_next, None
         exploring = None
         if pending is not None:
-            exploring, explored = pending
+            exploring, explored, steps = pending
             reuse = {**reuse, **explored}
+            if steps > 1:  # an exploration from plain: its next step too (``plan``), with the requests joining now
+                explored = dict(explored)
+                self._explore_next = exploring, explored, steps - 1
         for ctx in ctxs:
             req = self._request(ctx)
             d = reuse.get(ctx.request_id)
@@ -731,6 +743,7 @@ class AdaptivePolicy(Policy):
                     d = Decision(
                         min(exploring, self.max_tau, ctx.max_tau), f"batch of {n}: joined, explore; at {exploring}"
                     )
+                    explored[ctx.request_id] = d
             else:
                 req.steps += 1
                 if d.tau > ctx.max_tau:
