@@ -682,10 +682,10 @@ class AdaptivePolicy(Policy):
             # From plain, two steps: the first's draft takes in the tokens of the plain steps before it (a catch-up that
             # no depth pays while drafting goes on, so no cost or calibration learns from it: ``steady_draft``), and
             # only the second measures what drafting costs. Explored one step at a time, a batch planned plain from
-            # costs measured dear never measured a drafting step it could learn from: in process at 16 sequences,
-            # started from a cost file measured on a busy machine, a policy held 156 of its 295 steps plain (3.49
-            # tokens/ms against τ = 2's 3.84; its explorations at depth 1 measured 9-17 ms a step, catch-up included,
-            # where τ = 1's steps took 6.4), 0.90-0.93x the best fixed τ (session 78).
+            # costs that priced drafting a few percent dear never measured a drafting step it could learn from: in
+            # process at 16 sequences a policy held 384-420 of its ~440 steps plain in three runs (plans at 3.49 / 3.55
+            # / 3.55 tokens/ms for depths 0-2 where τ = 2's steps made 3.84; its explorations at depth 1 measured 9-17
+            # ms a step, catch-up included, where τ = 1's took 6.4), 0.90-0.93x τ = 2 (session 78, docs/policy.md).
             steps = EXPLORE_FROM_PLAIN_STEPS if base == 0 else 1
             self._explore_next = target, {ctx.request_id: d for ctx, d in zip(ctxs, explored)}, steps
         return out
