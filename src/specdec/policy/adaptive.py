@@ -683,9 +683,9 @@ class AdaptivePolicy(Policy):
             # no depth pays while drafting goes on, so no cost or calibration learns from it: ``steady_draft``), and
             # only the second measures what drafting costs. Explored one step at a time, a batch planned plain from
             # costs that priced drafting a few percent dear never measured a drafting step it could learn from: in
-            # process at 16 sequences a policy held 384-420 of its ~440 steps plain in three runs (plans at 3.49 / 3.55
-            # / 3.55 tokens/ms for depths 0-2 where τ = 2's steps made 3.84; its explorations at depth 1 measured 9-17
-            # ms a step, catch-up included, where τ = 1's took 6.4), 0.90-0.93x τ = 2 (session 78, docs/policy.md).
+            # process at 16 sequences a policy held 384-420 of its 420-437 steps plain in three traced runs (plans at
+            # 3.49 / 3.55 / 3.55 tokens/ms for depths 0-2 where τ = 2's steps made 3.84; its explorations at depth 1
+            # measured 9-17 ms a step, catch-up included, where τ = 1's took 6.4), 0.83-0.93x τ = 2 (session 78).
             steps = EXPLORE_FROM_PLAIN_STEPS if base == 0 else 1
             self._explore_next = target, {ctx.request_id: d for ctx, d in zip(ctxs, explored)}, steps
         return out
