@@ -19,6 +19,7 @@ from what it loses by its own work (the rest).
     python benchmarks/engine_steps.py --sequences 4 --policies fixed:tau=2 fixed:tau=3 adaptive --by-depth
     python benchmarks/engine_steps.py --sequences 16 --policies fixed:tau=3 fixed:tau=3+trace   # what a trace costs
     python benchmarks/engine_steps.py --sequences 16 --policies fixed:tau=3 adaptive --breakdown # the rest by part
+    python benchmarks/engine_steps.py --sequences 16 --policies fixed:tau=0 fixed:tau=0+chain4 --interleave  # chained
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -131,6 +133,8 @@ BREAKDOWN: Breakdown | None = None  # set by ``--breakdown``: every loop's steps
 
 
 TRACED = "+trace"  # a policy named with this suffix runs with a JSONL trace observer (what tracing costs a step)
+# A policy named NAME+chainN runs NAME with plain greedy steps chaining up to N target passes (``Engine.chain_plain``).
+CHAINED = re.compile(r"\+chain(\d+)$")
 
 
 class ClosedLoop:
@@ -152,6 +156,9 @@ class ClosedLoop:
         prompts: list[str] = PROMPTS,
     ):
         self.engine, self.clock, self.policy = engine, clock, policy
+        chained = CHAINED.search(policy)
+        self.chain = int(chained.group(1)) if chained else 1
+        self.policy_spec = policy[: chained.start()] if chained else policy
         self.sequences, self.requests, self.chunks = sequences, requests, chunks
         # At most this many sequences a step (0: all), the steps rotating over them as the server's scheduler does
         # with more requests than --max-batch (``Scheduler._next_batch``).
@@ -171,7 +178,7 @@ class ClosedLoop:
         return min(self.sequences, self.max_batch) if self.max_batch > 0 else self.sequences
 
     def _start(self) -> Generation:
-        return self.engine.start(next(self._source), max_new_tokens=64, policy=self.policy)
+        return self.engine.start(next(self._source), max_new_tokens=64, policy=self.policy_spec)
 
     def step(self, aside: bool = False) -> bool:
         """One step of the loop and its admissions; False once every request has finished. ``aside``: the loop's
@@ -190,7 +197,11 @@ class ClosedLoop:
             start = self._turn % len(batch)
             batch = (batch[start:] + batch[:start])[: self.max_batch]
             self._turn = start + len(batch)
-        events = engine.step(batch)
+        engine.chain_plain = self.chain
+        try:
+            events = engine.step(batch)
+        finally:
+            engine.chain_plain = 1
         if len(batch) < len(self.active):  # rotating: the sequences left out were set aside, as the server does
             left = time.perf_counter() - s0
             in_batch = {id(g) for g in batch}
@@ -417,9 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--interleave: a policy named NAME+trace runs only without it")
     for policy in args.policies:
         try:
-            make_policy(policy.removesuffix(TRACED))
+            make_policy(CHAINED.sub("", policy.removesuffix(TRACED)))
         except InvalidRequestError as e:
             p.error(f"--policies: {e}")
+        chained = CHAINED.search(policy.removesuffix(TRACED))
+        if chained and int(chained.group(1)) < 1:
+            p.error(f"--policies: {policy}: a chain of at least 1 target pass (+chain1: none)")
     engine = specdec.load()
     engine.prefill_in_step = args.prefill_in_step  # the batching server's: prompts come in with their first step
     if args.prime:

@@ -195,16 +195,19 @@ def test_time_a_request_was_set_aside_is_no_part_of_its_rest(engine: Engine) -> 
         max_size=7,
     ),
     st.sampled_from([0, 12, 1000]),  # prompts up to this long are prefilled by their first step
+    st.sampled_from([1, 1, 4]),  # target passes a plain step may chain (Engine.chain_plain)
 )
 def test_random_schedules_keep_every_greedy_output_identical_to_its_solo_run(
-    engine: Engine, schedule: list[tuple[int, int, int, int]], prefill_in_step: int
+    engine: Engine, schedule: list[tuple[int, int, int, int]], prefill_in_step: int, chain: int
 ) -> None:
     arrivals = [(at, dict(prompt=PROMPTS[p], max_new_tokens=n, tau=tau)) for at, p, tau, n in schedule]
-    engine.prefill_in_step = prefill_in_step
+    for _, p, _, n in schedule:  # the solo runs first, one pass a step
+        solo(engine, p, n)
+    engine.prefill_in_step, engine.chain_plain = prefill_in_step, chain
     try:
         gens = run_schedule(engine, arrivals)
     finally:
-        engine.prefill_in_step = 0
+        engine.prefill_in_step, engine.chain_plain = 0, 1
     for (_, p, _, n), g in zip(schedule, gens):
         assert g.new_tokens == solo(engine, p, n)
 
@@ -495,3 +498,75 @@ def test_an_observer_that_fails_loses_no_step(engine: Engine, caplog: pytest.Log
         assert g.new_tokens == solo(engine, p, 8)
         assert sum(len(r.emitted) for r in g.records) == len(g.new_tokens)
     assert "observer Broken failed on on_step" in caplog.text and "on_request" in caplog.text
+
+
+@pytest.fixture
+def chained(engine: Engine) -> Any:
+    """The engine with plain greedy steps chaining up to 3 target passes (put back afterwards)."""
+    engine.chain_plain = 3
+    yield engine
+    engine.chain_plain = 1
+
+
+def test_chained_plain_steps_keep_every_output_and_count_their_passes(chained: Engine) -> None:
+    engine = chained
+    engine.chain_plain = 1
+    want = {
+        j: solo(engine, p, n, stop)
+        for j, (p, n, stop) in enumerate(
+            [(0, 40, None), (2, 30, None), (0, 40, "\n"), (5, 40, None), (1, 9, None), (3, 25, None)]
+        )
+    }
+    engine.chain_plain = 3
+    arrivals = [
+        (0, dict(prompt=PROMPTS[0], max_new_tokens=40, tau=0)),  # chains
+        (0, dict(prompt=PROMPTS[2], max_new_tokens=30, tau=3)),  # drafts: one pass a step
+        (1, dict(prompt=PROMPTS[0], max_new_tokens=40, tau=0, stop="\n")),  # a stop string inside a chain
+        (2, dict(prompt=PROMPTS[5], max_new_tokens=40, tau=0, max_verify_passes=7)),  # the budget cuts a chain
+        (3, dict(prompt=PROMPTS[1], max_new_tokens=9, tau=0)),  # 9 tokens: the last chain is cut to what is left
+        (4, dict(prompt=PROMPTS[3], max_new_tokens=25, policy="adaptive")),
+    ]
+    gens = run_schedule(engine, arrivals)
+    for j, g in enumerate(gens):
+        if j == 3:
+            assert g.stats.target_passes <= 7 and g.new_tokens == want[j][: len(g.new_tokens)]
+            assert g.stats.finish_reason in ("verify_budget", "length", "stop")
+        else:
+            assert g.new_tokens == want[j], j
+        assert sum(r.target_passes for r in g.records) == g.stats.target_passes
+        assert g.records[-1].verify_passes == g.stats.target_passes
+        for r in g.records:
+            assert r.target_passes == 1 or r.tau == 0
+            assert len(r.emitted) <= r.n_accepted + r.target_passes
+    plain = gens[0].records
+    assert max(r.target_passes for r in plain) == 3 and len(plain) < gens[0].stats.new_tokens
+    assert all(r.target_passes == 1 for r in gens[1].records)  # a drafting request never chains
+    assert sum(len(r.emitted) for r in gens[4].records) == 9
+
+
+def test_a_trace_of_chained_steps_passes_the_consistency_checks(chained: Engine, tmp_path: Path) -> None:
+    from specdec.diagnose.consistency import check_steps
+    from specdec.trace import JsonlTrace, read_trace
+
+    path = tmp_path / "t.jsonl"
+    sink = JsonlTrace(path)
+    chained.observers.append(sink)
+    try:
+        run_schedule(
+            chained,
+            [
+                (0, dict(prompt=PROMPTS[0], max_new_tokens=30, tau=0)),
+                (1, dict(prompt=PROMPTS[2], max_new_tokens=20, tau=2)),
+            ],
+        )
+    finally:
+        chained.observers.remove(sink)
+        sink.close()
+    trace = read_trace(path)
+    assert any(s.target_passes > 1 for s in trace.steps)
+    found = check_steps(trace)
+    assert found.total == 0, found.examples
+    # a record that claims more tokens than its passes allow is caught
+    bad = [s for s in trace.steps if s.target_passes > 1][0]
+    bad.target_passes = 1
+    assert check_steps(trace).counts.get("too_many_emitted") == 1

@@ -89,6 +89,7 @@ def test_interleaved_policies_each_keep_their_own_loop_and_are_compared_by_chunk
         ),
         (["--prompts", "/nonexistent/prompts.jsonl"], "prompt file not found: /nonexistent/prompts.jsonl"),
         (["--prefill-in-step", "-1"], "--prefill-in-step must be 0 or more, not -1"),
+        (["--policies", "fixed:tau=0+chain0"], "--policies: fixed:tau=0+chain0: a chain of at least 1 target pass"),
     ],
 )
 def test_bad_arguments_are_one_line_before_the_models_load(args: list[str], message: str) -> None:
@@ -112,3 +113,19 @@ def test_the_rest_of_a_step_is_split_by_part(tmp_path: Path) -> None:
     assert all(us[part] > 0 for part in ("plan", "draft", "verify", "contexts", "commit", "detokenise", "close"))
     assert sum(us.values()) == pytest.approx(1e3 * row["rest_ms_per_step"], rel=1e-6)
     assert "| 3 | fixed:tau=2 |" in proc.stdout.split("The rest by part")[1]
+
+
+def test_a_policy_named_with_a_chain_runs_its_plain_steps_chained(tmp_path: Path) -> None:
+    """``NAME+chainN``: the loop's plain steps chain up to N target passes (``Engine.chain_plain``), each step then
+    making several tokens a sequence; the other loops step one pass at a time."""
+    out = tmp_path / "steps.json"
+    command = [sys.executable, str(SCRIPT), "--interleave", "--sequences", "3", "--requests", "6", "--rounds", "1"]
+    command += ["--policies", "fixed:tau=0", "fixed:tau=0+chain4", "--json", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plain, chained = json.loads(out.read_text())["rows"]
+    assert (plain["policy"], chained["policy"]) == ("fixed:tau=0", "fixed:tau=0+chain4")
+    # the same 6 requests of 64 tokens: a chained step takes several passes, so far fewer steps
+    (a,), (b,) = plain["rounds"], chained["rounds"]
+    assert b["steps"] * 2 < a["steps"]
+    assert b["target_ms_per_step"] > 2 * a["target_ms_per_step"]

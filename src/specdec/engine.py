@@ -149,6 +149,12 @@ class Engine:
         # weights for all, and a long prompt in pieces rather than one long stall). The server sets it when it
         # batches; 0: every prompt is prefilled at ``start``.
         self.prefill_in_step = 0
+        # Target passes a plain greedy sequence's step may chain (1: one pass a step, every sequence): with k > 1 a
+        # sequence that drafts nothing, samples nothing and has no logit rules or log probabilities steps k passes,
+        # each pass's argmax the next one's row, before the step's commit and records (one record of k tokens and k
+        # target passes), up to its remaining tokens, context and verification budget. The engine's Python between
+        # two passes is then paid once per k. Policies do not price chained steps yet: for plain decoding.
+        self.chain_plain = 1
         self.costs_note = "batch costs learnt from steps"  # where the policies' batch cost curves start from
 
     @property
@@ -448,10 +454,11 @@ class Engine:
             if late and self.side.prefix_block:
                 taking = [*taking, *(g for g, lag in late if lag)]
 
+        chains = self._chains(live, drafts) if self.chain_plain > 1 and self.side.chains_plain else None
         t2 = self.clock()
         try:
-            # ONE pass over every sequence's [last, ŷ1..ŷτ] (and the prompt pieces)
-            verdicts, logprobs = self.side.verify(live, drafts, fills)
+            # ONE pass over every sequence's [last, ŷ1..ŷτ] (and the prompt pieces); chained plain ones pass on
+            verdicts, logprobs = self.side.verify(live, drafts, fills, chains)
         except BaseException:
             self._undo(live, fills)
             raise
@@ -504,6 +511,25 @@ class Engine:
         self.policy_seconds += self.clock() - t4
         by_gen = {id(g): g.close_step(step, text, t4, policy_mark) for g, step, text in zip(live, pending, texts)}
         return [by_gen.get(id(g)) for g in (*generations, *joined)]
+
+    def _chains(self, live: Sequence[Generation], drafts: Sequence[Draft]) -> list[int]:
+        """Target passes each sequence of the step may chain (``chain_plain``): plain greedy sequences without a draft,
+        logit rules or log probabilities, up to their remaining tokens, context and verification budget; 1 for the
+        rest."""
+        out = []
+        for g, d in zip(live, drafts):
+            if d.tokens or not g.params.greedy or g.rules_state is not None or g.logprobs is not None:
+                out.append(1)
+                continue
+            k = min(
+                self.chain_plain,
+                g.max_new_tokens - (len(g.context) - len(g.prompt_ids)),
+                self.max_context - len(g.context),
+            )
+            if g.max_verify_passes is not None:
+                k = min(k, g.max_verify_passes - g.stats.target_passes)
+            out.append(max(1, k))
+        return out
 
     def _late_joins(self, joined: Sequence[Generation], prompt_rows: int) -> list[tuple[Generation, int]]:
         """Of the generations joining a step after its drafts (``step``'s ``join``), the ones whose prompt rest fits
@@ -848,9 +874,11 @@ class Generation:
         base = len(self.context)
         # Worked example, context c (len L), τ = 3, n̂ = 1: the cache held c[:-1] (L-1), the block appended
         # [c[-1], ŷ1, ŷ2, ŷ3] (L+3); keep c + [ŷ1] (L+1). The drafter keeps the same prefix of what it fed.
-        self.cache.crop(base + verdict.n_accepted)
+        # A chained plain step (``verdict.passes`` > 1) put its first passes - 1 tokens in the cache as well.
+        kept = base + verdict.n_accepted + verdict.passes - 1
+        self.cache.crop(kept)
         if self.engine.drafter is not None:
-            self.engine.drafter.rollback(self.draft_state, base + verdict.n_accepted)
+            self.engine.drafter.rollback(self.draft_state, kept)
         emitted, finish = self._commit(verdict.tokens)
         if decision.reason == PREDICTION_REASON and self.prediction is not None:
             self.prediction.observe(len(draft.tokens), verdict.n_accepted, len(verdict.tokens))
@@ -889,8 +917,9 @@ class Generation:
             drafting=shape.drafting,
             draft_passes=shape.draft_passes,
             draft_fed=shape.draft_fed,
-            verify_passes=self.stats.target_passes + 1,
+            verify_passes=self.stats.target_passes + verdict.passes,
             max_verify_passes=self.max_verify_passes,
+            target_passes=verdict.passes,
         )
         return _Committed(record, finish, logprobs[: len(emitted)] if logprobs is not None else None)
 

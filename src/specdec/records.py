@@ -8,7 +8,8 @@ Conventions (used the same way everywhere):
 - every step emits ``n_accepted + 1`` tokens: the accepted drafts, then one *correction*
   token whose ``correction`` kind is ``recovered`` (at a rejection), ``bonus`` (all tau
   accepted) or ``plain`` (tau = 0). ``emitted`` may be shorter when a stop condition
-  cut the step (EOS, stop string, max_new_tokens).
+  cut the step (EOS, stop string, max_new_tokens). A plain step whose target passes were chained
+  (``target_passes`` > 1, ``Engine.chain_plain``) emits one token a pass: ``target_passes`` plain tokens.
 - mean accepted length = emitted tokens per target pass, the correction token included.
 - in a batched step every sequence's record carries the whole step's times (what the request waited);
   ``batch_size`` and ``rows`` say how many sequences and target rows shared the passes.
@@ -47,6 +48,9 @@ class Verdict:
     correction: Correction
     target_token_probs: list[float]  # p_t(ŷ_t), for traces
     draft_token_probs: list[float]  # q_t(ŷ_t), for traces
+    # Target passes the verdict took: more than one for a plain greedy sequence whose step chained its passes
+    # (``Engine.chain_plain``), each pass's argmax the next one's row; its tokens are then one a pass.
+    passes: int = 1
 
 
 @dataclass
@@ -87,6 +91,9 @@ class StepRecord:
     draft_fed: int = 0
     verify_passes: int = 0  # target passes this request has used, this step's included
     max_verify_passes: int | None = None  # the request's cap (its own, or the policy's allowance if smaller)
+    # Target passes this step used for this request: 1, or a plain step's chain (``Engine.chain_plain``), each pass one
+    # row of it, fed the argmax of the one before; ``rows`` and ``batch_size`` are the first pass's.
+    target_passes: int = 1
 
     @property
     def predicted(self) -> bool:
@@ -192,7 +199,7 @@ class GenerationStats:
 
     def add(self, rec: StepRecord) -> None:
         self.steps += 1
-        self.target_passes += 1
+        self.target_passes += rec.target_passes
         self.new_tokens += len(rec.emitted)
         self.drafted += rec.tau
         self.accepted += rec.n_emitted_accepted

@@ -58,6 +58,8 @@ class TargetSide(ABC):
     vocab_size: int
     max_context: int
     eos_token_ids: frozenset[int]  # the ids that end a request (the model's and its tokenizer's)
+    # Whether ``verify`` chains passes for plain greedy sequences (its ``chains``); a side that does not runs one pass.
+    chains_plain: bool = False
 
     @abstractmethod
     def mode(self) -> AbstractContextManager[Any]:
@@ -120,8 +122,13 @@ class TargetSide(ABC):
         live: Sequence[Verifying],
         drafts: Sequence[Draft],
         fills: Sequence[tuple[Verifying, int]] = (),
+        chains: Sequence[int] | None = None,
     ) -> tuple[list[Verdict], list[list[TokenLogprob] | None]]:
         """ONE target pass over every sequence's ``[*context[cache.length:], *draft.tokens]``, then each verified
         with its own settings: the verdicts, and the emitted tokens' log probabilities (for requests that asked for
         them). ``fills``: sequences still taking in a deferred prompt, each with the next ``n`` prompt tokens to put
-        in its cache in the same pass (nothing verified; only a side that defers prefills gets any)."""
+        in its cache in the same pass (nothing verified; only a side that defers prefills gets any). ``chains`` (only
+        for a side with ``chains_plain``): passes per sequence; a plain greedy sequence (no draft, no logit rules, no
+        log probabilities) given k > 1 gets k - 1 more one-row passes after the first, each fed the argmax of the
+        pass before, in passes shared with the other chaining sequences: its verdict then holds k tokens
+        (``Verdict.passes``) and its cache the first k - 1 of them."""

@@ -28,6 +28,8 @@ PROMPT_SCORE_CHUNK = 256  # prompt rows a pass scores (``prompt_logprobs``): 256
 class ModelTarget(TargetSide):
     """A ``ModelRunner`` as the engine's target side; EOS ids: the model's and its tokenizer's."""
 
+    chains_plain = True
+
     def __init__(self, runner: ModelRunner, tokenizer: Any) -> None:
         self.runner = runner
         self.vocab_size = runner.vocab_size
@@ -94,6 +96,7 @@ class ModelTarget(TargetSide):
         live: Sequence[Verifying],
         drafts: Sequence[Draft],
         fills: Sequence[tuple[Verifying, int]] = (),
+        chains: Sequence[int] | None = None,
     ) -> tuple[list[Verdict], list[list[TokenLogprob] | None]]:
         # Each block is what the sequence's cache lacks, then its draft: [context[-1], ŷ1..ŷτ] once it has stepped;
         # a request whose prefill was deferred brings its prompt into the same pass. Its last τ+1 rows are verified.
@@ -136,6 +139,10 @@ class ModelTarget(TargetSide):
                 verdicts[s] = v
         # Emitted token j comes from row j (the correction/bonus token too: p's log probability there).
         done = cast(list[Verdict], verdicts)
+        if chains is not None:
+            self._chain(
+                live, drafts, done, [k if p and g.logprobs is None else 1 for k, p, g in zip(chains, plain, live)]
+            )
         logprobs = [
             token_logprobs(logits, v.tokens, g.params, g.logprobs)
             if g.logprobs is not None and logits is not None
@@ -143,6 +150,24 @@ class ModelTarget(TargetSide):
             for g, v, logits in zip(live, done, target_logits)
         ]
         return done, logprobs
+
+    def _chain(
+        self, live: Sequence[Verifying], drafts: Sequence[Draft], verdicts: list[Verdict], chains: Sequence[int]
+    ) -> None:
+        """The passes after a step's first for its chaining plain greedy sequences (``verify``'s ``chains``): one row a
+        sequence, its last token, shared with every sequence still chaining; each pass's argmax (the kernel takes it in
+        the pass) is the sequence's next token and the next pass's row. A row's logits do not depend on the others in
+        its pass, so the tokens are those of one plain step after another, without the engine's Python between."""
+        going = [i for i, k in enumerate(chains) if k > 1 and not drafts[i].tokens]
+        passes = 1
+        while going:
+            blocks = [([verdicts[i].tokens[-1]], cast(KVCache, live[i].cache)) for i in going]
+            best = self.runner.pass_argmax(self.runner.forward_blocks(blocks, [1] * len(going)))
+            passes += 1
+            for i, token in zip(going, best):
+                verdicts[i].tokens.append(int(token))
+                verdicts[i].passes = passes
+            going = [i for i in going if chains[i] > passes]
 
 
 def _sampled_block(gen: Verifying, draft: Draft, target_probs: torch.Tensor) -> SampledBlock:

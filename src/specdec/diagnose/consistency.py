@@ -64,8 +64,14 @@ STEP_INVARIANTS: dict[str, Callable[[StepRecord], str | None]] = {
         else None
     ),
     "too_many_emitted": lambda s: (
-        f"{len(s.emitted)} tokens emitted after n̂={s.n_accepted} (at most n̂+1 allowed)"
-        if len(s.emitted) > s.n_accepted + 1
+        f"{len(s.emitted)} tokens emitted after n̂={s.n_accepted} in {s.target_passes} target pass(es) (at most "
+        f"n̂ + passes allowed)"
+        if len(s.emitted) > s.n_accepted + s.target_passes
+        else None
+    ),
+    "chained_step_with_drafts": lambda s: (
+        f"a step of {s.target_passes} chained target passes drafted τ={s.tau} (only plain steps chain)"
+        if s.target_passes > 1 and s.tau
         else None
     ),
     "rejected_token_emitted": lambda s: (

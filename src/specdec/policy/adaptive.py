@@ -839,6 +839,11 @@ class AdaptivePolicy(Policy):
 
     def _learn_from(self, reqs: list[_Request | None], records: Sequence[StepRecord]) -> None:
         step = records[0]  # the step's pass, rows and times: every record carries them
+        if any(r.target_passes > 1 for r in records):
+            # Chained plain passes (``Engine.chain_plain``): the step's times are several passes', which no cost curve
+            # of one pass may learn; its outcomes only.
+            self._learn_outcomes(reqs, records)
+            return
         steady = steady_rest(records) if step.batch_size > 1 else None  # the record with the step's own rest
         if step.batch_size > 1 and self._batch_planned and steady_draft(step):
             # A step of the batch plan being served, against its price at the rows it ran (a replayed plan's step

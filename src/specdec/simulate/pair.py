@@ -164,7 +164,11 @@ class SimTarget(TargetSide):
         pass
 
     def verify(
-        self, live: Sequence[Verifying], drafts: Sequence[Draft], fills: Sequence[tuple[Verifying, int]] = ()
+        self,
+        live: Sequence[Verifying],
+        drafts: Sequence[Draft],
+        fills: Sequence[tuple[Verifying, int]] = (),
+        chains: Sequence[int] | None = None,  # not chained here (``chains_plain`` is False): one pass a step
     ) -> tuple[list[Verdict], list[list[TokenLogprob] | None]]:
         if fills:
             raise ValueError("the simulated target prefills at once: it has no prompt pieces to take in")
