@@ -526,7 +526,15 @@ def test_chained_plain_steps_keep_every_output_and_count_their_passes(chained: E
         (3, dict(prompt=PROMPTS[1], max_new_tokens=9, tau=0)),  # 9 tokens: the last chain is cut to what is left
         (4, dict(prompt=PROMPTS[3], max_new_tokens=25, policy="adaptive")),
     ]
-    gens = run_schedule(engine, arrivals)
+    mixed: list[int] = []
+
+    def one_pass_where_any_drafts(active: list[Generation]) -> None:
+        step = [g.records[-1] for g in active if g.records]
+        if any(r.tau for r in step):  # a step that drafts chains nothing (not even its plain sequences)
+            mixed.append(max(r.target_passes for r in step))
+
+    gens = run_schedule(engine, arrivals, on_step=one_pass_where_any_drafts)
+    assert mixed and set(mixed) == {1}
     for j, g in enumerate(gens):
         if j == 3:
             assert g.stats.target_passes <= 7 and g.new_tokens == want[j][: len(g.new_tokens)]

@@ -273,6 +273,7 @@ def test_models_health_metrics_and_auth(server: str, client: Any) -> None:
     cpus = len(os.sched_getaffinity(0))
     assert h["threads"] == cpus and h["draft_threads"] == cpus
     assert h["prefill_in_step"] == 256  # batching: short prompts join the step's pass
+    assert h["chain_plain"] == 4  # batching: a step where nothing drafts chains four passes
     if h["runtime"] == "cpu-kernel":  # bf16 weights: the caches in bf16 too (kv_dtype auto)
         assert h["kv_dtype"] == "bf16"
     # No cost file measured on these models: the batch plans start from passes measured as the server started (or,

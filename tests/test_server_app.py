@@ -318,6 +318,14 @@ def test_prefill_in_step_setting() -> None:
         ServerSettings(prefill_in_step=-1)
 
 
+def test_chain_plain_setting() -> None:
+    assert ServerSettings().chain_passes == 4
+    assert ServerSettings(max_batch=1).chain_passes == 1  # one request per pass: today's behaviour
+    assert ServerSettings(chain_plain=1).chain_passes == 1
+    with pytest.raises(InvalidRequestError, match="chain_plain=0"):
+        ServerSettings(chain_plain=0)
+
+
 def test_full_queue_answers_429_with_retry_after(engine: Any) -> None:
     app = create_app(engine, ServerSettings(model_name="tiny", max_active=1, max_queue=1))
     body = {"prompt": "def fibonacci(n):", "max_tokens": 60, "temperature": 0}
@@ -495,7 +503,8 @@ def test_stream_interval_gathers_tokens_and_keeps_the_text(engine: Any) -> None:
     logprobs still gets each step's chunk (its tokens' figures belong to the step)."""
 
     def texts(interval: int, extra: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
-        settings = ServerSettings(model_name="tiny", stream_interval=interval, stream_interval_ms=0)
+        # one token a step (no chained plain passes, which make several): what the interval gathers is counted
+        settings = ServerSettings(model_name="tiny", stream_interval=interval, stream_interval_ms=0, chain_plain=1)
         text, chunks, health = _stream_texts(engine, settings, extra)
         assert health["stream_interval"] == interval
         return text, chunks
@@ -548,6 +557,7 @@ def test_an_answer_in_one_piece_gets_no_step_messages(engine: Any) -> None:
     from specdec.server.scheduler import Done, Job, Scheduler, Started, Step
 
     scheduler = Scheduler(engine, max_active=4, max_queue=0, max_batch=4)
+    chain, engine.chain_plain = engine.chain_plain, 1  # a token a step: a message a step
 
     async def kinds(stream: bool) -> list[str]:
         job = Job(
@@ -565,6 +575,7 @@ def test_an_answer_in_one_piece_gets_no_step_messages(engine: Any) -> None:
         streamed = asyncio.run(kinds(True))
     finally:
         scheduler.stop()
+        engine.chain_plain = chain
     assert whole == [Started.__name__, Done.__name__]
     assert streamed[0] == Started.__name__ and streamed[-1] == Done.__name__
     assert streamed.count(Step.__name__) >= 6

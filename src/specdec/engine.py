@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 # A batching server's prompt budget per step (``Engine.prefill_in_step``): 256 prompt rows add about what a
 # 16-sequence batch's step costs (a ~25 ms pass on 2 cores).
 DEFAULT_PREFILL_IN_STEP = 256
+# A batching server's chain of target passes per plain step (``Engine.chain_plain``): at 16 sequences on a Zen 4, four
+# passes a step made 1.15x the tokens of one in process and 1.1-1.4x through a server (docs/server.md, session 80).
+DEFAULT_CHAIN_PLAIN = 4
 
 
 class Observer(Protocol):
@@ -512,24 +515,13 @@ class Engine:
         by_gen = {id(g): g.close_step(step, text, t4, policy_mark) for g, step, text in zip(live, pending, texts)}
         return [by_gen.get(id(g)) for g in (*generations, *joined)]
 
-    def _chains(self, live: Sequence[Generation], drafts: Sequence[Draft]) -> list[int]:
-        """Target passes each sequence of the step may chain (``chain_plain``): plain greedy sequences without a draft,
-        logit rules or log probabilities, up to their remaining tokens, context and verification budget; 1 for the
-        rest."""
-        out = []
-        for g, d in zip(live, drafts):
-            if d.tokens or not g.params.greedy or g.rules_state is not None or g.logprobs is not None:
-                out.append(1)
-                continue
-            k = min(
-                self.chain_plain,
-                g.max_new_tokens - (len(g.context) - len(g.prompt_ids)),
-                self.max_context - len(g.context),
-            )
-            if g.max_verify_passes is not None:
-                k = min(k, g.max_verify_passes - g.stats.target_passes)
-            out.append(max(1, k))
-        return out
+    def _chains(self, live: Sequence[Generation], drafts: Sequence[Draft]) -> list[int] | None:
+        """Target passes each sequence of a step where nothing drafts may chain (``Generation.plain_chain``); None
+        where a sequence drafts. A step that drafts runs one pass: a chain of a few plain sequences beside it would hold
+        the whole batch for passes of a few rows, each nearly as dear as a full one."""
+        if any(d.tokens for d in drafts):
+            return None
+        return [g.plain_chain() for g in live]
 
     def _late_joins(self, joined: Sequence[Generation], prompt_rows: int) -> list[tuple[Generation, int]]:
         """Of the generations joining a step after its drafts (``step``'s ``join``), the ones whose prompt rest fits
@@ -839,6 +831,26 @@ class Generation:
             return True
         return False
 
+    def plain_chain(self) -> int:
+        """Target passes a plain step of this request may chain (``Engine.chain_plain``): plain greedy (no logit rules,
+        no log probabilities), up to its remaining tokens, context and verification budget; 1 otherwise."""
+        engine = self.engine
+        if (
+            engine.chain_plain <= 1
+            or not self.params.greedy
+            or self.rules_state is not None
+            or self.logprobs is not None
+        ):
+            return 1
+        k = min(
+            engine.chain_plain,
+            self.max_new_tokens - (len(self.context) - len(self.prompt_ids)),
+            engine.max_context - len(self.context),
+        )
+        if self.max_verify_passes is not None:
+            k = min(k, self.max_verify_passes - self.stats.target_passes)
+        return max(1, k)
+
     def context_for_policy(self, batch_size: int) -> StepContext:
         n_new = len(self.context) - len(self.prompt_ids)
         remaining = self.max_new_tokens - n_new
@@ -855,6 +867,7 @@ class Generation:
             max_tau=max(0, min(remaining - 1, room)),
             elapsed=self.engine.clock() - self._t_start,
             batch_size=batch_size,
+            chain=self.plain_chain() if self.engine.side.chains_plain else 1,
         )
 
     def commit_step(

@@ -121,8 +121,14 @@ class SpecMetrics:
         with self._lock:
             sums = self._sums
             sums.records += 1
+            passes = record.target_passes
+            sums.passes += passes
             sums.tokens += emitted
-            sums.lengths[emitted] = sums.lengths.get(emitted, 0) + 1
+            if passes == 1:
+                sums.lengths[emitted] = sums.lengths.get(emitted, 0) + 1
+            else:  # a chained plain step: a token a pass (none for the passes after a stop cut the chain)
+                sums.lengths[1] = sums.lengths.get(1, 0) + emitted
+                sums.lengths[0] = sums.lengths.get(0, 0) + passes - emitted
             sums.draft += record.draft_time
             sums.verify += record.verify_time
             sums.other += record.other_time
@@ -147,7 +153,7 @@ class SpecMetrics:
         sums, self._sums = self._sums, _StepSums()
         if not sums.records:
             return
-        self.verify_passes.inc(sums.records)
+        self.verify_passes.inc(sums.passes)
         self.generation_tokens.inc(sums.tokens)
         for length, count in sums.lengths.items():
             for _ in range(count):
@@ -194,8 +200,9 @@ class _StepSums:
     """Step records summed since the last flush (``SpecMetrics.on_step``)."""
 
     records: int = 0
+    passes: int = 0  # target passes: a record's own, several for a chained plain step
     tokens: int = 0
-    lengths: dict[int, int] = field(default_factory=dict)  # emitted tokens per record -> records
+    lengths: dict[int, int] = field(default_factory=dict)  # emitted tokens per target pass -> passes
     draft: float = 0.0
     verify: float = 0.0
     other: float = 0.0

@@ -155,8 +155,8 @@ def steady_rest(records: Sequence[StepRecord]) -> StepRecord | None:
 
 def tokens_made(records: Sequence[StepRecord]) -> int:
     """Tokens a step's records made before any stop cut them: each record's accepted draft tokens and its own token
-    (what a plan predicts of a step; ``emitted`` is after the cut)."""
-    return sum(r.n_accepted for r in records) + len(records)
+    (what a plan predicts of a step; ``emitted`` is after the cut); a chained plain step's, one a pass."""
+    return sum(r.n_accepted + r.target_passes for r in records)
 
 
 @dataclass

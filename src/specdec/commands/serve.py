@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from specdec.commands.common import ModelSettings, add_model_args
-from specdec.engine import Engine, Observer
+from specdec.engine import DEFAULT_CHAIN_PLAIN, Engine, Observer
 from specdec.errors import InvalidRequestError, ModelLoadError, UnsupportedError
 from specdec.runtime.cpu import usable_cpus
 from specdec.runtime.heap import frozen_heap
@@ -63,6 +63,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="prompt tokens each batched step takes in, at most: joining prompts are prefilled by the steps, in the "
         "passes they share with the batch (a longer prompt in pieces over several steps), instead of passes of "
         "their own between steps; 0: every prompt in a pass of its own (default: 256 with --max-batch > 1, else 0)",
+    )
+    g.add_argument(
+        "--chain-plain",
+        type=int,
+        default=None,
+        metavar="PASSES",
+        help="target passes a plain greedy step chains, each pass's argmax the next one's row, before the step's "
+        "commit (the engine's Python between passes paid once per chain; outputs unchanged); 1: one pass a step "
+        f"(default: {DEFAULT_CHAIN_PLAIN} with --max-batch > 1, else 1)",
     )
     g.add_argument(
         "--prefix-cache",
@@ -202,6 +211,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         max_queue=args.max_queue,
         prefill_in_step=args.prefill_in_step,
+        chain_plain=args.chain_plain,
         request_timeout=args.request_timeout,
         stream_interval=args.stream_interval,
         stream_interval_ms=args.stream_interval_ms,

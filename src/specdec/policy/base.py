@@ -31,6 +31,9 @@ class StepContext:
     max_tau: int  # the most the engine will draft (room left in the context window and in max_new_tokens)
     elapsed: float  # seconds since the request started
     batch_size: int = 1  # sequences sharing this step's passes
+    # Target passes a plain step would chain for this request (``Engine.chain_plain``, cut to its remaining tokens,
+    # context and budget; 1: none): in a step where no sequence drafts, each plain greedy one makes this many tokens.
+    chain: int = 1
 
 
 @dataclass(frozen=True)

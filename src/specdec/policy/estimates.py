@@ -677,6 +677,18 @@ DRAFT_ROW_GROWTH = 0.05  # until measured: a lockstep draft forward costs 5% mor
 REST_SEQUENCE_GROWTH = 0.1
 
 
+def chained_plain_price(
+    price: Callable[[int, int, int], float], rest: float, rows: int, chains: Sequence[int]
+) -> float:
+    """Seconds of a plain step whose sequences chain target passes (``chains``: each one's passes;
+    ``Engine.chain_plain``): its first pass at ``rows`` with the step's rest (``price``, a ``BatchCosts.pricer``), then
+    each later pass over the sequences still chaining, without the rest again (``rest``: what ``price`` puts in)."""
+    seconds = price(rows, 0, 0)
+    for s in range(1, max(chains, default=1)):
+        seconds += max(price(sum(1 for k in chains if k > s), 0, 0) - rest, 0.0)
+    return seconds
+
+
 def steady_draft(record: StepRecord) -> bool:
     """Did the step's draft cost what its depth costs while drafting goes on? A draft model that sat out plain steps
     first takes in their tokens (``draft_fed`` beyond 2 per drafting sequence): that is the price of switching from
@@ -924,6 +936,13 @@ class BatchCosts:
     def rest(self, sequences: int, solo: StepCosts) -> float:
         """Predicted seconds of a step's rest (all but its draft and pass) over ``sequences`` sequences."""
         return self.other(sequences, (solo.other or 0.0) * sequences)
+
+    def priced_rest(self, sequences: int, solo: StepCosts) -> float:
+        """The rest ``pricer`` puts in each step of ``sequences`` sequences (a chained plain step pays it once:
+        ``chained_plain_price``)."""
+        if self.shaped_excess:
+            return max(self.rests(sequences), 0.0)
+        return self.rest(sequences, solo)
 
     def pricer(self, sequences: int, solo: StepCosts) -> Callable[[int, int, int], float]:
         """``step_time`` for one step's ``sequences``, as a function of (rows, depth, drafting): what does not

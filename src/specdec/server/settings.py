@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.engine import DEFAULT_PREFILL_IN_STEP
+from specdec.engine import DEFAULT_CHAIN_PLAIN, DEFAULT_PREFILL_IN_STEP
 
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 
@@ -21,6 +21,10 @@ class ServerSettings:
     # share with the batch (a longer one in pieces), not in passes of their own between steps (None: 256 when
     # max_batch > 1, else 0; 0: every prompt in a pass of its own).
     prefill_in_step: int | None = None
+    # Target passes a plain greedy step chains (``Engine.chain_plain``), each pass's argmax the next one's row, before
+    # the step's commit: the engine's Python between passes paid once per chain (None: DEFAULT_CHAIN_PLAIN when
+    # max_batch > 1, else 1).
+    chain_plain: int | None = None
     request_timeout: float = 600.0  # seconds from arrival; then the request is cancelled (408)
     # Tokens a streamed choice gathers before its text is sent (its first text and its last at once): fewer, larger
     # chunks for the event loop and the clients under load, against a smoother stream at 1.
@@ -45,6 +49,7 @@ class ServerSettings:
             "max_batch": self.max_batch >= 1,
             "max_queue": self.max_queue >= 0,
             "prefill_in_step": self.prefill_in_step is None or self.prefill_in_step >= 0,
+            "chain_plain": self.chain_plain is None or self.chain_plain >= 1,
             "request_timeout": self.request_timeout > 0,
             "stream_interval": self.stream_interval >= 1,
             "stream_interval_ms": 0 <= self.stream_interval_ms <= 10_000,
@@ -61,3 +66,10 @@ class ServerSettings:
         if self.prefill_in_step is not None:
             return self.prefill_in_step
         return DEFAULT_PREFILL_IN_STEP if self.max_batch > 1 else 0
+
+    @property
+    def chain_passes(self) -> int:
+        """``chain_plain`` resolved: DEFAULT_CHAIN_PLAIN when batching, 1 for one request per pass."""
+        if self.chain_plain is not None:
+            return self.chain_plain
+        return DEFAULT_CHAIN_PLAIN if self.max_batch > 1 else 1
