@@ -1562,3 +1562,42 @@ def test_a_batch_planned_plain_from_costs_measured_dear_explores_two_steps_and_c
         policy.observe_step(records)
     assert depths[:8].count(0) == 8  # plain, as its costs predict ...
     assert sum(d > 0 for d in depths[-80:]) >= 70, depths  # ... until its explorations measured drafting
+
+
+def test_a_chained_plain_step_is_priced_as_its_passes_with_one_rest() -> None:
+    """``chained_plain_price``: the first pass at the step's rows with its rest, then each later pass over the
+    sequences still chaining, without the rest again."""
+    from specdec.policy.estimates import chained_plain_price
+
+    rest = 1.0
+
+    def price(rows: int, depth: int, drafting: int) -> float:  # a pass of 0.1 + 0.01 a row, and the rest
+        assert depth == drafting == 0
+        return 0.1 + 0.01 * rows + rest
+
+    # one pass a sequence: the step's own price
+    assert chained_plain_price(price, rest, 20, [1, 1, 1]) == pytest.approx(price(20, 0, 0))
+    # chains of 4, 4, 2: pass 2 over three sequences, passes 3 and 4 over two
+    want = price(20, 0, 0) + (0.1 + 0.03) + 2 * (0.1 + 0.02)
+    assert chained_plain_price(price, rest, 20, [4, 4, 2]) == pytest.approx(want)
+
+
+@pytest.mark.parametrize(("chain", "depth", "priced"), [(1, 1, None), (4, 0, "64.0 tokens in 10.00 ms")])
+def test_a_batch_plan_prices_plain_as_its_chained_step(chain: int, depth: int, priced: str | None) -> None:
+    """The engine's chain of plain passes (``StepContext.chain``) in the batch plan: 16 sequences' plain step of 4
+    chained passes makes 64 tokens in 4 passes of 2 ms and one rest of 2 ms (10 ms: 6.4 tokens/ms), where one pass a
+    step makes 16 in 4 ms and drafting a token each pays better (depth 1). Deterministic (no draws)."""
+    from dataclasses import replace
+
+    policy = AdaptivePolicy()
+    passes = {16: 2.0e-3, 32: 4.0e-3, 64: 8.0e-3, 128: 16e-3}  # compute-bound: 0.125 ms a row
+    policy.prime(MeasuredCosts(passes, {16: 0.05e-3}, {16: (0.05e-3, 0.05e-3)}))
+    for _ in range(50):  # the step's rest, as steps measured it
+        policy.batch_costs.other.observe(16, 2.0e-3)
+    ctxs = [replace(ctx_for(f"s{k}", 1, 8, 1), chain=chain) for k in range(16)]
+    for ctx in ctxs:
+        policy.begin(ctx)
+    plan = policy.plan(ctxs)
+    assert max(d.tau for d in plan) == depth, plan[0].reason
+    if priced is not None:
+        assert priced in plan[0].reason
