@@ -156,7 +156,8 @@ class Engine:
         # sequence that drafts nothing, samples nothing and has no logit rules or log probabilities steps k passes,
         # each pass's argmax the next one's row, before the step's commit and records (one record of k tokens and k
         # target passes), up to its remaining tokens, context and verification budget. The engine's Python between
-        # two passes is then paid once per k. Policies do not price chained steps yet: for plain decoding.
+        # two passes is then paid once per k. Only a step where no sequence drafts chains (``_chains``); the adaptive
+        # policy prices a plain batch plan as that step (``StepContext.chain``).
         self.chain_plain = 1
         self.costs_note = "batch costs learnt from steps"  # where the policies' batch cost curves start from
 
