@@ -137,6 +137,12 @@ TRACED = "+trace"  # a policy named with this suffix runs with a JSONL trace obs
 CHAINED = re.compile(r"\+chain(\d+)$")
 
 
+def chained_policy(policy: str) -> tuple[str, int]:
+    """A policy name without its ``+chainN`` suffix, and N (1 without one)."""
+    found = CHAINED.search(policy)
+    return (policy[: found.start()], int(found.group(1))) if found else (policy, 1)
+
+
 class ClosedLoop:
     """One policy's closed loop of ``sequences`` requests (``prompts``: the load test's unless ``--prompts``; 64 new
     tokens, greedy), each finished one replaced by the next until ``requests`` have started; ``step`` runs one
@@ -156,9 +162,7 @@ class ClosedLoop:
         prompts: list[str] = PROMPTS,
     ):
         self.engine, self.clock, self.policy = engine, clock, policy
-        chained = CHAINED.search(policy)
-        self.chain = int(chained.group(1)) if chained else 1
-        self.policy_spec = policy[: chained.start()] if chained else policy
+        self.policy_spec, self.chain = chained_policy(policy)
         self.sequences, self.requests, self.chunks = sequences, requests, chunks
         # At most this many sequences a step (0: all), the steps rotating over them as the server's scheduler does
         # with more requests than --max-batch (``Scheduler._next_batch``).
@@ -428,11 +432,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--interleave: a policy named NAME+trace runs only without it")
     for policy in args.policies:
         try:
-            make_policy(CHAINED.sub("", policy.removesuffix(TRACED)))
+            spec, chain = chained_policy(policy.removesuffix(TRACED))
+            make_policy(spec)
         except InvalidRequestError as e:
             p.error(f"--policies: {e}")
-        chained = CHAINED.search(policy.removesuffix(TRACED))
-        if chained and int(chained.group(1)) < 1:
+        if chain < 1:
             p.error(f"--policies: {policy}: a chain of at least 1 target pass (+chain1: none)")
     engine = specdec.load()
     engine.prefill_in_step = args.prefill_in_step  # the batching server's: prompts come in with their first step

@@ -42,10 +42,14 @@ _SOLO: dict[tuple[int, int, str | None], list[int]] = {}
 
 
 def solo(engine: Engine, prompt: int, max_new: int, stop: str | None = None) -> list[int]:
-    """The request alone, target-only, greedy."""
+    """The request alone, target-only, greedy, one target pass a step (``Engine.chain_plain`` 1)."""
     key = (prompt, max_new, stop)
     if key not in _SOLO:
-        _SOLO[key] = engine.generate(PROMPTS[prompt], max_new_tokens=max_new, tau=0, stop=stop).token_ids
+        chain, engine.chain_plain = engine.chain_plain, 1
+        try:
+            _SOLO[key] = engine.generate(PROMPTS[prompt], max_new_tokens=max_new, tau=0, stop=stop).token_ids
+        finally:
+            engine.chain_plain = chain
     return _SOLO[key]
 
 
@@ -201,8 +205,6 @@ def test_random_schedules_keep_every_greedy_output_identical_to_its_solo_run(
     engine: Engine, schedule: list[tuple[int, int, int, int]], prefill_in_step: int, chain: int
 ) -> None:
     arrivals = [(at, dict(prompt=PROMPTS[p], max_new_tokens=n, tau=tau)) for at, p, tau, n in schedule]
-    for _, p, _, n in schedule:  # the solo runs first, one pass a step
-        solo(engine, p, n)
     engine.prefill_in_step, engine.chain_plain = prefill_in_step, chain
     try:
         gens = run_schedule(engine, arrivals)
@@ -510,14 +512,12 @@ def chained(engine: Engine) -> Any:
 
 def test_chained_plain_steps_keep_every_output_and_count_their_passes(chained: Engine) -> None:
     engine = chained
-    engine.chain_plain = 1
     want = {
         j: solo(engine, p, n, stop)
         for j, (p, n, stop) in enumerate(
             [(0, 40, None), (2, 30, None), (0, 40, "\n"), (5, 40, None), (1, 9, None), (3, 25, None)]
         )
     }
-    engine.chain_plain = 3
     arrivals = [
         (0, dict(prompt=PROMPTS[0], max_new_tokens=40, tau=0)),  # chains
         (0, dict(prompt=PROMPTS[2], max_new_tokens=30, tau=3)),  # drafts: one pass a step

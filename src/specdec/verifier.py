@@ -140,8 +140,14 @@ class ModelTarget(TargetSide):
         # Emitted token j comes from row j (the correction/bonus token too: p's log probability there).
         done = cast(list[Verdict], verdicts)
         if chains is not None:
+            # plain greedy sequences without a draft or log probabilities chain; the rest keep their one pass
             self._chain(
-                live, drafts, done, [k if p and g.logprobs is None else 1 for k, p, g in zip(chains, plain, live)]
+                live,
+                done,
+                [
+                    k if p and g.logprobs is None and not d.tokens else 1
+                    for k, p, g, d in zip(chains, plain, live, drafts)
+                ],
             )
         logprobs = [
             token_logprobs(logits, v.tokens, g.params, g.logprobs)
@@ -151,14 +157,12 @@ class ModelTarget(TargetSide):
         ]
         return done, logprobs
 
-    def _chain(
-        self, live: Sequence[Verifying], drafts: Sequence[Draft], verdicts: list[Verdict], chains: Sequence[int]
-    ) -> None:
+    def _chain(self, live: Sequence[Verifying], verdicts: list[Verdict], chains: Sequence[int]) -> None:
         """The passes after a step's first for its chaining plain greedy sequences (``verify``'s ``chains``): one row a
         sequence, its last token, shared with every sequence still chaining; each pass's argmax (the kernel takes it in
         the pass) is the sequence's next token and the next pass's row. A row's logits do not depend on the others in
         its pass, so the tokens are those of one plain step after another, without the engine's Python between."""
-        going = [i for i, k in enumerate(chains) if k > 1 and not drafts[i].tokens]
+        going = [i for i, k in enumerate(chains) if k > 1]
         passes = 1
         while going:
             blocks = [([verdicts[i].tokens[-1]], cast(KVCache, live[i].cache)) for i in going]

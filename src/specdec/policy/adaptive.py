@@ -852,23 +852,9 @@ class AdaptivePolicy(Policy):
 
     def _learn_from(self, reqs: list[_Request | None], records: Sequence[StepRecord]) -> None:
         step = records[0]  # the step's pass, rows and times: every record carries them
-        if any(r.target_passes > 1 for r in records):
-            # Chained plain passes (``Engine.chain_plain``): the step's times are several passes', which no cost curve
-            # of one pass may learn; a planned batch step is held against its chained price (step bias, the depth
-            # calibration of depth 0), as ``plan`` priced it.
-            if step.batch_size > 1 and self._batch_planned and steady_draft(step):
-                steady = steady_rest(records)
-                costs = self.batch_costs
-                rest = costs.rest(step.batch_size, self.costs) if steady is None else costs.steady_rest_seconds(steady)
-                price = chained_plain_price(
-                    costs.pricer(step.batch_size, self.costs),
-                    costs.priced_rest(step.batch_size, self.costs),
-                    step.rows,
-                    [r.target_passes for r in records],
-                )
-                self._learn_step(step, price, rest, tokens_made(records), float(sum(r.target_passes for r in records)))
-            self._learn_outcomes(reqs, records)
-            return
+        # Chained plain passes (``Engine.chain_plain``): the step's times are several passes'. A planned one is held
+        # against its chained price, as ``plan`` priced it; no cost curve of one pass learns from it (below).
+        chained = any(r.target_passes > 1 for r in records)
         steady = steady_rest(records) if step.batch_size > 1 else None  # the record with the step's own rest
         if step.batch_size > 1 and self._batch_planned and steady_draft(step):
             # A step of the batch plan being served, against its price at the rows it ran (a replayed plan's step
@@ -884,14 +870,20 @@ class AdaptivePolicy(Policy):
             else:
                 rest = batch_costs.steady_rest_seconds(steady)
             made = tokens_made(records)
-            price = batch_costs.pricer(step.batch_size, self.costs)(step.rows, step.draft_passes, step.drafting)
-            self._learn_step(
-                step,
-                price,
-                rest,
-                made,
-                sum(_expected_tokens(req, r.tau) for req, r in zip(reqs, records)),
-            )
+            pricer = batch_costs.pricer(step.batch_size, self.costs)
+            if chained:
+                passes = [r.target_passes for r in records]
+                price = chained_plain_price(
+                    pricer, batch_costs.priced_rest(step.batch_size, self.costs), step.rows, passes
+                )
+                expected = float(sum(passes))
+            else:
+                price = pricer(step.rows, step.draft_passes, step.drafting)
+                expected = sum(_expected_tokens(req, r.tau) for req, r in zip(reqs, records))
+            self._learn_step(step, price, rest, made, expected)
+        if chained:
+            self._learn_outcomes(reqs, records)
+            return
         self.batch_costs.observe_step(records)  # one-sequence steps too: the low end of the cost curves
         if step.batch_size == 1 and (step.rows or step.tau + 1) == step.tau + 1:  # not a prompt's first step
             # The stop rule keeps the token it stops at, so every forward the drafter ran made a verified token.
