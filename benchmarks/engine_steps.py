@@ -1,7 +1,7 @@
 """What the engine's own Python costs around the kernel's passes, in process (no HTTP, no event loop).
 
 A closed loop of ``--sequences`` requests stepped together by ``Engine.step`` (the server's batched step), each
-finished one replaced by the next (the load test's prompts, 64 new tokens, greedy, prompts taken in by the steps as
+finished one replaced by the next (the load test's prompts, 64 new tokens, greedy or ``--temperature``, prompts taken in by the steps as
 the batching server does), for each policy of ``--policies`` in turn, the order rotated each round. The CPU kernel's
 calls (target passes, lockstep drafts) are timed where they enter the native library; everything else in a step is
 the engine's Python: planning, drafting's and verification's bookkeeping, commit, stop checks, detokenising, records,
@@ -132,8 +132,11 @@ class Breakdown:
 BREAKDOWN: Breakdown | None = None  # set by ``--breakdown``: every loop's steps are then split by part
 
 
+# ``--temperature``: the loops' requests sampled at this temperature, each with its own seed (0: greedy).
+TEMPERATURE = 0.0
+
 TRACED = "+trace"  # a policy named with this suffix runs with a JSONL trace observer (what tracing costs a step)
-# A policy named NAME+chainN runs NAME with plain greedy steps chaining up to N target passes (``Engine.chain_plain``).
+# A policy named NAME+chainN runs NAME with plain steps chaining up to N target passes (``Engine.chain_plain``).
 CHAINED = re.compile(r"\+chain(\d+)$")
 
 
@@ -182,6 +185,15 @@ class ClosedLoop:
         return min(self.sequences, self.max_batch) if self.max_batch > 0 else self.sequences
 
     def _start(self) -> Generation:
+        if TEMPERATURE > 0.0:  # seeded by its place in the loop: every policy's loop draws the same requests
+            self._seed = getattr(self, "_seed", -1) + 1
+            return self.engine.start(
+                next(self._source),
+                max_new_tokens=64,
+                policy=self.policy_spec,
+                temperature=TEMPERATURE,
+                seed=self._seed,
+            )
         return self.engine.start(next(self._source), max_new_tokens=64, policy=self.policy_spec)
 
     def step(self, aside: bool = False) -> bool:
@@ -424,7 +436,17 @@ def main(argv: list[str] | None = None) -> int:
         help="prompt tokens a step takes in with its pass (the batching server's --prefill-in-step; default "
         f"{DEFAULT_PREFILL_IN_STEP}); 0: each prompt in a pass of its own as it starts",
     )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="the requests sampled at this temperature, each with a seed of its own (default 0: greedy)",
+    )
     args = p.parse_args(argv)
+    if not 0.0 <= args.temperature <= 2.0:
+        p.error(f"--temperature must be between 0 and 2, not {args.temperature}")
+    global TEMPERATURE
+    TEMPERATURE = args.temperature
     if args.prefill_in_step < 0:
         p.error(f"--prefill-in-step must be 0 or more, not {args.prefill_in_step}")
     prompts = prompt_texts(p, args.prompts)

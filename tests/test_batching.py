@@ -578,3 +578,38 @@ def test_a_trace_of_chained_steps_passes_the_consistency_checks(chained: Engine,
     bad = [s for s in trace.steps if s.target_passes > 1][0]
     bad.target_passes = 1
     assert check_steps(trace).counts.get("too_many_emitted") == 1
+
+
+def test_chained_sampled_steps_draw_what_one_pass_a_step_draws(engine: Engine) -> None:
+    """Seeded sampled requests (several settings) chain their plain steps beside greedy and drafting ones: each draws
+    the same tokens as with one pass a step, and as alone (its draws from its own generator, in the same order)."""
+    sampled = [
+        dict(prompt=PROMPTS[0], max_new_tokens=30, tau=0, temperature=1.0, seed=7),
+        dict(prompt=PROMPTS[2], max_new_tokens=25, tau=0, temperature=0.8, top_k=40, seed=8),
+        dict(prompt=PROMPTS[3], max_new_tokens=30, tau=0, temperature=1.2, top_p=0.9, seed=9, stop="\n"),
+        dict(prompt=PROMPTS[5], max_new_tokens=7, tau=0, temperature=0.7, seed=10),  # its last chain cut short
+        dict(prompt=PROMPTS[1], max_new_tokens=30, tau=0, temperature=1.0, seed=11, max_verify_passes=9),
+    ]
+    others = [
+        (0, dict(prompt=PROMPTS[4], max_new_tokens=30, tau=0)),  # greedy, chains beside them
+        (6, dict(prompt=PROMPTS[2], max_new_tokens=12, tau=2, temperature=0.9, seed=12)),  # drafts: one pass steps
+    ]
+    arrivals = [(j, kw) for j, kw in enumerate(sampled)] + others
+    runs = {}
+    for chain in (1, 4):
+        engine.chain_plain = chain
+        try:
+            runs[chain] = [g.new_tokens for g in run_schedule(engine, arrivals)]
+            if chain == 4:
+                gens = run_schedule(engine, arrivals)
+        finally:
+            engine.chain_plain = 1
+    assert runs[4] == runs[1]
+    assert [g.new_tokens for g in gens] == runs[1]  # and again: nothing carried over from run to run
+    chained = [r for g in gens[: len(sampled)] for r in g.records if r.target_passes > 1]
+    assert chained and all(r.tau == 0 for r in chained)
+    for g in gens:
+        assert sum(r.target_passes for r in g.records) == g.stats.target_passes
+    assert gens[4].stats.target_passes <= 9
+    for kw, g in zip(sampled, gens):
+        assert engine.generate(**kw).token_ids == g.new_tokens  # alone, one pass a step

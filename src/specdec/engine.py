@@ -152,10 +152,10 @@ class Engine:
         # weights for all, and a long prompt in pieces rather than one long stall). The server sets it when it
         # batches; 0: every prompt is prefilled at ``start``.
         self.prefill_in_step = 0
-        # Target passes a plain greedy sequence's step may chain (1: one pass a step, every sequence): with k > 1 a
-        # sequence that drafts nothing, samples nothing and has no logit rules or log probabilities steps k passes,
-        # each pass's argmax the next one's row, before the step's commit and records (one record of k tokens and k
-        # target passes), up to its remaining tokens, context and verification budget. The engine's Python between
+        # Target passes a plain sequence's step may chain (1: one pass a step, every sequence): with k > 1 a sequence
+        # that drafts nothing and has no logit rules or log probabilities steps k passes, each pass's token (its
+        # argmax, or its draw with the request's generator) the next one's row, before the step's commit and records
+        # (one record of k tokens and k target passes), up to its remaining tokens, context and verification budget. The engine's Python between
         # two passes is then paid once per k. Only a step where no sequence drafts chains (``_chains``); the adaptive
         # policy prices a plain batch plan as that step (``StepContext.chain``).
         self.chain_plain = 1
@@ -833,15 +833,10 @@ class Generation:
         return False
 
     def plain_chain(self) -> int:
-        """Target passes a plain step of this request may chain (``Engine.chain_plain``): plain greedy (no logit rules,
-        no log probabilities), up to its remaining tokens, context and verification budget; 1 otherwise."""
+        """Target passes a plain step of this request may chain (``Engine.chain_plain``): greedy or sampled, without
+        logit rules or log probabilities, up to its remaining tokens, context and verification budget; 1 otherwise."""
         engine = self.engine
-        if (
-            engine.chain_plain <= 1
-            or not self.params.greedy
-            or self.rules_state is not None
-            or self.logprobs is not None
-        ):
+        if engine.chain_plain <= 1 or self.rules_state is not None or self.logprobs is not None:
             return 1
         k = min(
             engine.chain_plain,

@@ -48,8 +48,8 @@ class Verdict:
     correction: Correction
     target_token_probs: list[float]  # p_t(ŷ_t), for traces
     draft_token_probs: list[float]  # q_t(ŷ_t), for traces
-    # Target passes the verdict took: more than one for a plain greedy sequence whose step chained its passes
-    # (``Engine.chain_plain``), each pass's argmax the next one's row; its tokens are then one a pass.
+    # Target passes the verdict took: more than one for a plain sequence (greedy or sampled) whose step chained its
+    # passes (``Engine.chain_plain``), each pass's token (argmax or draw) the next one's row; its tokens one a pass.
     passes: int = 1
 
 

@@ -58,7 +58,7 @@ class TargetSide(ABC):
     vocab_size: int
     max_context: int
     eos_token_ids: frozenset[int]  # the ids that end a request (the model's and its tokenizer's)
-    # Whether ``verify`` chains passes for plain greedy sequences (its ``chains``); a side that does not runs one pass.
+    # Whether ``verify`` chains passes for plain sequences (its ``chains``); a side that does not runs one pass.
     chains_plain: bool = False
 
     @abstractmethod
@@ -128,7 +128,7 @@ class TargetSide(ABC):
         with its own settings: the verdicts, and the emitted tokens' log probabilities (for requests that asked for
         them). ``fills``: sequences still taking in a deferred prompt, each with the next ``n`` prompt tokens to put
         in its cache in the same pass (nothing verified; only a side that defers prefills gets any). ``chains`` (only
-        for a side with ``chains_plain``): passes per sequence; a plain greedy sequence (no draft, no logit rules, no
-        log probabilities) given k > 1 gets k - 1 more one-row passes after the first, each fed the argmax of the
-        pass before, in passes shared with the other chaining sequences: its verdict then holds k tokens
+        for a side with ``chains_plain``): passes per sequence; a plain sequence (no draft, no logit rules, no log
+        probabilities; greedy or sampled) given k > 1 gets k - 1 more one-row passes after the first, each fed the
+        token of the pass before (its argmax, or its draw with the request's generator), in passes shared with the other chaining sequences: its verdict then holds k tokens
         (``Verdict.passes``) and its cache the first k - 1 of them."""

@@ -18,7 +18,7 @@ from specdec.output_format import FormatMatcher
 from specdec.records import Verdict
 from specdec.runtime.base import KVCache, ModelRunner, eos_ids_of, token_tensor
 from specdec.runtime.prefix_cache import BLOCK
-from specdec.sampling import SamplingParams, TokenLogprob, probs_by_settings, token_logprobs
+from specdec.sampling import SamplingParams, TokenLogprob, probs_by_settings, sample_rows, token_logprobs
 from specdec.target_side import Cache, TargetSide, Verifying
 from specdec.verify import SampledBlock, verdict_greedy, verify_blocks
 
@@ -140,13 +140,14 @@ class ModelTarget(TargetSide):
         # Emitted token j comes from row j (the correction/bonus token too: p's log probability there).
         done = cast(list[Verdict], verdicts)
         if chains is not None:
-            # plain greedy sequences without a draft or log probabilities chain; the rest keep their one pass
+            # sequences without a draft, logit rules or log probabilities chain (greedy or sampled); the rest keep
+            # their one pass
             self._chain(
                 live,
                 done,
                 [
-                    k if p and g.logprobs is None and not d.tokens else 1
-                    for k, p, g, d in zip(chains, plain, live, drafts)
+                    k if g.rules_state is None and g.logprobs is None and not d.tokens else 1
+                    for k, g, d in zip(chains, live, drafts)
                 ],
             )
         logprobs = [
@@ -158,18 +159,30 @@ class ModelTarget(TargetSide):
         return done, logprobs
 
     def _chain(self, live: Sequence[Verifying], verdicts: list[Verdict], chains: Sequence[int]) -> None:
-        """The passes after a step's first for its chaining plain greedy sequences (``verify``'s ``chains``): one row a
-        sequence, its last token, shared with every sequence still chaining; each pass's argmax (the kernel takes it in
-        the pass) is the sequence's next token and the next pass's row. A row's logits do not depend on the others in
-        its pass, so the tokens are those of one plain step after another, without the engine's Python between."""
+        """The passes after a step's first for its chaining sequences (``verify``'s ``chains``: no draft, no logit
+        rules, no log probabilities): one row a sequence, its last token, shared with every sequence still chaining.
+        A greedy sequence's next token is the pass's argmax (the kernel takes it in the pass); a sampled one's is drawn
+        from its row with the request's own generator, as ``verify_blocks`` draws a block without a draft (its τ = 0
+        uniforms draw nothing; then one draw from p at the row), so its draws come in the same order from the same
+        generator as in one step after another. A row's logits do not depend on
+        the others in its pass, so the tokens are those of one plain step after another, without the engine's Python
+        between."""
         going = [i for i, k in enumerate(chains) if k > 1]
         passes = 1
         while going:
             blocks = [([verdicts[i].tokens[-1]], cast(KVCache, live[i].cache)) for i in going]
-            best = self.runner.pass_argmax(self.runner.forward_blocks(blocks, [1] * len(going)))
+            flat = self.runner.forward_blocks(blocks, [1] * len(going))
             passes += 1
-            for i, token in zip(going, best):
-                verdicts[i].tokens.append(int(token))
+            drawn = [j for j, i in enumerate(going) if not live[i].params.greedy]
+            tokens: list[int] = [0] * len(going)
+            if len(drawn) < len(going):
+                tokens = [int(t) for t in self.runner.pass_argmax(flat)]
+            if drawn:  # what ``verify_blocks`` draws for a block without a draft: one draw from p at its row
+                probs = probs_by_settings([flat[j : j + 1] for j in drawn], [live[going[j]].params for j in drawn])
+                for j, token in zip(drawn, sample_rows(probs, [live[going[j]].generator for j in drawn]).tolist()):
+                    tokens[j] = int(token)
+            for i, token in zip(going, tokens):
+                verdicts[i].tokens.append(token)
                 verdicts[i].passes = passes
             going = [i for i in going if chains[i] > passes]
 

@@ -69,8 +69,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         metavar="PASSES",
-        help="target passes a plain greedy step chains, each pass's argmax the next one's row, before the step's "
-        "commit (the engine's Python between passes paid once per chain; outputs unchanged); 1: one pass a step "
+        help="target passes a plain step chains (greedy or sampled), each pass's token the next one's row, before "
+        "the step's commit (the engine's Python between passes paid once per chain; outputs unchanged); 1: one pass a step "
         f"(default: {DEFAULT_CHAIN_PLAIN} with --max-batch > 1, else 1)",
     )
     g.add_argument(

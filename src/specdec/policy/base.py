@@ -32,7 +32,7 @@ class StepContext:
     elapsed: float  # seconds since the request started
     batch_size: int = 1  # sequences sharing this step's passes
     # Target passes a plain step would chain for this request (``Engine.chain_plain``, cut to its remaining tokens,
-    # context and budget; 1: none): in a step where no sequence drafts, each plain greedy one makes this many tokens.
+    # context and budget; 1: none): in a step where no sequence drafts, each plain one makes this many tokens.
     chain: int = 1
 
 

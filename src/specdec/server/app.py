@@ -148,7 +148,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> FastAP
             "draft_window": window_of(getattr(engine.drafter, "runner", None)),
             "costs": engine.costs_note,
             "prefill_in_step": engine.prefill_in_step,  # prompt tokens a batched step takes in, at most
-            "chain_plain": engine.chain_plain,  # target passes a plain greedy step chains
+            "chain_plain": engine.chain_plain,  # target passes a plain step chains
             "stream_interval": settings.stream_interval,  # tokens a streamed choice gathers before its text is sent
             "stream_interval_ms": settings.stream_interval_ms,  # and the milliseconds since its last chunk
             "runtime": getattr(engine.target, "backend", type(engine.target).__name__),

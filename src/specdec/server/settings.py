@@ -21,7 +21,7 @@ class ServerSettings:
     # share with the batch (a longer one in pieces), not in passes of their own between steps (None: 256 when
     # max_batch > 1, else 0; 0: every prompt in a pass of its own).
     prefill_in_step: int | None = None
-    # Target passes a plain greedy step chains (``Engine.chain_plain``), each pass's argmax the next one's row, before
+    # Target passes a plain step chains (``Engine.chain_plain``), each pass's token the next one's row, before
     # the step's commit: the engine's Python between passes paid once per chain (None: DEFAULT_CHAIN_PLAIN when
     # max_batch > 1, else 1).
     chain_plain: int | None = None
