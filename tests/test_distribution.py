@@ -176,21 +176,22 @@ def test_drafts_read_from_a_prediction_keep_the_target_law(tiny_models, soft_dra
 
 
 def first_three_follow_the_law(
-    engine, prompt, settings, joint, marginals, seeds: range = range(600), **request: Any
+    engine, prompt, settings, joint, marginals, seeds: range = range(600), tau: int = 3, **request: Any
 ) -> dict[tuple, int]:
     """A generation of (up to) three tokens for each seed (τ = 3; ``request``: more ``Engine.start`` arguments): the
-    draft partly accepted, the joint law and each position's marginal given not rejected at ``P_THRESHOLD`` (one
-    chi-square test each: four with the three marginals). Returns the counts."""
+    draft partly accepted (τ > 0), the joint law and each position's marginal given not rejected at ``P_THRESHOLD``
+    (one chi-square test each: four with the three marginals). Returns the counts."""
     counts: dict[tuple, int] = {}
     drafted = accepted = 0
     n = len(seeds)
     for seed in seeds:
-        r = engine.generate(prompt, max_new_tokens=3, tau=3, seed=seed, **settings, **request)
+        r = engine.generate(prompt, max_new_tokens=3, tau=tau, seed=seed, **settings, **request)
         key = tuple(r.token_ids)
         counts[key] = counts.get(key, 0) + 1
         drafted += r.stats.drafted
         accepted += r.stats.accepted
-    assert 0.05 < accepted / drafted < 0.95, "the draft should be partly accepted for this test to mean anything"
+    if tau:
+        assert 0.05 < accepted / drafted < 0.95, "the draft should be partly accepted for this test to mean anything"
     assert chi2_pvalue(counts, joint, n) > P_THRESHOLD
     for pos, marg in enumerate(marginals):  # marginals of each position too
         cnt: dict[int, int] = {}
@@ -199,6 +200,27 @@ def first_three_follow_the_law(
                 cnt[k[pos]] = cnt.get(k[pos], 0) + c
         assert chi2_pvalue(cnt, marg, n) > P_THRESHOLD, f"position {pos + 1}"
     return counts
+
+
+@pytest.mark.slow
+@pytest.mark.distribution
+def test_plain_sampled_steps_keep_the_target_law(tiny_models, target_law):
+    """τ = 0 on the CPU kernel: each token one draw from its target row (``sample_plain``: ``sd_sample_rows`` for a
+    temperature-only request, torch's ops for the others), one pass a step and chained three passes a step (the
+    passes after a step's first drawn by the chain). 600 seeds, four chi-square tests at 1e-3 (false-failure rate
+    ≤ 4e-3 over seeds); the chained draws equal the unchained ones seed by seed."""
+    settings, prompt, joint, marginals = target_law
+    engine = specdec.load(tiny_models["llama"], tiny_models["draft"], dtype="float32", runtime="native")
+    assert engine.target.backend.startswith("cpu-kernel")
+    engine.eos_ids = frozenset()
+    counts = first_three_follow_the_law(engine, prompt, settings, joint, marginals, tau=0)
+    engine.chain_plain = 3
+    chained: dict[tuple, int] = {}
+    for seed in range(600):
+        r = engine.generate(prompt, max_new_tokens=3, tau=0, seed=seed, **settings)
+        assert max(rec.target_passes for rec in r.records) > 1
+        chained[tuple(r.token_ids)] = chained.get(tuple(r.token_ids), 0) + 1
+    assert chained == counts
 
 
 @pytest.mark.distribution

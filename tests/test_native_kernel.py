@@ -1235,3 +1235,79 @@ def test_a_build_says_it_is_compiling_once(
     caplog.clear()
     assert nk._build(str(cxx)) == first and first.exists()
     assert not [r for r in caplog.records if r.name == "specdec.kernel"]
+
+
+def _reference_cdf(row: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(row / T)'s distribution function in float64 (unnormalised), the reference for ``sd_sample_rows``."""
+    y = row.double() / temperature
+    return torch.exp(y - y.max()).cumsum(0)
+
+
+@pytest.mark.parametrize("vocab", [8192, 8195, 37])  # 8195, 37: the scalar tail after the 8-lane loop
+def test_the_kernels_draws_invert_the_distribution_function_of_softmax(vocab: int) -> None:
+    """Each draw with uniform u is the token whose reference cumulative mass brackets u * total (float64 exp against
+    the kernel's exp8, ~2e-7 relative: a draw within 1e-5 of the total from a bracket's edge may fall either side).
+    Uniforms on an even grid over [0, 1) and the first and last, so every token of visible mass is drawn in its
+    share: the distribution itself, without a statistical test."""
+    lib = nk._library()
+    assert lib is not None
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, vocab, generator=g) * 4
+    logits[1, ::3] = float("-inf")  # masked tokens: never drawn
+    temps = [0.7, 1.0, 1.6]
+    grid = [i / 4000 for i in range(4000)] + [1 - 2**-53]
+    for r, t in enumerate(temps):
+        got = nk.kernel_sample_rows(lib, logits, [r] * len(grid), [t] * len(grid), grid)
+        cdf = _reference_cdf(logits[r], t)
+        total = float(cdf[-1])
+        for u, tok in zip(grid, got):
+            assert 0 <= tok < vocab and logits[r, tok] > float("-inf")
+            below = float(cdf[tok - 1]) if tok else 0.0
+            assert below - 1e-5 * total <= u * total <= float(cdf[tok]) + 1e-5 * total, (r, u, tok)
+        counts = torch.bincount(torch.tensor(got), minlength=vocab).double() / len(grid)
+        probs = torch.softmax(logits[r].double() / t, 0)
+        assert float((counts - probs).abs().max()) <= 2 / len(grid) + 1e-5
+
+
+def test_the_kernels_draws_refuse_a_row_without_a_finite_maximum() -> None:
+    lib = nk._library()
+    assert lib is not None
+    logits = torch.zeros(3, 64)
+    logits[1] = float("-inf")
+    logits[2, 5] = float("nan")
+    assert nk.kernel_sample_rows(lib, logits, [0, 0], [1.0, 1.0], [0.0, 0.999]) == [0, 63]
+    for row in (1, 2):
+        with pytest.raises(ValueError, match=f"row {row} has none"):
+            nk.kernel_sample_rows(lib, logits, [0, row], [1.0, 1.0], [0.5, 0.5])
+
+
+def test_sample_plain_draws_each_request_by_its_own_rule_and_one_uniform(tiny_models: dict[str, Path]) -> None:
+    """The native runner draws temperature-only requests with the kernel and top-k / top-p / min-p ones as every
+    runtime does (torch's), one uniform from each request's generator either way, whatever else is in the call."""
+    from specdec.runtime.base import ModelRunner
+    from specdec.sampling import SamplingParams
+
+    runner = NativeRunner.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    cache = runner.new_cache()
+    logits = runner.forward_blocks([(list(range(5, 12)), cache)], [4])
+    params = [
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=1.2),
+        SamplingParams(temperature=0.9, top_p=0.8),
+    ]
+
+    def gens() -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(s) for s in range(4)]
+
+    mixed = runner.sample_plain(logits, [0, 1, 2, 3], params, gens())
+    assert mixed == [runner.sample_plain(logits, [r], [p], [g])[0] for r, p, g in zip(range(4), params, gens())]
+    shaped = ModelRunner.sample_plain(runner, logits, [1, 3], [params[1], params[3]], gens()[1::2])
+    assert [mixed[1], mixed[3]] == shaped  # the shaped ones: torch's draws
+    us = [torch.rand(1, dtype=torch.float64, generator=g).item() for g in gens()]
+    assert [mixed[0], mixed[2]] == nk.kernel_sample_rows(nk._library(), logits, [0, 2], [0.8, 1.2], [us[0], us[2]])
+    after = gens()
+    runner.sample_plain(logits, [0, 1, 2, 3], params, after)
+    for g, fresh in zip(after, gens()):  # one uniform each
+        torch.rand(1, dtype=torch.float64, generator=fresh)
+        assert torch.equal(g.get_state(), fresh.get_state())

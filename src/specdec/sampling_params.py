@@ -38,6 +38,11 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
+    def temperature_only(self) -> bool:
+        """Sampled with a temperature alone (no top-k, top-p or min-p): its distribution is softmax(logits / T)."""
+        return not self.greedy and self.top_k == 0 and self.top_p >= 1.0 and self.min_p == 0.0
+
+    @property
     def shaping(self) -> tuple[float, int, float, float]:
         """What shapes the distribution sampled from (all but the seed): rows of requests alike in it are processed
         together (``logits_to_probs`` treats each row alone)."""

@@ -18,7 +18,7 @@ from specdec.output_format import FormatMatcher
 from specdec.records import Verdict
 from specdec.runtime.base import KVCache, ModelRunner, eos_ids_of, token_tensor
 from specdec.runtime.prefix_cache import BLOCK
-from specdec.sampling import SamplingParams, TokenLogprob, probs_by_settings, sample_rows, token_logprobs
+from specdec.sampling import SamplingParams, TokenLogprob, probs_by_settings, token_logprobs
 from specdec.target_side import Cache, TargetSide, Verifying
 from specdec.verify import SampledBlock, verdict_greedy, verify_blocks
 
@@ -130,8 +130,19 @@ class ModelTarget(TargetSide):
                 verdicts.append(verdict_greedy(d.tokens, logits.argmax(dim=-1).tolist()))
             else:
                 verdicts.append(None)
+        # Sampled sequences without a draft or logit rules: one draw each from its row as the model gave it
+        # (``sample_plain``, as ``verify_blocks`` draws a block without a draft).
+        drawn = [
+            s for s, v in enumerate(verdicts) if v is None and not drafts[s].tokens and live[s].rules_state is None
+        ]
+        if drawn:
+            tokens = self.runner.sample_plain(
+                flat, [starts[s] for s in drawn], [live[s].params for s in drawn], [live[s].generator for s in drawn]
+            )
+            for s, token in zip(drawn, tokens):
+                verdicts[s] = verdict_greedy([], [token])  # a block without a draft: its one token
         sampled = [s for s, v in enumerate(verdicts) if v is None]
-        if sampled:  # every sampled sequence's verdict in one go (``verify_blocks``)
+        if sampled:  # every other sampled sequence's verdict in one go (``verify_blocks``)
             rows = [cast(torch.Tensor, target_logits[s]) for s in sampled]
             probs = probs_by_settings(rows, [live[s].params for s in sampled]).split([len(r) for r in rows])
             sampled_blocks = [_sampled_block(live[s], drafts[s], p) for s, p in zip(sampled, probs)]
@@ -162,9 +173,8 @@ class ModelTarget(TargetSide):
         """The passes after a step's first for its chaining sequences (``verify``'s ``chains``: no draft, no logit
         rules, no log probabilities): one row a sequence, its last token, shared with every sequence still chaining.
         A greedy sequence's next token is the pass's argmax (the kernel takes it in the pass); a sampled one's is drawn
-        from its row with the request's own generator, as ``verify_blocks`` draws a block without a draft (its τ = 0
-        uniforms draw nothing; then one draw from p at the row), so its draws come in the same order from the same
-        generator as in one step after another. A row's logits do not depend on
+        from its row with the request's own generator by ``sample_plain``, as the step's first pass draws it, so its
+        draws come in the same order from the same generator as in one step after another. A row's logits do not depend on
         the others in its pass, so the tokens are those of one plain step after another, without the engine's Python
         between."""
         going = [i for i, k in enumerate(chains) if k > 1]
@@ -177,10 +187,12 @@ class ModelTarget(TargetSide):
             tokens: list[int] = [0] * len(going)
             if len(drawn) < len(going):
                 tokens = [int(t) for t in self.runner.pass_argmax(flat)]
-            if drawn:  # what ``verify_blocks`` draws for a block without a draft: one draw from p at its row
-                probs = probs_by_settings([flat[j : j + 1] for j in drawn], [live[going[j]].params for j in drawn])
-                for j, token in zip(drawn, sample_rows(probs, [live[going[j]].generator for j in drawn]).tolist()):
-                    tokens[j] = int(token)
+            if drawn:  # as the first pass draws them (``sample_plain``)
+                picked = self.runner.sample_plain(
+                    flat, drawn, [live[going[j]].params for j in drawn], [live[going[j]].generator for j in drawn]
+                )
+                for j, token in zip(drawn, picked):
+                    tokens[j] = token
             for i, token in zip(going, tokens):
                 verdicts[i].tokens.append(token)
                 verdicts[i].passes = passes

@@ -43,7 +43,7 @@ from specdec.runtime.pages import arena_for
 log = logging.getLogger("specdec.kernel")
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 20
+ABI_VERSION = 21
 # sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 # -ffp-contract=off: a multiply followed by an add stays two roundings wherever it is inlined (GCC fuses them into
@@ -440,6 +440,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         handle.sd_argmax_rows.restype = None
         handle.sd_argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         handle.sd_argmax_rows.argtypes += [ctypes.c_int64]
+        handle.sd_sample_rows.restype = ctypes.c_int64
+        handle.sd_sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+        handle.sd_sample_rows.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     _HELD[id(lib)] = held
     lib.sd_draft_greedy.restype = ctypes.c_int
     # model, n, ids, off, pos0, kv, tau, max_tau, rules, vocab_used, tokens, tops, drafted, fed, logits, scratch, threads
@@ -486,6 +489,36 @@ def kernel_argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> list[int]:
     out = array.array("q", bytes(8 * n))
     (_HELD.get(id(lib)) or lib).sd_argmax_rows(logits.data_ptr(), n, v, out.buffer_info()[0], pass_threads())
     return nan_rows_by_torch(out.tolist(), logits)
+
+
+def kernel_sample_rows(
+    lib: ctypes.CDLL,
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    temperatures: Sequence[float],
+    uniforms: Sequence[float],
+) -> list[int]:
+    """One draw from ``softmax(logits[r] / T)`` for each row ``r`` of ``rows`` with its temperature and its uniform in
+    [0, 1) (``sd_sample_rows``: the inverse of the row's distribution function, float64 sums), for logits known to suit
+    the kernel (a contiguous 2-D fp32 CPU tensor: a pass's logits). ValueError for a row without a finite maximum."""
+    n, v = len(rows), logits.shape[1]
+    idx, temps, us = array.array("q", rows), array.array("f", temperatures), array.array("d", uniforms)
+    out = array.array("q", bytes(8 * n))
+    bad = (_HELD.get(id(lib)) or lib).sd_sample_rows(
+        logits.data_ptr(),
+        idx.buffer_info()[0],
+        n,
+        v,
+        temps.buffer_info()[0],
+        us.buffer_info()[0],
+        out.buffer_info()[0],
+        pass_threads(),
+    )
+    if bad:
+        raise ValueError(
+            f"sampling needs finite probabilities with a positive total in every row (row {rows[bad - 1]} has none)"
+        )
+    return out.tolist()
 
 
 def nan_rows_by_torch(best: list[int], logits: torch.Tensor) -> list[int]:

@@ -85,7 +85,7 @@ struct SdModel {
 
 enum { STREAM_ONE_PANEL = 1, STREAM_CUT = 2 };  // SdModel::stream, sd_matmul's `stream`
 
-extern "C" int sd_abi_version(void) { return 20; }
+extern "C" int sd_abi_version(void) { return 21; }
 
 // Which products this build uses for bf16 weights: 1 = AVX512-BF16 dot products, 0 = AVX2 fp32.
 extern "C" int sd_bf16_dot(void) {
@@ -2351,6 +2351,83 @@ extern "C" void sd_argmax_rows(const float* x, int64_t n, int64_t V, int64_t* ou
         float mx;
         out[r] = first_max(x + r * V, 0, V, &mx);
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sampled decoding: one draw from softmax(x / T) of each of a pass's rows
+
+// out[i] = the token row rows[i] of x [.][V] draws with its uniform u[i] in [0, 1) from softmax(x[rows[i]] / temp[i]),
+// by the inverse of its distribution function: y_j = x_j / T (an IEEE division, as torch's), e_j = exp(y_j - max y)
+// (exp8; 0 where that difference is below exp8's range, ~e^-87), their total in float64 in index order, and the
+// first token whose float64 cumulative mass (the same additions in the same order) exceeds u * total; u < 1 keeps
+// u * total below the total, so that token has mass and lies in the vocabulary, and a token of mass 0 is never
+// drawn. A row's draw depends on its logits, temperature and uniform only. Returns 0, or 1 + the first row (of
+// `rows`) without a finite maximum (a NaN, +inf, or every logit -inf), whose out is -1.
+extern "C" int64_t sd_sample_rows(const float* x, const int64_t* rows, int64_t n, int64_t V, const float* temp,
+                                  const double* u, int64_t* out, int64_t threads) {
+    int64_t bad = 0;
+#pragma omp parallel num_threads((int)threads) if (threads > 1 && n >= ARGMAX_ROWS_PARALLEL)
+    {
+        std::vector<float> e((size_t)V);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            const float* l = x + rows[i] * V;
+            const float t = temp[i];
+            const __m256 t8 = _mm256_set1_ps(t);
+            __m256 mx8 = _mm256_set1_ps(-INFINITY), odd8 = _mm256_setzero_ps();
+            int64_t j = 0;
+            for (; j + 8 <= V; j += 8) {
+                const __m256 y = _mm256_div_ps(_mm256_loadu_ps(l + j), t8);
+                odd8 = _mm256_or_ps(odd8, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));  // NaN lanes
+                mx8 = _mm256_max_ps(mx8, y);
+            }
+            float lanes[8], odd[8];
+            _mm256_storeu_ps(lanes, mx8);
+            _mm256_storeu_ps(odd, odd8);
+            float mx = -INFINITY;
+            bool broken = false;
+            for (int k = 0; k < 8; k++) {
+                mx = lanes[k] > mx ? lanes[k] : mx;
+                uint32_t bits;
+                memcpy(&bits, &odd[k], 4);
+                broken |= bits != 0;
+            }
+            for (; j < V; j++) {
+                const float y = l[j] / t;
+                broken |= y != y;
+                mx = y > mx ? y : mx;
+            }
+            if (broken || !(mx > -INFINITY) || mx == INFINITY) {
+                out[i] = -1;
+#pragma omp critical
+                bad = bad == 0 || i + 1 < bad ? i + 1 : bad;
+                continue;
+            }
+            const __m256 m8 = _mm256_set1_ps(mx), lo8 = _mm256_set1_ps(ExpC::lo);
+            for (j = 0; j + 8 <= V; j += 8) {
+                const __m256 d = _mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(l + j), t8), m8);
+                const __m256 keep = _mm256_cmp_ps(d, lo8, _CMP_GE_OQ);
+                _mm256_storeu_ps(e.data() + j, _mm256_and_ps(exp8(d), keep));
+            }
+            for (; j < V; j++) {
+                const float d = l[j] / t - mx;
+                e[j] = d >= ExpC::lo ? exp1(d) : 0.0f;
+            }
+            double total = 0.0;
+            for (j = 0; j < V; j++) total += (double)e[j];
+            const double target = u[i] * total;
+            double cum = 0.0;
+            int64_t tok = -1;
+            for (j = 0; j < V; j++) {
+                if (e[j] == 0.0f) continue;
+                cum += (double)e[j];
+                tok = j;
+                if (cum > target) break;
+            }
+            out[i] = tok;
+        }
+    }
+    return bad;
 }
 
 // ---------------------------------------------------------------------------------------------
