@@ -2358,17 +2358,22 @@ extern "C" void sd_argmax_rows(const float* x, int64_t n, int64_t V, int64_t* ou
 
 // out[i] = the token row rows[i] of x [.][V] draws with its uniform u[i] in [0, 1) from softmax(x[rows[i]] / temp[i]),
 // by the inverse of its distribution function: y_j = x_j / T (an IEEE division, as torch's), e_j = exp(y_j - max y)
-// (exp8; 0 where that difference is below exp8's range, ~e^-87), their total in float64 in index order, and the
-// first token whose float64 cumulative mass (the same additions in the same order) exceeds u * total; u < 1 keeps
-// u * total below the total, so that token has mass and lies in the vocabulary, and a token of mass 0 is never
-// drawn. A row's draw depends on its logits, temperature and uniform only. Returns 0, or 1 + the first row (of
-// `rows`) without a finite maximum (a NaN, +inf, or every logit -inf), whose out is -1.
+// (exp8; 0 where that difference is below exp8's range, ~e^-87), their float64 sums over blocks of SAMPLE_BLOCK
+// tokens (each in a fixed order of four lanes), the total of those in block order, then the first block whose
+// cumulative mass exceeds u * total and in it the first token whose mass, added one at a time to the blocks' before
+// it, does (its last token of mass where rounding leaves the block's own sum a hair above those additions). u < 1
+// keeps u * total below the total, so the block has mass; a token of mass 0 is never drawn. A row's draw depends on
+// its logits, temperature and uniform only. Returns 0, or 1 + the first row (of `rows`) without a finite maximum (a
+// NaN, +inf, or every logit -inf), whose out is -1.
+#define SAMPLE_BLOCK 16
 extern "C" int64_t sd_sample_rows(const float* x, const int64_t* rows, int64_t n, int64_t V, const float* temp,
                                   const double* u, int64_t* out, int64_t threads) {
     int64_t bad = 0;
+    const int64_t nb = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
 #pragma omp parallel num_threads((int)threads) if (threads > 1 && n >= ARGMAX_ROWS_PARALLEL)
     {
-        std::vector<float> e((size_t)V);
+        std::vector<float> e((size_t)(nb * SAMPLE_BLOCK));  // y, then exp(y - max); 0 past V
+        std::vector<double> sums((size_t)nb);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) {
             const float* l = x + rows[i] * V;
@@ -2378,6 +2383,7 @@ extern "C" int64_t sd_sample_rows(const float* x, const int64_t* rows, int64_t n
             int64_t j = 0;
             for (; j + 8 <= V; j += 8) {
                 const __m256 y = _mm256_div_ps(_mm256_loadu_ps(l + j), t8);
+                _mm256_storeu_ps(e.data() + j, y);
                 odd8 = _mm256_or_ps(odd8, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));  // NaN lanes
                 mx8 = _mm256_max_ps(mx8, y);
             }
@@ -2394,6 +2400,7 @@ extern "C" int64_t sd_sample_rows(const float* x, const int64_t* rows, int64_t n
             }
             for (; j < V; j++) {
                 const float y = l[j] / t;
+                e[j] = y;
                 broken |= y != y;
                 mx = y > mx ? y : mx;
             }
@@ -2405,20 +2412,34 @@ extern "C" int64_t sd_sample_rows(const float* x, const int64_t* rows, int64_t n
             }
             const __m256 m8 = _mm256_set1_ps(mx), lo8 = _mm256_set1_ps(ExpC::lo);
             for (j = 0; j + 8 <= V; j += 8) {
-                const __m256 d = _mm256_sub_ps(_mm256_div_ps(_mm256_loadu_ps(l + j), t8), m8);
+                const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(e.data() + j), m8);
                 const __m256 keep = _mm256_cmp_ps(d, lo8, _CMP_GE_OQ);
                 _mm256_storeu_ps(e.data() + j, _mm256_and_ps(exp8(d), keep));
             }
             for (; j < V; j++) {
-                const float d = l[j] / t - mx;
+                const float d = e[j] - mx;
                 e[j] = d >= ExpC::lo ? exp1(d) : 0.0f;
             }
+            for (; j < nb * SAMPLE_BLOCK; j++) e[j] = 0.0f;
             double total = 0.0;
-            for (j = 0; j < V; j++) total += (double)e[j];
+            for (int64_t b = 0; b < nb; b++) {  // a block's 16 masses as four float64 lanes, then the lanes in order
+                const float* p = e.data() + b * SAMPLE_BLOCK;
+                __m256d acc = _mm256_cvtps_pd(_mm_loadu_ps(p));
+                acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm_loadu_ps(p + 4)));
+                acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm_loadu_ps(p + 8)));
+                acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm_loadu_ps(p + 12)));
+                double l4[4];
+                _mm256_storeu_pd(l4, acc);
+                sums[b] = ((l4[0] + l4[1]) + l4[2]) + l4[3];
+                total += sums[b];
+            }
             const double target = u[i] * total;
             double cum = 0.0;
+            int64_t b = 0;
+            while (b + 1 < nb && !(cum + sums[b] > target)) cum += sums[b++];
+            while (b > 0 && sums[b] == 0.0) cum -= sums[--b];  // (rounding at the very top: back to a block of mass)
             int64_t tok = -1;
-            for (j = 0; j < V; j++) {
+            for (j = b * SAMPLE_BLOCK; j < (b + 1) * SAMPLE_BLOCK && j < V; j++) {
                 if (e[j] == 0.0f) continue;
                 cum += (double)e[j];
                 tok = j;
