@@ -756,6 +756,7 @@ class Generation:
         self._t_start = engine.clock()
         self._text = OutputText(engine.tokenizer, stops)
         self.generator = side.generator(params)
+        self.uniforms: list[float] = []  # drawn ahead from the generator by the target side (``Verifying.uniforms``)
         drafter = engine.drafter
         self.cache: Cache
         self.draft_state: Any

@@ -24,6 +24,7 @@ __all__ = [
     "processed_logits",
     "sample",
     "sample_rows",
+    "sample_rows_at",
     "token_logprobs",
 ]
 
@@ -120,12 +121,21 @@ def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> t
     tau = 2 makes 48 draws (docs/server.md, "Sampled requests")."""
     if probs.dim() != 2 or len(generators) != probs.shape[0]:
         raise ValueError(f"sample_rows() wants [rows, vocabulary] and a generator a row, got {tuple(probs.shape)}")
+    dev = probs.device
+    return sample_rows_at(
+        probs, torch.cat([torch.rand(1, dtype=torch.float64, device=dev, generator=g) for g in generators])
+    )
+
+
+def sample_rows_at(probs: torch.Tensor, uniforms: torch.Tensor | Sequence[float]) -> torch.Tensor:
+    """``sample_rows`` with each row's uniform in [0, 1) given (float64 ``[k]``, or a list of floats)."""
+    if probs.dim() != 2 or len(uniforms) != probs.shape[0]:
+        raise ValueError(f"sample_rows_at() wants [rows, vocabulary] and a uniform a row, got {tuple(probs.shape)}")
     cdf = probs.double().cumsum(-1)
     total = cdf[:, -1:]
     if not all(0.0 < t < math.inf for t in total.flatten().tolist()):  # NaN fails both
         raise ValueError("sampling needs finite probabilities with a positive total in every row")
-    dev = probs.device
-    u = torch.cat([torch.rand(1, dtype=torch.float64, device=dev, generator=g) for g in generators])
+    u = torch.as_tensor(uniforms, dtype=torch.float64, device=probs.device)
     # u < 1 keeps u * total below the total in float64 (at most 1 - 2^-53 times it, never rounded up to it), so the
     # first cumulative mass above it is a token's with mass, and one within the vocabulary.
     return torch.searchsorted(cdf, u[:, None] * total, right=True).squeeze(-1)

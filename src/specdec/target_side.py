@@ -40,6 +40,7 @@ class Verifying(Protocol):
     cache: Cache  # holds context[:-1] (a prefix of it before the first step of a deferred prefill)
     params: SamplingParams
     generator: Any  # the request's generator (``TargetSide.generator``)
+    uniforms: list[float]  # uniforms drawn ahead from it, for a model target's draws without a draft; [] until then
     rules_state: RulesState | None  # the request's logit-rule counts, when a rule is active
     logprobs: int | None  # top alternatives to report per token; None: no log probabilities
 

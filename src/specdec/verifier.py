@@ -22,6 +22,8 @@ from specdec.sampling import SamplingParams, TokenLogprob, probs_by_settings, to
 from specdec.target_side import Cache, TargetSide, Verifying
 from specdec.verify import SampledBlock, verdict_greedy, verify_blocks
 
+# Uniforms a request's draws without a draft take from its generator at a time (``ModelTarget._uniforms``).
+UNIFORMS_AHEAD = 64
 PROMPT_SCORE_CHUNK = 256  # prompt rows a pass scores (``prompt_logprobs``): 256 vocabulary rows of logits at most
 
 
@@ -137,7 +139,7 @@ class ModelTarget(TargetSide):
         ]
         if drawn:
             tokens = self.runner.sample_plain(
-                flat, [starts[s] for s in drawn], [live[s].params for s in drawn], [live[s].generator for s in drawn]
+                flat, [starts[s] for s in drawn], [live[s].params for s in drawn], _uniforms([live[s] for s in drawn])
             )
             for s, token in zip(drawn, tokens):
                 verdicts[s] = verdict_greedy([], [token])  # a block without a draft: its one token
@@ -189,7 +191,7 @@ class ModelTarget(TargetSide):
                 tokens = [int(t) for t in self.runner.pass_argmax(flat)]
             if drawn:  # as the first pass draws them (``sample_plain``)
                 picked = self.runner.sample_plain(
-                    flat, drawn, [live[going[j]].params for j in drawn], [live[going[j]].generator for j in drawn]
+                    flat, drawn, [live[going[j]].params for j in drawn], _uniforms([live[going[j]] for j in drawn])
                 )
                 for j, token in zip(drawn, picked):
                     tokens[j] = token
@@ -197,6 +199,23 @@ class ModelTarget(TargetSide):
                 verdicts[i].tokens.append(token)
                 verdicts[i].passes = passes
             going = [i for i in going if chains[i] > passes]
+
+
+def _uniforms(seqs: Sequence[Verifying]) -> list[float]:
+    """One uniform in [0, 1) for each sequence's draw without a draft (``sample_plain``), from its request's
+    generator, drawn UNIFORMS_AHEAD at a time into the request's ``uniforms`` (a torch call a draw cost ~10 µs on the
+    caches a pass has just flushed: ~160 µs a 16-row pass). They are the generator's stream, each value used once, so
+    a request's draws stay independent of each other and of its other draws (a draft's, a verdict's), and depend on
+    nothing beside it in a step."""
+    out = []
+    for g in seqs:
+        if not g.uniforms:
+            gen = g.generator
+            ahead = torch.rand(UNIFORMS_AHEAD, dtype=torch.float64, device=gen.device, generator=gen).tolist()
+            ahead.reverse()  # popped from the end: the stream's order
+            g.uniforms = ahead
+        out.append(g.uniforms.pop())
+    return out
 
 
 def _sampled_block(gen: Verifying, draft: Draft, target_probs: torch.Tensor) -> SampledBlock:

@@ -104,18 +104,18 @@ class ModelRunner(ABC):
         logits: torch.Tensor,
         rows: Sequence[int],
         params: Sequence[Any],
-        generators: Sequence[torch.Generator],
+        uniforms: Sequence[float],
     ) -> list[int]:
         """One draw for each row ``rows[i]`` of ``logits`` (``[rows, vocab]`` from this runner, as the model gave
         them: a sampled request without logit rules or a draft) from its request's distribution (``params[i]``, a
-        ``SamplingParams`` that samples) with its generator, one uniform each: what ``verify_blocks`` draws for a
-        block without a draft (``sample_rows`` of ``probs_by_settings``). Runtimes may draw a request's token faster
-        by a rule of their own, the same for the request in every step whatever is beside it (the CPU kernel draws a
-        temperature-only request's from the logits themselves: ``sd_sample_rows``)."""
-        from specdec.sampling import probs_by_settings, sample_rows
+        ``SamplingParams`` that samples) at its uniform ``uniforms[i]`` in [0, 1): the inverse of the distribution
+        function, as ``verify_blocks`` draws (``sample_rows_at`` of ``probs_by_settings``). Runtimes may draw a
+        request's token faster by a rule of their own, the same for the request in every step whatever is beside it
+        (the CPU kernel draws a temperature-only request's from the logits themselves: ``sd_sample_rows``)."""
+        from specdec.sampling import probs_by_settings, sample_rows_at
 
         probs = probs_by_settings([logits[r : r + 1] for r in rows], params)
-        return [int(t) for t in sample_rows(probs, generators).tolist()]
+        return [int(t) for t in sample_rows_at(probs, uniforms).tolist()]
 
     # Whether ``draft_greedy`` runs a whole greedy draft in one call (the native runtime's CPU kernel).
     drafts_natively: bool = False

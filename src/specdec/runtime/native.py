@@ -461,31 +461,30 @@ class NativeRunner(ModelRunner):
         logits: torch.Tensor,
         rows: Sequence[int],
         params: Sequence[Any],
-        generators: Sequence[torch.Generator],
+        uniforms: Sequence[float],
     ) -> list[int]:
         # With the kernel, a temperature-only request's token comes from its logits in one call (``sd_sample_rows``:
         # softmax(x / T), its inverse distribution function in float64, ~1 ms less a 16-row pass than torch's ops on
-        # the caches a pass has just flushed), with the same one uniform from its generator; top-k, top-p and min-p
-        # requests draw as every runtime does.
+        # the caches a pass has just flushed); top-k, top-p and min-p requests draw as every runtime does.
         if self._fused is None or not (
             logits.dim() == 2
             and logits.dtype == torch.float32
             and logits.device.type == "cpu"
             and logits.is_contiguous()
         ):
-            return super().sample_plain(logits, rows, params, generators)
+            return super().sample_plain(logits, rows, params, uniforms)
         native = [i for i, p in enumerate(params) if p.temperature_only]
         out = [0] * len(rows)
         if len(native) < len(rows):
             rest = [i for i, p in enumerate(params) if not p.temperature_only]
             drawn = super().sample_plain(
-                logits, [rows[i] for i in rest], [params[i] for i in rest], [generators[i] for i in rest]
+                logits, [rows[i] for i in rest], [params[i] for i in rest], [uniforms[i] for i in rest]
             )
             for i, token in zip(rest, drawn):
                 out[i] = token
         if native:
-            us = [torch.rand(1, dtype=torch.float64, generator=generators[i]).item() for i in native]
             temps = [params[i].temperature for i in native]
+            us = [uniforms[i] for i in native]
             for i, token in zip(
                 native, kernel_sample_rows(self._fused._lib, logits, [rows[i] for i in native], temps, us)
             ):
