@@ -1308,3 +1308,36 @@ def test_sample_plain_draws_each_request_by_its_own_rule(tiny_models: dict[str, 
     for tok, ref, u, cdf in zip([mixed[0], mixed[2]], torch_drawn, [us[0], us[2]], cdfs):
         edge = (cdf / cdf[-1] - u).abs().min()
         assert tok == ref or edge < 1e-5
+
+
+def test_draw_rows_gives_each_draft_pick_its_distribution_whatever_is_beside_it(tiny_models: dict[str, Path]) -> None:
+    """A sampled draft's picks on the kernel: a temperature-only request's token, its probability and the likeliest
+    one's come from the distribution written with it (each row summing to 1, the token's entry its probability); a
+    top-k request's from torch's; each request's pick the same alone as beside others (its own generator, one
+    uniform)."""
+    from specdec.runtime.base import ModelRunner
+    from specdec.sampling import SamplingParams
+
+    runner = NativeRunner.from_pretrained(tiny_models["draft"], dtype=torch.float32)
+    logits = runner.forward_blocks([(list(range(5, 12)), runner.new_cache())], [3])
+    rows = [logits[j : j + 1] for j in range(3)]
+    params = [
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=1.3),
+    ]
+
+    def gens() -> list[torch.Generator]:
+        return [torch.Generator().manual_seed(s) for s in (3, 4, 5)]
+
+    tokens, probs, tops, q = runner.draw_rows(rows, params, gens())
+    assert torch.allclose(q.double().sum(-1), torch.ones(3, dtype=torch.float64), atol=1e-5)
+    for i in range(3):
+        assert probs[i] == float(q[i, tokens[i]]) and tops[i] == float(q[i].max())
+        alone = runner.draw_rows([rows[i]], [params[i]], [gens()[i]])
+        assert alone[0] == [tokens[i]] and torch.equal(alone[3][0], q[i])
+    torch_pick = ModelRunner.draw_rows(runner, [rows[1]], [params[1]], [gens()[1]])
+    assert torch_pick[0] == [tokens[1]] and torch.equal(torch_pick[3][0], q[1])
+    for i in (0, 2):  # the kernel's distribution is softmax(x / T) to its exp's precision
+        ref = torch.softmax(rows[i][0].double() / params[i].temperature, -1)
+        assert float((q[i].double() - ref).abs().max()) < 1e-6

@@ -117,6 +117,23 @@ class ModelRunner(ABC):
         probs = probs_by_settings([logits[r : r + 1] for r in rows], params)
         return [int(t) for t in sample_rows_at(probs, uniforms).tolist()]
 
+    def draw_rows(
+        self, rows: Sequence[torch.Tensor], params: Sequence[Any], generators: Sequence[torch.Generator]
+    ) -> tuple[list[int], list[float], list[float], torch.Tensor]:
+        """A sampled draft's picks: one draw from each row (``[1, vocab]`` logits from this runner, fit to the
+        vocabulary) under its request's settings (``params[i]``, a sampling ``SamplingParams``) with its generator,
+        one uniform each. Returns the tokens, each one's probability, the likeliest token's, and the distributions
+        drawn from (float32 ``[len(rows), vocab]``, for the acceptance rule's residuals). Runtimes may draw a
+        request's rows by a rule of their own, the same for it whatever is beside it (the CPU kernel draws a
+        temperature-only request's with ``sd_sample_rows``)."""
+        from specdec.sampling import probs_by_settings, sample_rows
+
+        q = probs_by_settings(list(rows), params)
+        ys = sample_rows(q, generators)
+        ps = q.gather(1, ys[:, None]).squeeze(1).tolist()
+        tops = q.amax(-1).tolist()  # (max(-1) finds the indices too: ~0.1 ms more over 16 x 8,192)
+        return [int(y) for y in ys.tolist()], ps, tops, q
+
     # Whether ``draft_greedy`` runs a whole greedy draft in one call (the native runtime's CPU kernel).
     drafts_natively: bool = False
 

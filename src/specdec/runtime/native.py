@@ -51,6 +51,7 @@ from specdec.runtime.native_kernel import (
     kernel_available,
     kernel_isa,
     kernel_sample_rows,
+    kernel_sample_with_probs,
     kernel_status,
     nan_rows_by_torch,
 )
@@ -490,6 +491,38 @@ class NativeRunner(ModelRunner):
             ):
                 out[i] = token
         return out
+
+    def draw_rows(
+        self, rows: Sequence[torch.Tensor], params: Sequence[Any], generators: Sequence[torch.Generator]
+    ) -> tuple[list[int], list[float], list[float], torch.Tensor]:
+        # With the kernel, a temperature-only request's row is drawn and its distribution written in one call
+        # (``sd_sample_rows``), where torch's softmax, draw, gather and maximum each cost tens of µs on the caches a
+        # pass has just flushed; the others as every runtime draws them.
+        native = [i for i, p in enumerate(params) if p.temperature_only]
+        if self._fused is None or not native or any(r.dtype != torch.float32 or r.device.type != "cpu" for r in rows):
+            return super().draw_rows(rows, params, generators)
+        n, vocab = len(rows), rows[0].shape[-1]
+        q = torch.empty(n, vocab, dtype=torch.float32)
+        tokens, ps, tops = [0] * n, [0.0] * n, [0.0] * n
+        rest = [i for i, p in enumerate(params) if not p.temperature_only]
+        if rest:
+            t, p, top, qr = super().draw_rows(
+                [rows[i] for i in rest], [params[i] for i in rest], [generators[i] for i in rest]
+            )
+            q[rest] = qr
+            for k, i in enumerate(rest):
+                tokens[i], ps[i], tops[i] = t[k], p[k], top[k]
+        us = [torch.rand(1, dtype=torch.float64, generator=generators[i]).item() for i in native]
+        block = torch.cat([rows[i] for i in native]).contiguous()
+        out = q if len(native) == n else torch.empty(len(native), vocab, dtype=torch.float32)
+        t, p, top = kernel_sample_with_probs(
+            self._fused._lib, block, range(len(native)), [params[i].temperature for i in native], us, out
+        )
+        if out is not q:
+            q[native] = out
+        for k, i in enumerate(native):
+            tokens[i], ps[i], tops[i] = t[k], p[k], top[k]
+        return tokens, ps, tops, q
 
     def _widen(self, logits: torch.Tensor) -> torch.Tensor:
         """The kernel's logits over the whole vocabulary: -inf for the tokens a restricted head leaves out."""

@@ -443,6 +443,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         handle.sd_sample_rows.restype = ctypes.c_int64
         handle.sd_sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         handle.sd_sample_rows.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        handle.sd_sample_rows.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     _HELD[id(lib)] = held
     lib.sd_draft_greedy.restype = ctypes.c_int
     # model, n, ids, off, pos0, kv, tau, max_tau, rules, vocab_used, tokens, tops, drafted, fed, logits, scratch, threads
@@ -501,9 +502,34 @@ def kernel_sample_rows(
     """One draw from ``softmax(logits[r] / T)`` for each row ``r`` of ``rows`` with its temperature and its uniform in
     [0, 1) (``sd_sample_rows``: the inverse of the row's distribution function, float64 sums), for logits known to suit
     the kernel (a contiguous 2-D fp32 CPU tensor: a pass's logits). ValueError for a row without a finite maximum."""
+    return _sample_rows(lib, logits, rows, temperatures, uniforms, None)[0]
+
+
+def kernel_sample_with_probs(
+    lib: ctypes.CDLL,
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    temperatures: Sequence[float],
+    uniforms: Sequence[float],
+    probs: torch.Tensor,
+) -> tuple[list[int], list[float], list[float]]:
+    """``kernel_sample_rows``, each row's distribution drawn from also written to ``probs`` (a contiguous fp32 CPU
+    ``[len(rows), V]``): the tokens, each one's probability there and the likeliest token's."""
+    return _sample_rows(lib, logits, rows, temperatures, uniforms, probs)
+
+
+def _sample_rows(
+    lib: ctypes.CDLL,
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    temperatures: Sequence[float],
+    uniforms: Sequence[float],
+    probs: torch.Tensor | None,
+) -> tuple[list[int], list[float], list[float]]:
     n, v = len(rows), logits.shape[1]
     idx, temps, us = array.array("q", rows), array.array("f", temperatures), array.array("d", uniforms)
     out = array.array("q", bytes(8 * n))
+    prob, top = array.array("f", bytes(4 * n)), array.array("f", bytes(4 * n))
     bad = (_HELD.get(id(lib)) or lib).sd_sample_rows(
         logits.data_ptr(),
         idx.buffer_info()[0],
@@ -513,12 +539,15 @@ def kernel_sample_rows(
         us.buffer_info()[0],
         out.buffer_info()[0],
         pass_threads(),
+        None if probs is None else probs.data_ptr(),
+        prob.buffer_info()[0],
+        top.buffer_info()[0],
     )
     if bad:
         raise ValueError(
             f"sampling needs finite probabilities with a positive total in every row (row {rows[bad - 1]} has none)"
         )
-    return out.tolist()
+    return out.tolist(), prob.tolist(), top.tolist()
 
 
 def nan_rows_by_torch(best: list[int], logits: torch.Tensor) -> list[int]:

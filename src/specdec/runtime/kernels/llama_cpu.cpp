@@ -2364,10 +2364,13 @@ extern "C" void sd_argmax_rows(const float* x, int64_t n, int64_t V, int64_t* ou
 // it, does (its last token of mass where rounding leaves the block's own sum a hair above those additions). u < 1
 // keeps u * total below the total, so the block has mass; a token of mass 0 is never drawn. A row's draw depends on
 // its logits, temperature and uniform only. Returns 0, or 1 + the first row (of `rows`) without a finite maximum (a
-// NaN, +inf, or every logit -inf), whose out is -1.
+// NaN, +inf, or every logit -inf), whose out is -1. With `probs` (NULL: none), row i's distribution drawn from,
+// e_j / total as float, is written to probs[i][0..V), and the drawn token's (that same float) to prob[i] and the
+// likeliest token's (1 / total: exp8(0) is 1) to top[i].
 #define SAMPLE_BLOCK 16
 extern "C" int64_t sd_sample_rows(const float* x, const int64_t* rows, int64_t n, int64_t V, const float* temp,
-                                  const double* u, int64_t* out, int64_t threads) {
+                                  const double* u, int64_t* out, int64_t threads, float* probs, float* prob,
+                                  float* top) {
     int64_t bad = 0;
     const int64_t nb = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
 #pragma omp parallel num_threads((int)threads) if (threads > 1 && n >= ARGMAX_ROWS_PARALLEL)
@@ -2446,6 +2449,12 @@ extern "C" int64_t sd_sample_rows(const float* x, const int64_t* rows, int64_t n
                 if (cum > target) break;
             }
             out[i] = tok;
+            if (probs != NULL) {
+                float* q = probs + i * V;
+                for (j = 0; j < V; j++) q[j] = (float)((double)e[j] / total);
+                prob[i] = q[tok];
+                top[i] = (float)(1.0 / total);
+            }
         }
     }
     return bad;
