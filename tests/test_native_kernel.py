@@ -1341,3 +1341,33 @@ def test_draw_rows_gives_each_draft_pick_its_distribution_whatever_is_beside_it(
     for i in (0, 2):  # the kernel's distribution is softmax(x / T) to its exp's precision
         ref = torch.softmax(rows[i][0].double() / params[i].temperature, -1)
         assert float((q[i].double() - ref).abs().max()) < 1e-6
+
+
+def test_the_kernels_sampled_verdicts_are_the_acceptance_rules(tiny_models: dict[str, Path]) -> None:
+    """``sd_verify_sampled`` against ``verify_blocks`` on the same rows, draft and generator seeds (300 seeds, τ = 3,
+    a draft partly accepted): the same flags, n̂, last token and draws from the generator. The two take p with
+    different exps (~2e-7 apart), so only a uniform within ~1e-6 of an edge could tell them apart: with these fixed
+    seeds none does (a disagreement would show as a failure every run, not now and then)."""
+    from specdec.sampling import SamplingParams, logits_to_probs
+    from specdec.verify import SampledBlock, verify_blocks
+
+    runner = NativeRunner.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    logits = runner.forward_blocks([(list(range(5, 12)), runner.new_cache())], [4])
+    params = SamplingParams(temperature=0.9)
+    g = torch.Generator().manual_seed(0)
+    q = torch.softmax((logits[:3] + torch.randn(logits[:3].shape, generator=g)) / 0.9, -1).contiguous()
+    p = logits_to_probs(logits, params)
+    outcomes = set()
+    for seed in range(300):
+        tokens = torch.multinomial(q, 1, generator=torch.Generator().manual_seed(1000 + seed)).flatten().tolist()
+        mine, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        decided = runner.sampled_verdict(logits, 0, params, tokens, q, mine)
+        assert decided is not None
+        flags, n, token, ptok = decided
+        (v,) = verify_blocks([SampledBlock(tokens, q, p, theirs)])
+        assert (flags, n, [*tokens[:n], token]) == (v.accept_flags, v.n_accepted, v.tokens), seed
+        assert ptok == pytest.approx(v.target_token_probs, rel=1e-5)
+        assert torch.equal(mine.get_state(), theirs.get_state())
+        outcomes.add(n)
+    assert outcomes == {0, 1, 2, 3}  # rejections at every position and whole acceptances
+    assert runner.sampled_verdict(logits, 0, SamplingParams(temperature=0.9, top_k=5), tokens, q, mine) is None

@@ -15,7 +15,7 @@ import torch
 from specdec.drafters.base import Draft
 from specdec.logits_rules import LogitsRules, RulesState
 from specdec.output_format import FormatMatcher
-from specdec.records import Verdict
+from specdec.records import Verdict, correction_kind
 from specdec.runtime.base import KVCache, ModelRunner, eos_ids_of, token_tensor
 from specdec.runtime.prefix_cache import BLOCK
 from specdec.sampling import SamplingParams, TokenLogprob, probs_by_settings, token_logprobs
@@ -143,6 +143,23 @@ class ModelTarget(TargetSide):
             )
             for s, token in zip(drawn, tokens):
                 verdicts[s] = verdict_greedy([], [token])  # a block without a draft: its one token
+        # Drafted sampled sequences without logit rules: by the runtime's own rule where it has one (the CPU kernel's
+        # for a temperature-only request: one call a block, ``sampled_verdict``).
+        for s, v in enumerate(verdicts):
+            g, d = live[s], drafts[s]
+            if v is None and d.tokens and g.rules_state is None and d.probs is not None:
+                decided = self.runner.sampled_verdict(flat, starts[s], g.params, d.tokens, d.probs, g.generator)
+                if decided is not None:
+                    flags, n, token, ptok = decided
+                    qtok = d.probs[range(len(d.tokens)), list(d.tokens)].tolist()
+                    verdicts[s] = Verdict(
+                        accept_flags=flags,
+                        n_accepted=n,
+                        tokens=[int(t) for t in d.tokens[:n]] + [token],
+                        correction=correction_kind(len(d.tokens), n),
+                        target_token_probs=ptok,
+                        draft_token_probs=qtok,
+                    )
         sampled = [s for s, v in enumerate(verdicts) if v is None]
         if sampled:  # every other sampled sequence's verdict in one go (``verify_blocks``)
             rows = [cast(torch.Tensor, target_logits[s]) for s in sampled]

@@ -134,6 +134,21 @@ class ModelRunner(ABC):
         tops = q.amax(-1).tolist()  # (max(-1) finds the indices too: ~0.1 ms more over 16 x 8,192)
         return [int(y) for y in ys.tolist()], ps, tops, q
 
+    def sampled_verdict(
+        self,
+        logits: torch.Tensor,
+        row0: int,
+        params: Any,
+        tokens: Sequence[int],
+        draft_probs: torch.Tensor,
+        generator: torch.Generator,
+    ) -> tuple[list[bool], int, int, list[float]] | None:
+        """A sampled block's verdict by the runtime's own rule (each test's outcome, n̂, the last token, p(ŷ) of each
+        draft token) from the target's rows ``row0 .. row0 + τ`` of a pass's ``logits``, drawing what ``verify_blocks``
+        draws from ``generator`` (τ acceptance uniforms, then one); None where the runtime has no rule of its own for
+        this request (``verify_blocks`` then decides it). The CPU kernel decides a temperature-only request's."""
+        return None
+
     # Whether ``draft_greedy`` runs a whole greedy draft in one call (the native runtime's CPU kernel).
     drafts_natively: bool = False
 

@@ -53,6 +53,7 @@ from specdec.runtime.native_kernel import (
     kernel_sample_rows,
     kernel_sample_with_probs,
     kernel_status,
+    kernel_verify_sampled,
     nan_rows_by_torch,
 )
 from specdec.runtime.native_ops import DenseOps, HalfOps, Ops, choose_ops, half_fits, prepare_layer
@@ -523,6 +524,33 @@ class NativeRunner(ModelRunner):
         for k, i in enumerate(native):
             tokens[i], ps[i], tops[i] = t[k], p[k], top[k]
         return tokens, ps, tops, q
+
+    def sampled_verdict(
+        self,
+        logits: torch.Tensor,
+        row0: int,
+        params: Any,
+        tokens: Sequence[int],
+        draft_probs: torch.Tensor,
+        generator: torch.Generator,
+    ) -> tuple[list[bool], int, int, list[float]] | None:
+        # A temperature-only request's block in one kernel call (``sd_verify_sampled``): p at each row as
+        # ``sd_sample_rows`` takes it, the residual only at the rejection; the same draws from its generator as
+        # ``verify_blocks`` makes (τ uniforms in (0, 1], then one in [0, 1)).
+        if (
+            self._fused is None
+            or not params.temperature_only
+            or not (logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu")
+            or not logits.is_contiguous()
+            or draft_probs.dtype != torch.float32
+            or draft_probs.shape != (len(tokens), logits.shape[1])
+        ):
+            return None
+        rs = (1.0 - torch.rand(len(tokens), generator=generator)).tolist()
+        u = torch.rand(1, dtype=torch.float64, generator=generator).item()
+        return kernel_verify_sampled(
+            self._fused._lib, logits, row0, params.temperature, tokens, draft_probs.contiguous(), rs, u
+        )
 
     def _widen(self, logits: torch.Tensor) -> torch.Tensor:
         """The kernel's logits over the whole vocabulary: -inf for the tokens a restricted head leaves out."""

@@ -444,6 +444,10 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         handle.sd_sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
         handle.sd_sample_rows.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         handle.sd_sample_rows.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        handle.sd_verify_sampled.restype = ctypes.c_int64
+        handle.sd_verify_sampled.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
+        handle.sd_verify_sampled.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double]
+        handle.sd_verify_sampled.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     _HELD[id(lib)] = held
     lib.sd_draft_greedy.restype = ctypes.c_int
     # model, n, ids, off, pos0, kv, tau, max_tau, rules, vocab_used, tokens, tops, drafted, fed, logits, scratch, threads
@@ -516,6 +520,43 @@ def kernel_sample_with_probs(
     """``kernel_sample_rows``, each row's distribution drawn from also written to ``probs`` (a contiguous fp32 CPU
     ``[len(rows), V]``): the tokens, each one's probability there and the likeliest token's."""
     return _sample_rows(lib, logits, rows, temperatures, uniforms, probs)
+
+
+def kernel_verify_sampled(
+    lib: ctypes.CDLL,
+    logits: torch.Tensor,
+    row0: int,
+    temperature: float,
+    tokens: Sequence[int],
+    draft_probs: torch.Tensor,
+    rs: Sequence[float],
+    u: float,
+) -> tuple[list[bool], int, int, list[float]]:
+    """A temperature-only request's sampled verdict (``sd_verify_sampled``) from the target's rows ``row0 ..
+    row0 + τ`` of ``logits`` (a contiguous fp32 CPU tensor: a pass's), its draft ``tokens`` drawn from ``draft_probs``
+    (contiguous fp32 ``[τ, V]``), the acceptance uniforms ``rs`` in (0, 1] and the last draw's ``u`` in [0, 1): each
+    test's outcome, n̂, the last token, and p(ŷ) of each draft token. ValueError for a row without a finite maximum."""
+    tau, v = len(tokens), logits.shape[1]
+    d, r = array.array("q", tokens), array.array("f", rs)
+    flags, ptok, token = array.array("B", bytes(tau)), array.array("f", bytes(4 * tau)), array.array("q", [0])
+    n = (_HELD.get(id(lib)) or lib).sd_verify_sampled(
+        logits.data_ptr() + 4 * row0 * v,
+        v,
+        tau,
+        temperature,
+        d.buffer_info()[0],
+        draft_probs.data_ptr(),
+        r.buffer_info()[0],
+        u,
+        flags.buffer_info()[0],
+        ptok.buffer_info()[0],
+        token.buffer_info()[0],
+    )
+    if n < 0:
+        raise ValueError(
+            f"sampling needs finite probabilities with a positive total in every row (row {row0 - 1 - n} has none)"
+        )
+    return [bool(f) for f in flags], int(n), int(token[0]), ptok.tolist()
 
 
 def _sample_rows(

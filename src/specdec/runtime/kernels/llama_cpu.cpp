@@ -2368,6 +2368,89 @@ extern "C" void sd_argmax_rows(const float* x, int64_t n, int64_t V, int64_t* ou
 // e_j / total as float, is written to probs[i][0..V), and the drawn token's (that same float) to prob[i] and the
 // likeliest token's (1 / total: exp8(0) is 1) to top[i].
 #define SAMPLE_BLOCK 16
+
+// The float64 sums of blocks of SAMPLE_BLOCK non-negative masses (four lanes in a fixed order), and their total.
+static double block_sums(const float* e, int64_t nb, double* sums) {
+    double total = 0.0;
+    for (int64_t b = 0; b < nb; b++) {
+        const float* p = e + b * SAMPLE_BLOCK;
+        __m256d acc = _mm256_cvtps_pd(_mm_loadu_ps(p));
+        acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm_loadu_ps(p + 4)));
+        acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm_loadu_ps(p + 8)));
+        acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm_loadu_ps(p + 12)));
+        double l4[4];
+        _mm256_storeu_pd(l4, acc);
+        sums[b] = ((l4[0] + l4[1]) + l4[2]) + l4[3];
+        total += sums[b];
+    }
+    return total;
+}
+
+// Row l's masses e[0..V) = exp(l / t - max) (0 past V up to whole blocks) and their float64 block sums; returns the
+// total, or -1 for a row without a finite maximum.
+static double row_masses(const float* l, int64_t V, float t, float* e, double* sums) {
+    const int64_t nb = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    const __m256 t8 = _mm256_set1_ps(t);
+    __m256 mx8 = _mm256_set1_ps(-INFINITY), odd8 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= V; j += 8) {
+        const __m256 y = _mm256_div_ps(_mm256_loadu_ps(l + j), t8);
+        _mm256_storeu_ps(e + j, y);
+        odd8 = _mm256_or_ps(odd8, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));  // NaN lanes
+        mx8 = _mm256_max_ps(mx8, y);
+    }
+    float lanes[8], odd[8];
+    _mm256_storeu_ps(lanes, mx8);
+    _mm256_storeu_ps(odd, odd8);
+    float mx = -INFINITY;
+    bool broken = false;
+    for (int k = 0; k < 8; k++) {
+        mx = lanes[k] > mx ? lanes[k] : mx;
+        uint32_t bits;
+        memcpy(&bits, &odd[k], 4);
+        broken |= bits != 0;
+    }
+    for (; j < V; j++) {
+        const float y = l[j] / t;
+        e[j] = y;
+        broken |= y != y;
+        mx = y > mx ? y : mx;
+    }
+    if (broken || !(mx > -INFINITY) || mx == INFINITY) return -1.0;
+    const __m256 m8 = _mm256_set1_ps(mx), lo8 = _mm256_set1_ps(ExpC::lo);
+    for (j = 0; j + 8 <= V; j += 8) {
+        const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(e + j), m8);
+        const __m256 keep = _mm256_cmp_ps(d, lo8, _CMP_GE_OQ);
+        _mm256_storeu_ps(e + j, _mm256_and_ps(exp8(d), keep));
+    }
+    for (; j < V; j++) {
+        const float d = e[j] - mx;
+        e[j] = d >= ExpC::lo ? exp1(d) : 0.0f;
+    }
+    for (; j < nb * SAMPLE_BLOCK; j++) e[j] = 0.0f;
+    return block_sums(e, nb, sums);
+}
+
+// The token masses e (blocks summed as block_sums) give at uniform u in [0, 1): the first block whose cumulative mass
+// exceeds u * total, and in it the first token whose mass, added one at a time to the blocks' before it, does (its
+// last token of mass where rounding leaves the block's own sum a hair above those additions). A token of mass 0 is
+// never drawn; total > 0.
+static int64_t draw_masses(const float* e, const double* sums, int64_t nb, int64_t V, double total, double u) {
+    const double target = u * total;
+    double cum = 0.0;
+    int64_t b = 0;
+    while (b + 1 < nb && !(cum + sums[b] > target)) cum += sums[b++];
+    while (b > 0 && sums[b] == 0.0) cum -= sums[--b];  // (rounding at the very top: back to a block of mass)
+    int64_t tok = -1;
+    for (int64_t j = b * SAMPLE_BLOCK; j < (b + 1) * SAMPLE_BLOCK && j < V; j++) {
+        if (e[j] == 0.0f) continue;
+        cum += (double)e[j];
+        tok = j;
+        if (cum > target) break;
+    }
+    return tok;
+}
+
 extern "C" int64_t sd_sample_rows(const float* x, const int64_t* rows, int64_t n, int64_t V, const float* temp,
                                   const double* u, int64_t* out, int64_t threads, float* probs, float* prob,
                                   float* top) {
@@ -2375,89 +2458,74 @@ extern "C" int64_t sd_sample_rows(const float* x, const int64_t* rows, int64_t n
     const int64_t nb = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
 #pragma omp parallel num_threads((int)threads) if (threads > 1 && n >= ARGMAX_ROWS_PARALLEL)
     {
-        std::vector<float> e((size_t)(nb * SAMPLE_BLOCK));  // y, then exp(y - max); 0 past V
+        std::vector<float> e((size_t)(nb * SAMPLE_BLOCK));
         std::vector<double> sums((size_t)nb);
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) {
-            const float* l = x + rows[i] * V;
-            const float t = temp[i];
-            const __m256 t8 = _mm256_set1_ps(t);
-            __m256 mx8 = _mm256_set1_ps(-INFINITY), odd8 = _mm256_setzero_ps();
-            int64_t j = 0;
-            for (; j + 8 <= V; j += 8) {
-                const __m256 y = _mm256_div_ps(_mm256_loadu_ps(l + j), t8);
-                _mm256_storeu_ps(e.data() + j, y);
-                odd8 = _mm256_or_ps(odd8, _mm256_cmp_ps(y, y, _CMP_UNORD_Q));  // NaN lanes
-                mx8 = _mm256_max_ps(mx8, y);
-            }
-            float lanes[8], odd[8];
-            _mm256_storeu_ps(lanes, mx8);
-            _mm256_storeu_ps(odd, odd8);
-            float mx = -INFINITY;
-            bool broken = false;
-            for (int k = 0; k < 8; k++) {
-                mx = lanes[k] > mx ? lanes[k] : mx;
-                uint32_t bits;
-                memcpy(&bits, &odd[k], 4);
-                broken |= bits != 0;
-            }
-            for (; j < V; j++) {
-                const float y = l[j] / t;
-                e[j] = y;
-                broken |= y != y;
-                mx = y > mx ? y : mx;
-            }
-            if (broken || !(mx > -INFINITY) || mx == INFINITY) {
+            const double total = row_masses(x + rows[i] * V, V, temp[i], e.data(), sums.data());
+            if (!(total > 0.0)) {
                 out[i] = -1;
 #pragma omp critical
                 bad = bad == 0 || i + 1 < bad ? i + 1 : bad;
                 continue;
             }
-            const __m256 m8 = _mm256_set1_ps(mx), lo8 = _mm256_set1_ps(ExpC::lo);
-            for (j = 0; j + 8 <= V; j += 8) {
-                const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(e.data() + j), m8);
-                const __m256 keep = _mm256_cmp_ps(d, lo8, _CMP_GE_OQ);
-                _mm256_storeu_ps(e.data() + j, _mm256_and_ps(exp8(d), keep));
-            }
-            for (; j < V; j++) {
-                const float d = e[j] - mx;
-                e[j] = d >= ExpC::lo ? exp1(d) : 0.0f;
-            }
-            for (; j < nb * SAMPLE_BLOCK; j++) e[j] = 0.0f;
-            double total = 0.0;
-            for (int64_t b = 0; b < nb; b++) {  // a block's 16 masses as four float64 lanes, then the lanes in order
-                const float* p = e.data() + b * SAMPLE_BLOCK;
-                __m256d acc = _mm256_cvtps_pd(_mm_loadu_ps(p));
-                acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm_loadu_ps(p + 4)));
-                acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm_loadu_ps(p + 8)));
-                acc = _mm256_add_pd(acc, _mm256_cvtps_pd(_mm_loadu_ps(p + 12)));
-                double l4[4];
-                _mm256_storeu_pd(l4, acc);
-                sums[b] = ((l4[0] + l4[1]) + l4[2]) + l4[3];
-                total += sums[b];
-            }
-            const double target = u[i] * total;
-            double cum = 0.0;
-            int64_t b = 0;
-            while (b + 1 < nb && !(cum + sums[b] > target)) cum += sums[b++];
-            while (b > 0 && sums[b] == 0.0) cum -= sums[--b];  // (rounding at the very top: back to a block of mass)
-            int64_t tok = -1;
-            for (j = b * SAMPLE_BLOCK; j < (b + 1) * SAMPLE_BLOCK && j < V; j++) {
-                if (e[j] == 0.0f) continue;
-                cum += (double)e[j];
-                tok = j;
-                if (cum > target) break;
-            }
+            const int64_t tok = draw_masses(e.data(), sums.data(), nb, V, total, u[i]);
             out[i] = tok;
             if (probs != NULL) {
                 float* q = probs + i * V;
-                for (j = 0; j < V; j++) q[j] = (float)((double)e[j] / total);
+                for (int64_t j = 0; j < V; j++) q[j] = (float)((double)e[j] / total);
                 prob[i] = q[tok];
                 top[i] = (float)(1.0 / total);
             }
         }
     }
     return bad;
+}
+
+// A sampled block's verdict for a temperature-only request (the acceptance rule of ``specdec.verify``): target rows
+// x[0..tau] (logits, V each), temperature t, draft tokens d[0..tau) drawn from q [tau][V], uniforms r[0..tau) in (0, 1]
+// and u in [0, 1). p_k is row k's softmax(x / t) as sd_sample_rows writes it (e / total, float). Token d_k passes
+// where p_k(d_k) > 0 and r_k * q_k(d_k) <= p_k(d_k) (float, as accept_mask); n = the passes before the first that
+// fails. Then the last token: at a rejection, from max(0, p_n - q_n) (float differences; where no mass is left, from
+// p_n), after τ passes from p_tau, drawn at u as sd_sample_rows draws. Writes every test's outcome to flags[0..tau),
+// p_k(d_k) to ptok[0..tau) and the token to *token; returns n, or -1 - k for row k without a finite maximum.
+extern "C" int64_t sd_verify_sampled(const float* x, int64_t V, int64_t tau, float t, const int64_t* d, const float* q,
+                                     const float* r, double u, uint8_t* flags, float* ptok, int64_t* token) {
+    const int64_t nb = (V + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    std::vector<float> e((size_t)(nb * SAMPLE_BLOCK)), keep((size_t)(nb * SAMPLE_BLOCK));
+    std::vector<double> sums((size_t)nb), kept_sums((size_t)nb);
+    int64_t n = -1;
+    double kept_total = 0.0, total = 0.0;
+    for (int64_t k = 0; k <= tau; k++) {
+        total = row_masses(x + k * V, V, t, e.data(), sums.data());
+        if (!(total > 0.0)) return -1 - k;
+        if (k == tau) break;
+        const float p = (float)((double)e[d[k]] / total), qd = q[k * V + d[k]];
+        ptok[k] = p;
+        flags[k] = p > 0.0f && r[k] * qd <= p;
+        if (n < 0 && !flags[k]) {  // the first rejection: its residual's masses kept for the draw
+            n = k;
+            const float* qk = q + k * V;
+            for (int64_t j = 0; j < V; j++) {
+                const float diff = (float)((double)e[j] / total) - qk[j];
+                keep[j] = diff > 0.0f ? diff : 0.0f;
+            }
+            for (int64_t j = V; j < nb * SAMPLE_BLOCK; j++) keep[j] = 0.0f;
+            kept_total = block_sums(keep.data(), nb, kept_sums.data());
+            if (!(kept_total > 0.0)) {  // no mass left (p == q): from p_n itself
+                std::copy(e.begin(), e.end(), keep.begin());
+                std::copy(sums.begin(), sums.end(), kept_sums.begin());
+                kept_total = total;
+            }
+        }
+    }
+    if (n < 0) {  // every draft token passed: the bonus token from p_tau (its masses are in e)
+        n = tau;
+        *token = draw_masses(e.data(), sums.data(), nb, V, total, u);
+    } else {
+        *token = draw_masses(keep.data(), kept_sums.data(), nb, V, kept_total, u);
+    }
+    return n;
 }
 
 // ---------------------------------------------------------------------------------------------
