@@ -139,6 +139,12 @@ class NativeCache(KVCache):
         self._length = length
 
 
+def _kernel_rows(t: torch.Tensor) -> bool:
+    """Whether the kernel's sampling calls can read ``t`` as it is: a contiguous 2-D fp32 CPU tensor (a pass's
+    logits, a draft's distributions)."""
+    return t.dim() == 2 and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
 class NativeRunner(ModelRunner):
     """A Llama-family checkpoint on ``device`` in ``dtype``; batch size 1 per cache.
 
@@ -468,12 +474,7 @@ class NativeRunner(ModelRunner):
         # With the kernel, a temperature-only request's token comes from its logits in one call (``sd_sample_rows``:
         # softmax(x / T), its inverse distribution function in float64, ~1 ms less a 16-row pass than torch's ops on
         # the caches a pass has just flushed); top-k, top-p and min-p requests draw as every runtime does.
-        if self._fused is None or not (
-            logits.dim() == 2
-            and logits.dtype == torch.float32
-            and logits.device.type == "cpu"
-            and logits.is_contiguous()
-        ):
+        if self._fused is None or not _kernel_rows(logits):
             return super().sample_plain(logits, rows, params, uniforms)
         native = [i for i, p in enumerate(params) if p.temperature_only]
         out = [0] * len(rows)
@@ -540,9 +541,8 @@ class NativeRunner(ModelRunner):
         if (
             self._fused is None
             or not params.temperature_only
-            or not (logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu")
-            or not logits.is_contiguous()
-            or draft_probs.dtype != torch.float32
+            or not _kernel_rows(logits)
+            or not _kernel_rows(draft_probs.contiguous())  # (a copy only where it is a view: the same rule)
             or draft_probs.shape != (len(tokens), logits.shape[1])
         ):
             return None
