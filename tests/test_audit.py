@@ -19,6 +19,7 @@ import specdec
 import specdec.verifier as verifier_mod
 from specdec.audit import audit_greedy, audit_sampling
 from specdec.engine import Engine
+from specdec.runtime.native import NativeRunner
 from specdec.verify import SampledBlock, Verdict, verdicts_with_uniforms
 
 PROMPTS = ["def fibonacci(n):", "import os, sys"]
@@ -44,6 +45,8 @@ def _accept_all_sampling(blocks: list[SampledBlock]) -> list[Verdict]:
 def broken(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(verifier_mod, "verdict_greedy", _accept_all_greedy)
     monkeypatch.setattr(verifier_mod, "verify_blocks", _accept_all_sampling)
+    # the CPU kernel's own verdicts (temperature-only requests) left out, so the broken rule above decides them too
+    monkeypatch.setattr(NativeRunner, "sampled_verdict", lambda *args, **kwargs: None)
 
 
 @pytest.mark.identity
