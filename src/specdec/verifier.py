@@ -22,7 +22,7 @@ from specdec.sampling import SamplingParams, TokenLogprob, probs_by_settings, to
 from specdec.target_side import Cache, TargetSide, Verifying
 from specdec.verify import SampledBlock, verdict_greedy, verify_blocks
 
-# Uniforms a request's draws without a draft take from its generator at a time (``ModelTarget._uniforms``).
+# Uniforms a request's draws without a draft take from its generator at a time (``_uniforms``).
 UNIFORMS_AHEAD = 64
 PROMPT_SCORE_CHUNK = 256  # prompt rows a pass scores (``prompt_logprobs``): 256 vocabulary rows of logits at most
 

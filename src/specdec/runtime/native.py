@@ -538,19 +538,14 @@ class NativeRunner(ModelRunner):
         # A temperature-only request's block in one kernel call (``sd_verify_sampled``): p at each row as
         # ``sd_sample_rows`` takes it, the residual only at the rejection; the same draws from its generator as
         # ``verify_blocks`` makes (τ uniforms in (0, 1], then one in [0, 1)).
-        if (
-            self._fused is None
-            or not params.temperature_only
-            or not _kernel_rows(logits)
-            or not _kernel_rows(draft_probs.contiguous())  # (a copy only where it is a view: the same rule)
-            or draft_probs.shape != (len(tokens), logits.shape[1])
-        ):
+        if self._fused is None or not params.temperature_only or not _kernel_rows(logits):
+            return None
+        q = draft_probs.contiguous()  # (a copy only where it is a view: the same rule either way)
+        if not _kernel_rows(q) or q.shape != (len(tokens), logits.shape[1]):
             return None
         rs = (1.0 - torch.rand(len(tokens), generator=generator)).tolist()
         u = torch.rand(1, dtype=torch.float64, generator=generator).item()
-        return kernel_verify_sampled(
-            self._fused._lib, logits, row0, params.temperature, tokens, draft_probs.contiguous(), rs, u
-        )
+        return kernel_verify_sampled(self._fused._lib, logits, row0, params.temperature, tokens, q, rs, u)
 
     def _widen(self, logits: torch.Tensor) -> torch.Tensor:
         """The kernel's logits over the whole vocabulary: -inf for the tokens a restricted head leaves out."""
