@@ -200,7 +200,7 @@ def test_status_names_the_instruction_set(monkeypatch: pytest.MonkeyPatch, tmp_p
 def test_the_build_is_the_best_the_cpu_and_os_allow_and_only_a_downgrade_is_forced(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
     amx = avx512 | {"amx_tile", "amx_bf16"}
     cases = [  # CPU flags, OS grants the tiles, SPECDEC_CPU_KERNEL_ISA -> build
         ({"avx2", "fma", "f16c"}, True, "", "avx2"),
@@ -1168,6 +1168,131 @@ def test_a_pass_takes_each_rows_argmax_as_torch_would(isa: str, dtype: torch.dty
         logits = nan.forward_blocks([(ids[:7], cache)], [7])
         assert nan._pass_best == [-1] * 7
         assert nan.pass_argmax(logits) == nan.argmax_rows(logits) == logits.argmax(dim=-1).tolist() == [bad] * 7
+
+
+# ---------------------------------------------------------------------------------------------
+# The int8 head: greedy passes' argmax from an int8 copy of the head and the exact logits of a few panels
+
+
+def near_tie_checkpoint(root: Path, nan_token: int | None = None) -> Path:
+    """vocab 300 (a part-filled last panel and group), hidden 70 (not a multiple of the int8 head's 4 inputs a lane),
+    an untied head with exact twins (rows 70, 71 and 250; rows 260 and 270) and near twins (rows 100 + j and 180 + j, in
+    other panels, a thousandth apart: closer than the int8 copy can tell), all large enough to be rows' maxima; with ``nan_token``
+    that token's embedding NaN (its row's inputs to the head are then NaN; the head itself stays finite)."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(
+        vocab_size=300,
+        hidden_size=70,
+        intermediate_size=100,
+        num_hidden_layers=1,
+        num_attention_heads=5,
+        num_key_value_heads=5,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(12)
+    model = tf.LlamaForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(13)
+    with torch.no_grad():
+        head = model.lm_head.weight
+        head[70] = head[71] = head[250] = torch.randn(70, generator=gen) * 0.3
+        head[260] = head[270] = torch.randn(70, generator=gen) * 0.3
+        for r in range(100, 120):
+            head[r] = torch.randn(70, generator=gen) * 0.3
+            head[r + 80] = head[r] + torch.randn(70, generator=gen) * 3e-4
+        if nan_token is not None:
+            model.get_input_embeddings().weight[nan_token] = float("nan")
+    name = "near_tie" if nan_token is None else f"near_tie_nan{nan_token}"
+    model.save_pretrained(str(root / name), safe_serialization=True)
+    return root / name
+
+
+def test_the_int8_head_gives_the_full_heads_argmax(isa: str, tmp_path: Path) -> None:
+    """A greedy pass without logits (``forward_rows(logits=False)``, what greedy verification asks for) gives every
+    row the full head's argmax bit for bit, on heads made to defeat an int8 copy: exact twins (the first wins), near
+    twins a thousandth apart (only the exact logits tell them apart), a part-filled last panel, inputs not a multiple
+    of 4; in one pass of many sequences and a row alone. It computes only a few panels exactly. Builds without an
+    int8 head (AVX2, AMX) compute every logit and give the same answers."""
+    path = near_tie_checkpoint(tmp_path)
+    runner = NativeRunner.from_pretrained(path, dtype=torch.bfloat16, kernel=True)
+    fused = runner._fused
+    assert fused.prunes_head == (isa == "avx512bf16")
+    gen = torch.Generator().manual_seed(14)
+    ids = torch.randint(1, 300, (400,), generator=gen).tolist()
+    caches = [runner.new_cache() for _ in range(8)]
+    for c, lo in zip(caches, range(0, 400, 50)):
+        runner.forward_blocks([(ids[lo : lo + 10], c)], [1])
+    kv = [c.kv_at for c in caches]
+    rows0, panels0 = nk.head_stats()
+    seen, twins = 0, set()
+    for step in range(30):
+        n = 1 if step == 29 else 8  # a row alone last (the other caches then lack its position)
+        toks = [ids[lo + 10 + step] for lo in range(0, 50 * n, 50)]
+        pos, out = [10 + step] * n, list(range(n))
+        full: list[int] = []
+        logits = fused.forward_rows(toks, pos, kv[:n], out, best=full)  # (both write the same keys and values)
+        assert full == logits.argmax(dim=-1).tolist()
+        pruned: list[int] = []
+        got = fused.forward_rows(toks, pos, kv[:n], out, best=pruned, logits=False)
+        assert got.shape == ((n, 0) if fused.prunes_head else (n, 300))
+        assert pruned == full, step
+        seen += n
+        twins |= {b for b in full if b in (70, 260) or 100 <= b < 120 or 180 <= b < 200}
+    assert {70, 260} & twins and len(twins - {70, 260}) >= 3  # twins and near twins were rows' maxima
+    rows, panels = (a - b for a, b in zip(nk.head_stats(), (rows0, panels0)))
+    if fused.prunes_head:
+        assert rows == seen and panels < rows * 19 / 3  # of 19 panels a row: a third at most
+    else:
+        assert rows == 0
+
+
+def test_the_int8_head_takes_a_row_with_nan_inputs_whole(tmp_path: Path) -> None:
+    """A row whose inputs to the head are NaN is computed over every panel: the full head's answer, torch's argmax of a
+    row of NaN (its first index). A head holding a NaN gets no int8 copy."""
+    if nk.kernel_isa() != "avx512bf16":
+        pytest.skip("the int8 head is built only on the AVX512-BF16 build (this CPU builds another)")
+    runner = NativeRunner.from_pretrained(near_tie_checkpoint(tmp_path, nan_token=9), dtype=torch.bfloat16, kernel=True)
+    assert runner._fused.prunes_head
+    cache = runner.new_cache()
+    runner.forward_blocks([([3, 4, 5], cache)], [0])
+    kv = [cache.kv_at] * 2
+    full: list[int] = []
+    logits = runner._fused.forward_rows([9, 6], [3, 4], kv, [0, 1], best=full)
+    pruned: list[int] = []
+    runner._fused.forward_rows([9, 6], [3, 4], kv, [0, 1], best=pruned, logits=False)
+    assert full == [-1, -1] and bool(logits.isnan().all())  # the NaN reaches the next row through the cache
+    assert pruned == logits.argmax(dim=-1).tolist() == [0, 0]
+    nan_head = NativeRunner.from_pretrained(tied_head_checkpoint(tmp_path, nan_token=5), dtype=torch.bfloat16)
+    assert not nan_head._fused.prunes_head
+
+
+def test_the_int8_head_switch_and_greedy_output(
+    default_pair: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy generation on the shipped pair reads its argmax from the int8 head (where the build has one) and gives
+    the same tokens as with it switched off (``SPECDEC_CPU_KERNEL_HEAD_I8=0``), speculating and not, batched and not."""
+    import specdec
+
+    target, draft = default_pair
+    prompts = ["def quicksort(items):\n", "import os\nimport sys\n\n\ndef main(argv):\n", "class Stack:\n"]
+    outs = []
+    for switch in ("1", "0"):
+        monkeypatch.setenv(nk.HEAD_I8_SWITCH, switch)
+        engine = specdec.load(target, draft)
+        fused = engine.target._fused
+        assert fused.prunes_head == (switch == "1" and nk.kernel_isa() == "avx512bf16")
+        rows0 = nk.head_stats()[0]
+        tokens = [engine.generate(p, max_new_tokens=40, tau=tau).token_ids for p in prompts for tau in (0, 3)]
+        gens = [engine.start(p, max_new_tokens=40, tau=2) for p in prompts]
+        while any(not g.done for g in gens):
+            engine.step(gens)
+        tokens += [g.new_tokens for g in gens]
+        assert (nk.head_stats()[0] > rows0) == fused.prunes_head
+        outs.append(tokens)
+    assert outs[0] == outs[1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -106,9 +106,11 @@ class ModelTarget(TargetSide):
         keep = [len(d.tokens) + 1 for d in drafts]
         # Prompt pieces of sequences not stepping yet: their rows fill their caches, no logits kept.
         pieces = [(g.context[g.cache.length : g.cache.length + n], cast(KVCache, g.cache)) for g, n in fills]
-        flat = self.runner.forward_blocks(blocks + pieces, keep + [0] * len(pieces))  # ONE pass over all of them
-        starts = list(itertools.accumulate(keep, initial=0))
         plain = [g.params.greedy and g.rules_state is None for g in live]
+        # ONE pass over all of them; where every sequence reads only its rows' argmax, the pass may skip the logits
+        only_best = all(plain) and all(g.logprobs is None for g in live)
+        flat = self.runner.forward_blocks(blocks + pieces, keep + [0] * len(pieces), argmax_only=only_best)
+        starts = list(itertools.accumulate(keep, initial=0))
         # Greedy rows without logit rules: one argmax over the whole pass (a row's argmax is its own).
         best = self.runner.pass_argmax(flat) if any(plain) else []
         # Each sequence's rows of the pass, as its request reads them (after its logit rules); None for a plain greedy
@@ -200,9 +202,9 @@ class ModelTarget(TargetSide):
         passes = 1
         while going:
             blocks = [([verdicts[i].tokens[-1]], cast(KVCache, live[i].cache)) for i in going]
-            flat = self.runner.forward_blocks(blocks, [1] * len(going))
-            passes += 1
             drawn = [j for j, i in enumerate(going) if not live[i].params.greedy]
+            flat = self.runner.forward_blocks(blocks, [1] * len(going), argmax_only=not drawn)
+            passes += 1
             tokens: list[int] = [0] * len(going)
             if len(drawn) < len(going):
                 tokens = [int(t) for t in self.runner.pass_argmax(flat)]

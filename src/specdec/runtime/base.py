@@ -79,10 +79,16 @@ class ModelRunner(ABC):
             out.append(logits[logits.shape[0] - min(k, logits.shape[0]) :])
         return out
 
-    def forward_blocks(self, blocks: Sequence[tuple[Sequence[int], KVCache]], keep: Sequence[int]) -> torch.Tensor:
+    def forward_blocks(
+        self, blocks: Sequence[tuple[Sequence[int], KVCache]], keep: Sequence[int], argmax_only: bool = False
+    ) -> torch.Tensor:
         """``forward_batch`` for blocks given as token lists, keeping the last ``keep[i]`` rows of block i: their
         logits as ONE tensor ``[sum of rows kept, vocab]``, block after block (one argmax serves a whole verify
-        pass). Runtimes that batch build the pass's rows without a tensor per block."""
+        pass). Runtimes that batch build the pass's rows without a tensor per block.
+
+        ``argmax_only``: the caller reads nothing of the result but ``pass_argmax`` (greedy rows without logit rules
+        or log probabilities). A runtime may then skip the logits and return a tensor without columns (the CPU
+        kernel's int8 head: the same argmax)."""
         if len(keep) != len(blocks):
             raise ValueError(f"forward_blocks: {len(keep)} keep counts for {len(blocks)} blocks")
         device = self.device

@@ -405,7 +405,9 @@ class NativeRunner(ModelRunner):
             first += size
         return out
 
-    def forward_blocks(self, blocks: Sequence[tuple[Sequence[int], KVCache]], keep: Sequence[int]) -> torch.Tensor:
+    def forward_blocks(
+        self, blocks: Sequence[tuple[Sequence[int], KVCache]], keep: Sequence[int], argmax_only: bool = False
+    ) -> torch.Tensor:
         if self._fused is None:
             with torch.inference_mode():
                 return super().forward_blocks(blocks, keep)
@@ -436,10 +438,15 @@ class NativeRunner(ModelRunner):
         # With the whole head, each asked row's argmax comes out of the pass (taken as the head's product finishes each
         # group of outputs, in the computing core's cache): greedy verification reads it (pass_argmax) where a call of
         # its own read the pass's logits again (a 48-row pass: 25 µs in the pass against 75-135 for the call).
+        # Where the caller wants only the argmax, the kernel takes it from its int8 copy of the head (the same answer from
+        # half the head's bytes; FusedLlama.prunes_head) and returns no logits.
         best: list[int] | None = None
         if self._argmax_in_pass:
             best = []
-            logits = self._fused.forward_rows(ids_l, pos_l, kv_l, out_l, best=best)
+            if argmax_only and getattr(self._fused, "prunes_head", False):
+                logits = self._fused.forward_rows(ids_l, pos_l, kv_l, out_l, best=best, logits=False)
+            else:
+                logits = self._fused.forward_rows(ids_l, pos_l, kv_l, out_l, best=best)
         else:
             logits = self._widen(self._fused.forward_rows(ids_l, pos_l, kv_l, out_l))
         for ids, cache in blocks:

@@ -43,7 +43,7 @@ from specdec.runtime.pages import arena_for
 log = logging.getLogger("specdec.kernel")
 
 SOURCE = Path(__file__).with_name("kernels") / "llama_cpu.cpp"
-ABI_VERSION = 21
+ABI_VERSION = 22
 # sd_forward_rows' profile phases, in the kernel's order (PH_*).
 PHASES = ("norm", "qkv_proj", "rope_cache", "attention", "o_proj", "gate_up_proj", "silu_mul", "down_proj", "head")
 # -ffp-contract=off: a multiply followed by an add stays two roundings wherever it is inlined (GCC fuses them into
@@ -54,7 +54,7 @@ CXX_FLAGS = ["-O3", "-std=c++17", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-fopenm
 # or with SPECDEC_CPU_KERNEL_ISA=avx2, everything runs in fp32 arithmetic on AVX2.
 # On CPUs with AMX (Sapphire Rapids and later, where the OS grants the tile state), bf16 weights multiply on the tile
 # unit instead (TDPBF16PS, 16 rows x 16 outputs x 32 products per instruction); fp32/fp16/int8 weights as avx512bf16.
-_AVX512BF16 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-DSD_AVX512BF16=1"]
+_AVX512BF16 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-DSD_AVX512BF16=1"]
 ISA_FLAGS = {"avx2": [], "avx512bf16": _AVX512BF16, "amx": [*_AVX512BF16, "-mamx-tile", "-mamx-bf16", "-DSD_AMX=1"]}
 # The builds from the least to the most capable; SPECDEC_CPU_KERNEL_ISA names one to stop at (a downgrade only).
 ISA_ORDER = ("avx2", "avx512bf16", "amx")
@@ -203,6 +203,7 @@ class _Model(ctypes.Structure):
         ("head_ids", ctypes.c_void_p),
         ("kv_type", ctypes.c_int64),
         ("stream", ctypes.c_int64),
+        *((n, ctypes.c_void_p) for n in ("head_q", "head_qscale", "head_qerr", "head_wnorm", "head_qsum")),
     ]
 
 
@@ -243,7 +244,7 @@ def kernel_isa() -> str:
     or ``=avx512bf16`` stops at that build where the CPU could do more (only a downgrade can be forced)."""
     flags = cpu_flags()
     best = "avx2"
-    if flags >= {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}:
+    if flags >= {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}:  # (every such CPU has VNNI)
         best = "avx512bf16"
         if flags >= {"amx_tile", "amx_bf16"} and amx_permitted():
             best = "amx"
@@ -271,6 +272,7 @@ def amx_permitted() -> bool:
 PREFETCH_SWITCH = "SPECDEC_CPU_KERNEL_PREFETCH"
 STREAM_SWITCH = "SPECDEC_CPU_KERNEL_STREAM"
 CUT_SWITCH = "SPECDEC_CPU_KERNEL_CUT"
+HEAD_I8_SWITCH = "SPECDEC_CPU_KERNEL_HEAD_I8"  # off: greedy passes compute every logit (FusedLlama.prunes_head)
 STREAM_ONE_PANEL, STREAM_CUT = 1, 2  # SdModel::stream's bits (and sd_matmul's `stream`)
 
 
@@ -454,6 +456,9 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.sd_draft_greedy.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 5, ctypes.c_int64]
     lib.sd_draft_greedy.argtypes += [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 6, ctypes.c_int64]
     lib.sd_units_taken.restype = ctypes.c_int64
+    lib.sd_head_i8.restype = ctypes.c_int
+    lib.sd_head_stats.restype = None
+    lib.sd_head_stats.argtypes = [ctypes.c_void_p]
     lib.sd_set_share_lag.restype = None
     lib.sd_set_share_lag.argtypes = [ctypes.c_int64]
     return lib, None
@@ -642,6 +647,17 @@ def set_share_lag(microseconds: int) -> None:
         lib.sd_set_share_lag(int(microseconds))
 
 
+def head_stats() -> tuple[int, int]:
+    """Rows whose argmax this process's passes took from the int8 head, and the head's panels (16 columns) they
+    computed exactly for them (``forward_rows(logits=False)``)."""
+    lib = _library()
+    if lib is None:
+        return 0, 0
+    out = array.array("q", [0, 0])
+    lib.sd_head_stats(out.buffer_info()[0])
+    return out[0], out[1]
+
+
 def kernel_available() -> bool:
     return _library() is not None
 
@@ -721,6 +737,31 @@ def pack_weight_int8(w: torch.Tensor, panel: int) -> torch.Tensor:
     scales = torch.zeros(-(-int(w.shape[0]) // panel) * panel, dtype=torch.float32)
     scales[: s.numel()] = s
     return torch.cat([panels.view(torch.uint8), scales.view(torch.uint8)])
+
+
+def head_int8(head: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The int8 copy of a model's head ``[V, d]`` for greedy passes (the kernel's "The head's argmax from an int8
+    copy"): ``q`` int8 in panels of 16 columns by 4 inputs (``[V64 / 16][n4][16][4]``, V64 = V rounded up to 64,
+    n4 = ceil(d / 4), zeros beyond), and per column (V64 entries, zeros beyond V) the scale ``s`` (``w ≈ s q``), the
+    quantization's error ``|w - s q|`` and ``|w|`` (both rounded up: the kernel's bounds rest on them) and the sum of
+    ``q``."""
+    w = head.float()
+    v, d = (int(x) for x in w.shape)
+    s = w.abs().amax(dim=1) / 127.0
+    q = torch.where(s[:, None] > 0, torch.round(w / torch.where(s > 0, s, 1.0)[:, None]), 0.0).clamp_(-127, 127)
+    grow = 1.0 + 1e-6  # over float32's rounding of the float64 norms (2^-24 relative)
+    err = (w.double() - s.double()[:, None] * q.double()).norm(dim=1) * grow
+    norm = w.double().norm(dim=1) * grow
+    v64, n4 = -(-v // 64) * 64, -(-d // 4)
+    packed = torch.zeros(v64, 4 * n4, dtype=torch.int8)
+    packed[:v, :d] = q.to(torch.int8)
+    out = {"q": packed.view(v64 // 16, 16, n4, 4).transpose(1, 2).contiguous()}
+    for name, col, dtype in (("s", s, torch.float32), ("err", err, torch.float32), ("norm", norm, torch.float32)):
+        out[name] = torch.zeros(v64, dtype=dtype)
+        out[name][:v] = col.to(dtype)
+    out["qsum"] = torch.zeros(v64, dtype=torch.int32)
+    out["qsum"][:v] = q.sum(dim=1).to(torch.int32)
+    return out
 
 
 @dataclass(frozen=True)
@@ -913,6 +954,21 @@ class FusedLlama:
             KV_TYPES[kv_dtype],
             stream_bits(self.stream, self.cut),
         )
+        # Greedy passes' argmax from an int8 copy of the head (a build with VNNI int8 products, bf16 weights, the whole
+        # head, finite weights): the same answer as every logit, from half the head's bytes (``forward_rows(logits=)``).
+        self.prunes_head = (
+            bool(lib.sd_head_i8())
+            and dtype == torch.bfloat16
+            and self.head_ids is None
+            and not switched_off(HEAD_I8_SWITCH)
+            and bool(torch.isfinite(head).all())
+        )
+        if self.prunes_head:
+            i8 = head_int8(head)
+            keep.extend(i8.values())
+            self._model.head_q, self._model.head_qscale = i8["q"].data_ptr(), i8["s"].data_ptr()
+            self._model.head_qerr, self._model.head_wnorm = i8["err"].data_ptr(), i8["norm"].data_ptr()
+            self._model.head_qsum = i8["qsum"].data_ptr()
         self._layers, self._keep = layers, keep
         self._scratch = threading.local()  # per calling thread: concurrent requests never share scratch
         self._scratch_floats: dict[tuple[int, int], int] = {}
@@ -1040,6 +1096,7 @@ class FusedLlama:
         out_idx: Sequence[int],
         profile: torch.Tensor | None = None,
         best: list[int] | None = None,
+        logits: bool = True,
     ) -> torch.Tensor:
         """One pass over rows from any number of sequences: row t is token ``ids[t]`` at ``positions[t]`` of the
         sequence whose cache tensor starts at address ``caches[t]`` (a sequence's rows consecutive and in position
@@ -1048,6 +1105,9 @@ class FusedLlama:
         ``best``: a list the call fills with each returned row's argmax over its head rows (the first index of its
         maximum, torch's rule; -1 for a row holding a NaN), taken in parts as the head's product finishes each group
         of its outputs, while they are in the computing core's cache (``ArgParts`` in the kernel).
+        ``logits=False`` (with ``best``, where ``prunes_head``): only the argmax, from the int8 copy of the head and the
+        exact logits of the few panels that can hold the maximum: the same answer (a row holding a NaN: its first NaN,
+        torch's); the tensor returned then has no columns.
 
         Every row's result is independent of the other rows in the pass, bit for bit.
         Passes of more than ``chunk_rows`` rows run in calls of that many (bounded scratch; a sequence's later rows see
@@ -1069,9 +1129,10 @@ class FusedLlama:
         # Allocated by numpy, which keeps the GIL: ``torch.empty`` lets it go, and in a server the event loop then took
         # it for its whole burst of work (mean 0.29 ms a step at 16 clients, p90 1.3 ms, with the other core idle). The
         # pass's own call lets the GIL go for its milliseconds, when the event loop's work costs the step least.
-        out = torch.from_numpy(np.empty((n_out, self.head_rows), dtype=np.float32))
+        argmax_only = not logits and best is not None and self.prunes_head
+        out = torch.from_numpy(np.empty((n_out, 0 if argmax_only else self.head_rows), dtype=np.float32))
         # A chunk's first row by address (a torch slice for it cost ~13 µs on the caches a pass has just flushed).
-        out_base, row_bytes = out.data_ptr(), 4 * self.head_rows
+        out_base, row_bytes = (0, 0) if argmax_only else (out.data_ptr(), 4 * self.head_rows)
         prof = None if profile is None else profile.data_ptr()
         found = None if best is None else array.array("q", bytes(8 * n_out))
         found_at = 0 if found is None else found.buffer_info()[0]
@@ -1097,7 +1158,7 @@ class FusedLlama:
                 n,
                 out_at + 8 * first,
                 stop - first,
-                out_base + row_bytes * first,
+                None if argmax_only else out_base + row_bytes * first,
                 self._scratch_for(n, threads).data_ptr(),
                 threads,
                 None if found is None else found_at + 8 * first,

@@ -81,11 +81,19 @@ struct SdModel {
     // their columns (products: "Cut columns"), which keeps several weight streams going; over weights the caches hold
     // (the default target on a 480 MB L3) the cut's bookkeeping cost 5-17% at 3-16 rows instead.
     int64_t stream;
+    // An int8 copy of the head, for passes that want only their rows' argmax (sd_forward_rows with logits NULL; NULL:
+    // none; see "The head's argmax from an int8 copy"). V64: the vocabulary rounded up to 64 columns, n4 = (hidden + 3)
+    // / 4. Row i of the head is about s_i q_i.
+    const int8_t* head_q;       // [V64 / 16 panels][n4][16 columns][4 inputs], zeros beyond the head and its inputs
+    const float* head_qscale;   // [V64] s_i
+    const float* head_qerr;     // [V64] |w_i - s_i q_i|, rounded up
+    const float* head_wnorm;    // [V64] |w_i|, rounded up
+    const int32_t* head_qsum;   // [V64] the sum of q_i's entries
 };
 
 enum { STREAM_ONE_PANEL = 1, STREAM_CUT = 2 };  // SdModel::stream, sd_matmul's `stream`
 
-extern "C" int sd_abi_version(void) { return 21; }
+extern "C" int sd_abi_version(void) { return 22; }
 
 // Which products this build uses for bf16 weights: 1 = AVX512-BF16 dot products, 0 = AVX2 fp32.
 extern "C" int sd_bf16_dot(void) {
@@ -2149,6 +2157,269 @@ static int64_t att_scratch(int64_t max_ctx, int64_t widest) {
     return (scores > 16 * widest ? scores : 16 * widest) + 16;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The head's argmax from an int8 copy (greedy passes that want no logits: sd_forward_rows with logits NULL)
+//
+// A greedy row needs only the first index of its logits' maximum. The head is a pass's largest product (the default
+// target's 8,192 x 640 is 22% of its 46.9 MFLOP a row), and with AVX512-VNNI an int8 product does twice the
+// multiply-adds of a bf16 one per instruction, from half the bytes. So every row's logits are first approximated from
+// an int8 copy of the head, each with a rigorous bound on its distance from the exact logit; then only the panels
+// (16 columns) that can hold the maximum are computed exactly, by the full product's own chain, bit for bit the
+// values it gives. The answer is always the full head's:
+//   x: the row's inputs as the exact product multiplies them (bf16), w_i: head row i. x ~ x^ = s_x xq (xq int8, one
+//   scale a row), w_i ~ w^_i = s_i q_i (one scale a head row, made at load).
+//   x.w_i - x^.w^_i = x^.(w_i - w^_i) + (x - x^).w_i, so by Cauchy-Schwarz |x.w_i - A_i| <= |x^| E_i + |x - x^| |w_i|,
+//   A_i = s_x s_i (xq.q_i) from an exact integer sum, E_i = |w_i - w^_i| and |w_i| made at load (rounded up); plus
+//   the exact chain's own rounding (n fp32 steps: <= (2n + 8) u |x| |w_i|, u = 2^-24) and A_i's (<= 8 u |A_i|), with
+//   each factor grown by 1e-6 and the sum by 1e-5 for the bound's own arithmetic: B_i.
+//   m = max_i (A_i - B_i) is at most the exact logit L_k of the column k giving it, and a column with A_i + B_i < m has
+//   L_i <= A_i + B_i < m: neither the maximum nor tied with it. So the exact values of the panels holding a column
+//   with A_i + B_i >= m (k's panel among them) hold the row's maximum and its first index (panels in ascending order,
+//   a strictly greater value replacing: the first index, as the full head's argmax).
+// A row whose inputs are not all finite, or are all zero, takes every panel exactly (the full head's answer; where a
+// logit is NaN, the first NaN's index: torch's argmax). Measured on the default target's real hidden states (session
+// 81, a scratch harness): a row's candidate columns median 1, mean 1.7, 99th percentile 10.
+// On builds without VNNI int8 products, or with AMX (its tiles round inside a step as no single-row chain here would),
+// there is no int8 head (sd_head_i8() == 0) and greedy passes compute every logit.
+// Rows whose argmax the int8 head took, and panels it computed exactly for them (sd_head_stats: tests, tuning).
+static std::atomic<int64_t> g_head_rows{0}, g_head_exact_panels{0};
+
+extern "C" void sd_head_stats(int64_t* out) {
+    out[0] = g_head_rows.load(std::memory_order_relaxed);
+    out[1] = g_head_exact_panels.load(std::memory_order_relaxed);
+}
+
+#if defined(SD_AVX512BF16) && !defined(SD_AMX)
+#define SD_HEAD_I8 1
+#else
+#define SD_HEAD_I8 0
+#endif
+
+extern "C" int sd_head_i8(void) { return SD_HEAD_I8; }
+
+// A row's quantization for the int8 head: its scale, the bound's two factors |x^| and |x - x^| (+ the chain's
+// rounding), and whether every panel is computed exactly instead.
+struct HeadRow {
+    float sx, a, b;
+    int32_t exact_all;
+};
+
+static inline int64_t head_n4(int64_t n) { return (n + 3) / 4; }
+static inline int64_t head_panels(int64_t vocab) { return (vocab + 63) / 64 * 4; }
+
+// Floats of scratch the int8 head takes for `rows` rows: their uint8 inputs (4 n4 bytes a row), a HeadRow each, and
+// each row's lower and upper bound of every panel's maximum.
+static inline int64_t head_i8_floats(int64_t n, int64_t vocab, int64_t rows) {
+    return rows * (head_n4(n) + 4 + 2 * head_panels(vocab)) + 16;
+}
+
+#if SD_HEAD_I8
+static inline float bf16_value(uint16_t b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+// Row x (n bf16 entries) as uint8 xq + 128 (VPDPBUSD multiplies unsigned by signed bytes; the 128 s are taken back
+// with the head's row sums), padded with 128 s (zeros) to 4 n4 entries; its scale and bound factors into *r.
+static void head_quantize(const uint16_t* x, int64_t n, uint8_t* u, HeadRow* r) {
+    float mx = 0.0f;
+    bool bad = false;
+    for (int64_t j = 0; j < n; j++) {
+        const float v = fabsf(bf16_value(x[j]));
+        if (!(v <= 1e15f)) bad = true;  // (NaN and infinities too)
+        else mx = v > mx ? v : mx;
+    }
+    const int64_t n4 = head_n4(n);
+    if (bad || mx == 0.0f) {
+        memset(u, 128, (size_t)(4 * n4));
+        *r = {0.0f, 0.0f, 0.0f, 1};
+        return;
+    }
+    const float sx = mx / 127.0f;
+    double xx = 0.0, hh = 0.0, dd = 0.0;
+    for (int64_t j = 0; j < n; j++) {
+        const float v = bf16_value(x[j]);
+        float q = nearbyintf(v / sx);
+        q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+        u[j] = (uint8_t)((int)q + 128);
+        const double xh = (double)sx * (double)q, dl = (double)v - xh;  // (exact products in double)
+        xx += (double)v * v, hh += xh * xh, dd += dl * dl;
+    }
+    for (int64_t j = n; j < 4 * n4; j++) u[j] = 128;
+    const double grow = 1.0 + 1e-6, gamma = (2.0 * (double)n + 8.0) * 5.9604644775390625e-08;
+    *r = {sx, (float)(sqrt(hh) * grow), (float)((sqrt(dd) + gamma * sqrt(xx)) * grow), 0};
+}
+
+// Rows t0..t0+R of the int8 head over its panels p0..p0+2: the integer sums by 256-bit VPDPBUSD (4 inputs a lane;
+// a Zen 4 runs two of them a cycle where it runs one 512-bit one every two: 4x the multiply-adds, measured), then
+// each column's A_i and B_i and each panel's max (A - B) and max (A + B) over its columns in the head into bounds.
+template <int R>
+static inline __attribute__((always_inline)) void head_i8_tile(const SdModel* m, const uint8_t* U, int64_t ldu,
+                                                               const HeadRow* hr, int64_t t0, int64_t p0, int64_t n4,
+                                                               float* bounds, int64_t panels, bool ahead) {
+    constexpr int P = 2, V = 2 * P;  // panels, 8-column vectors
+    __m256i acc[R][V];
+#pragma GCC unroll 32
+    for (int i = 0; i < R * V; i++) acc[i / V][i % V] = _mm256_setzero_si256();
+    const int64_t pb = n4 * 64;  // bytes a panel
+    const int8_t* W = m->head_q + p0 * pb;
+    const char* next = (const char*)(W + P * pb);  // the next tile's panels, fetched into L2 by the first row group
+    for (int64_t c = 0; c < n4; c++) {
+        if (ahead) {
+            _mm_prefetch(next + c * 64, _MM_HINT_T1);
+            _mm_prefetch(next + pb + c * 64, _MM_HINT_T1);
+        }
+        __m256i w[V];
+#pragma GCC unroll 4
+        for (int v = 0; v < V; v++) w[v] = _mm256_loadu_si256((const __m256i*)(W + (v / 2) * pb + c * 64 + (v % 2) * 32));
+#pragma GCC unroll 8
+        for (int t = 0; t < R; t++) {
+            int32_t xx;
+            memcpy(&xx, U + (t0 + t) * ldu + 4 * c, 4);
+            const __m256i x = _mm256_set1_epi32(xx);
+#pragma GCC unroll 4
+            for (int v = 0; v < V; v++) acc[t][v] = _mm256_dpbusd_epi32(acc[t][v], x, w[v]);
+        }
+    }
+    // The sums through memory: with the bounds' arithmetic beside them, GCC kept every accumulator in memory too, a
+    // store and copies per instruction in the loop above (2.4x its time).
+    alignas(64) int32_t sums[R * V * 8];  // [t][p][16]
+#pragma GCC unroll 32
+    for (int i = 0; i < R * V; i++) _mm256_store_si256((__m256i*)(sums + 8 * i), acc[i / V][i % V]);
+    const __m512 cA = _mm512_set1_ps(8.0f * 5.9604645e-08f), grow = _mm512_set1_ps(1.0f + 1e-5f);
+    const __m512 tiny = _mm512_set1_ps(1e-30f);
+    for (int p = 0; p < P; p++) {
+        const int64_t col = (p0 + p) * 16, live = m->vocab - col;
+        const __mmask16 in = live >= 16 ? (__mmask16)0xFFFF : live <= 0 ? (__mmask16)0 : (__mmask16)((1u << live) - 1u);
+        const __m512 s = _mm512_loadu_ps(m->head_qscale + col), E = _mm512_loadu_ps(m->head_qerr + col);
+        const __m512 Wn = _mm512_loadu_ps(m->head_wnorm + col);
+        const __m512i q128 = _mm512_slli_epi32(_mm512_loadu_si512(m->head_qsum + col), 7);
+        for (int t = 0; t < R; t++) {
+            const HeadRow& r = hr[t0 + t];
+            const __m512i dot = _mm512_load_si512(sums + 16 * (t * P + p));
+            const __m512 S = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, q128));  // xq.q_i, exact (< 2^24)
+            const __m512 A = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(r.sx), s), S);
+            __m512 B = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(r.a), E), _mm512_mul_ps(_mm512_set1_ps(r.b), Wn));
+            B = _mm512_add_ps(_mm512_mul_ps(_mm512_add_ps(B, _mm512_mul_ps(cA, _mm512_abs_ps(A))), grow), tiny);
+            float* lo = bounds + (t0 + t) * 2 * panels;
+            lo[p0 + p] = in ? _mm512_mask_reduce_max_ps(in, _mm512_sub_ps(A, B)) : -INFINITY;
+            lo[panels + p0 + p] = in ? _mm512_mask_reduce_max_ps(in, _mm512_add_ps(A, B)) : -INFINITY;
+        }
+    }
+}
+
+// The exact logits of head panels ps[0..np) (np <= 4) for row x (bf16) into out[np][16]: the chain of the full
+// product's tiles (tile_bf16dp), one VDPBF16PS a column pair in order from zero, an odd last column paired with a
+// zero; the same values bit for bit. The panels' chains side by side (each waits on its own latency), their lines
+// fetched first: a panel's 320 lines (the default target) lie 256 bytes apart among its group's, so one after another
+// they were each a miss (a one-row pass's single panel took ~15-30 us).
+static inline void head_exact_panels(const SdModel* m, const uint16_t* x, const int64_t* ps_, int np, float* out) {
+    const int64_t n = m->hidden, G = BF16_GROUP, ps = ((n + 1) & ~(int64_t)1) * PANEL, cstride = G * 2 * PANEL;
+    const int64_t pairs = n >> 1, steps = pairs + (n & 1);
+    const uint16_t* at[4];
+    for (int i = 0; i < np; i++) {
+        const int64_t p = ps_[i];
+        at[i] = (const uint16_t*)m->lm_head + (p - p % G) * ps + (p % G) * (2 * PANEL);
+        for (int64_t c2 = 0; c2 < steps; c2++) _mm_prefetch((const char*)(at[i] + c2 * cstride), _MM_HINT_T0);
+    }
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t c2 = 0; c2 < pairs; c2++) {
+        uint32_t xx;
+        memcpy(&xx, x + 2 * c2, 4);
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xx);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+            if (i < np) acc[i] = _mm512_dpbf16_ps(acc[i], xv, (__m512bh)_mm512_loadu_si512(at[i] + c2 * cstride));
+    }
+    if (n & 1) {
+        const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)(uint32_t)x[n - 1]);
+        for (int i = 0; i < np; i++)
+            acc[i] = _mm512_dpbf16_ps(acc[i], xv, (__m512bh)_mm512_loadu_si512(at[i] + pairs * cstride));
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++)
+        if (i < np) _mm512_storeu_ps(out + 16 * i, acc[i]);
+}
+
+// Row x's argmax from its panels' bounds (lo: [panels] max A - B, then [panels] max A + B): the exact values of every
+// panel that can hold the maximum (every panel where r.exact_all), four at a time.
+static int64_t head_i8_argmax(const SdModel* m, const uint16_t* x, const HeadRow& r, const float* lo, int64_t panels,
+                              int64_t* exact_panels) {
+    const float* up = lo + panels;
+    bool all = r.exact_all != 0;
+    float floor_ = -INFINITY;
+    if (!all) {
+        for (int64_t p = 0; p < panels; p++) floor_ = lo[p] > floor_ ? lo[p] : floor_;
+        all = !(floor_ > -INFINITY && floor_ < INFINITY);
+    }
+    const int64_t used = (m->vocab + 15) / 16;  // panels holding a column of the head
+    for (;;) {
+        float best = -INFINITY;
+        int64_t at = -1, nan_at = -1, done = 0;
+        alignas(64) float v[4 * 16];
+        int64_t cand[4];
+        int nc = 0;
+        for (int64_t p = 0; p <= used; p++) {
+            if (p < used && (all || up[p] >= floor_)) cand[nc++] = p;
+            if (nc == 4 || (p == used && nc > 0)) {  // in ascending order: a strictly greater value replaces
+                head_exact_panels(m, x, cand, nc, v);
+                done += nc;
+                for (int i = 0; i < nc; i++) {
+                    const int64_t cols = std::min((int64_t)16, m->vocab - cand[i] * 16);
+                    for (int64_t j = 0; j < cols; j++) {
+                        const float y = v[16 * i + j];
+                        if (y != y) {
+                            if (nan_at < 0) nan_at = cand[i] * 16 + j;
+                        } else if (at < 0 || y > best) {
+                            best = y, at = cand[i] * 16 + j;
+                        }
+                    }
+                }
+                nc = 0;
+            }
+        }
+        *exact_panels += done;
+        if (nan_at < 0) return at;
+        if (all) return nan_at;  // torch's argmax of a row holding a NaN: the first NaN
+        all = true;  // (a NaN among finite bounds: every panel, to find the first)
+    }
+}
+
+// The int8 head's argmax of rows 0..n_out (their bf16 inputs xb [n_out][n]) into argmax[], by the whole team; ends
+// with the team's barrier. `scratch`: head_i8_floats(n, vocab, n_out) floats.
+static void head_i8(const SdModel* m, const uint16_t* xb, int64_t n_out, float* scratch, int64_t* argmax) {
+    const int64_t n = m->hidden, n4 = head_n4(n), panels = head_panels(m->vocab), ldu = 4 * n4;
+    uint8_t* U = (uint8_t*)scratch;
+    HeadRow* hr = (HeadRow*)(scratch + n_out * n4);
+    float* bounds = scratch + n_out * (n4 + 4);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n_out; t++) head_quantize(xb + t * n, n, U + t * ldu, hr + t);
+    // (the for's barrier: every row quantized)
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < panels / 2; g++) {
+        int64_t t0 = 0;
+        for (; t0 + 6 <= n_out; t0 += 6) head_i8_tile<6>(m, U, ldu, hr, t0, 2 * g, n4, bounds, panels, t0 == 0 && g + 1 < panels / 2);
+        switch (n_out - t0) {
+            case 5: head_i8_tile<5>(m, U, ldu, hr, t0, 2 * g, n4, bounds, panels, t0 == 0 && g + 1 < panels / 2); break;
+            case 4: head_i8_tile<4>(m, U, ldu, hr, t0, 2 * g, n4, bounds, panels, t0 == 0 && g + 1 < panels / 2); break;
+            case 3: head_i8_tile<3>(m, U, ldu, hr, t0, 2 * g, n4, bounds, panels, t0 == 0 && g + 1 < panels / 2); break;
+            case 2: head_i8_tile<2>(m, U, ldu, hr, t0, 2 * g, n4, bounds, panels, t0 == 0 && g + 1 < panels / 2); break;
+            case 1: head_i8_tile<1>(m, U, ldu, hr, t0, 2 * g, n4, bounds, panels, t0 == 0 && g + 1 < panels / 2); break;
+            default: break;
+        }
+    }
+    int64_t exact = 0;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < n_out; t++)
+        argmax[t] = head_i8_argmax(m, xb + t * n, hr[t], bounds + t * 2 * panels, panels, &exact);
+    g_head_exact_panels.fetch_add(exact, std::memory_order_relaxed);
+#pragma omp single nowait
+    g_head_rows.fetch_add(n_out, std::memory_order_relaxed);
+}
+#endif
+
 extern "C" int64_t sd_scratch_floats(const SdModel* m, int64_t k, int64_t threads) {
     const int64_t d = m->hidden, hd = m->head_dim, qkv = (m->heads + 2 * m->kv_heads) * hd;
     int64_t widest = d > m->ff ? d : m->ff;
@@ -2157,7 +2428,7 @@ extern "C" int64_t sd_scratch_floats(const SdModel* m, int64_t k, int64_t thread
     // head's argmax in parts (k rows x a slot per panel at most: a value and an index each).
     const int64_t per_thread = att_scratch(m->max_ctx, widest);
     return k * (d + d + qkv + m->heads * hd + 2 * m->ff + m->ff) + (k * widest + 1) / 2 + 16 + threads * per_thread +
-           arg_parts_floats(m->head_rows, k);
+           arg_parts_floats(m->head_rows, k) + (m->head_q != NULL ? head_i8_floats(d, m->vocab, k) : 0);
 }
 
 // Runs k rows in one pass. Row t is token ids[t] at position pos[t] of the sequence whose KV cache starts
@@ -2171,6 +2442,10 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
                                const int64_t* out_idx, int64_t n_out, float* logits, float* scratch, int64_t threads,
                                int64_t* argmax, double* prof) {
     if (k < 1 || n_out < 0 || n_out > k || threads < 1 || m->max_ctx % KBLOCK != 0) return -1;
+    // logits NULL: only the rows' argmax, by the int8 head (its model's full head of bf16 weights on a build with one)
+    if (logits == NULL && n_out > 0 &&
+        (!SD_HEAD_I8 || argmax == NULL || m->head_q == NULL || m->head_ids != NULL || m->wtype != WT_BF16))
+        return -1;
     if (m->kv_type != WT_F32 && m->kv_type != WT_BF16 && m->kv_type != WT_F16) return -1;
     for (int64_t t = 0; t < k; t++)
         if (ids[t] < 0 || ids[t] >= m->vocab || pos[t] < 0 || pos[t] >= m->max_ctx || kv[t] == NULL) return -1;
@@ -2322,9 +2597,15 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < n_out; j++)
                 norm_input(x + (trim ? j : out_idx[j]) * d, h + j * d, xb + j * d, d, m->eps, xbf);
-            gemm(sh, wt, h, d, m->lm_head, NULL, logits, m->head_rows, n_out, d, m->head_rows, 0, xb, st, xbf,
-                 argmax != NULL ? &parts : NULL);
-            if (argmax != NULL) {
+            if (logits == NULL) {
+#if SD_HEAD_I8
+                head_i8(m, xb, n_out, parts_base + arg_parts_floats(m->head_rows, k), argmax);
+#endif
+            } else {
+                gemm(sh, wt, h, d, m->lm_head, NULL, logits, m->head_rows, n_out, d, m->head_rows, 0, xb, st, xbf,
+                     argmax != NULL ? &parts : NULL);
+            }
+            if (argmax != NULL && logits != NULL) {
 #pragma omp for schedule(static)
                 for (int64_t j = 0; j < n_out; j++) argmax[j] = argmax_of_parts(&parts, j);
             }
