@@ -2189,10 +2189,32 @@ extern "C" void sd_head_stats(int64_t* out) {
     out[1] = g_head_exact_panels.load(std::memory_order_relaxed);
 }
 
-#if defined(SD_AVX512BF16) && !defined(SD_AMX)
+#ifndef SD_AMX
 #define SD_HEAD_I8 1
 #else
 #define SD_HEAD_I8 0
+#endif
+// The builds' int8 products and the inputs the exact product multiplies. AVX512-BF16 (VNNI): VPDPBUSD, 4 unsigned-
+// by-signed byte products a lane, 8-bit inputs (xq + 128); the inputs are the rows rounded to bf16 (the head's xb).
+// AVX2: VPMADDUBSW then VPMADDWD by ones, the same sums where no pair of products saturates 16 bits: 7-bit inputs
+// (xq in [-63, 63], + 64), 2 x 127 x 127 < 32,768; the inputs are the fp32 rows (h).
+#ifdef SD_AVX512BF16
+typedef uint16_t HeadIn;
+enum { HEAD_QMAX = 127, HEAD_ZP_SHIFT = 7, HEAD_P = 2, HEAD_RMAX = 6 };  // panels and rows a tile
+static inline float head_in(HeadIn b) {
+    const uint32_t u = (uint32_t)b << 16;
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+static inline __m256i head_dot4(__m256i acc, __m256i x, __m256i w) { return _mm256_dpbusd_epi32(acc, x, w); }
+#else
+typedef float HeadIn;
+enum { HEAD_QMAX = 63, HEAD_ZP_SHIFT = 6, HEAD_P = 1, HEAD_RMAX = 4 };  // 16 registers: 8 sums, 2 weights, ...
+static inline float head_in(HeadIn v) { return v; }
+static inline __m256i head_dot4(__m256i acc, __m256i x, __m256i w) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), _mm256_set1_epi16(1)));
+}
 #endif
 
 extern "C" int sd_head_i8(void) { return SD_HEAD_I8; }
@@ -2214,52 +2236,54 @@ static inline int64_t head_i8_floats(int64_t n, int64_t vocab, int64_t rows) {
 }
 
 #if SD_HEAD_I8
-static inline float bf16_value(uint16_t b) {
-    const uint32_t u = (uint32_t)b << 16;
-    float v;
-    memcpy(&v, &u, 4);
-    return v;
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
 }
 
-// Row x (n bf16 entries) as uint8 xq + 128 (VPDPBUSD multiplies unsigned by signed bytes; the 128 s are taken back
-// with the head's row sums), padded with 128 s (zeros) to 4 n4 entries; its scale and bound factors into *r.
-static void head_quantize(const uint16_t* x, int64_t n, uint8_t* u, HeadRow* r) {
+// Row x (n inputs) as uint8 xq + 2^HEAD_ZP_SHIFT (the products multiply unsigned by signed bytes; the zero point is
+// taken back with the head's row sums), padded with zeros to 4 n4 entries; its scale and bound factors into *r.
+static void head_quantize(const HeadIn* x, int64_t n, uint8_t* u, HeadRow* r) {
+    const int zp = 1 << HEAD_ZP_SHIFT;
+    const float qmax = (float)HEAD_QMAX;
     float mx = 0.0f;
     bool bad = false;
     for (int64_t j = 0; j < n; j++) {
-        const float v = fabsf(bf16_value(x[j]));
+        const float v = fabsf(head_in(x[j]));
         if (!(v <= 1e15f)) bad = true;  // (NaN and infinities too)
         else mx = v > mx ? v : mx;
     }
     const int64_t n4 = head_n4(n);
     if (bad || mx == 0.0f) {
-        memset(u, 128, (size_t)(4 * n4));
+        memset(u, zp, (size_t)(4 * n4));
         *r = {0.0f, 0.0f, 0.0f, 1};
         return;
     }
-    const float sx = mx / 127.0f;
+    const float sx = mx / qmax;
     double xx = 0.0, hh = 0.0, dd = 0.0;
     for (int64_t j = 0; j < n; j++) {
-        const float v = bf16_value(x[j]);
+        const float v = head_in(x[j]);
         float q = nearbyintf(v / sx);
-        q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
-        u[j] = (uint8_t)((int)q + 128);
+        q = q > qmax ? qmax : q < -qmax ? -qmax : q;
+        u[j] = (uint8_t)((int)q + zp);
         const double xh = (double)sx * (double)q, dl = (double)v - xh;  // (exact products in double)
         xx += (double)v * v, hh += xh * xh, dd += dl * dl;
     }
-    for (int64_t j = n; j < 4 * n4; j++) u[j] = 128;
+    for (int64_t j = n; j < 4 * n4; j++) u[j] = (uint8_t)zp;
     const double grow = 1.0 + 1e-6, gamma = (2.0 * (double)n + 8.0) * 5.9604644775390625e-08;
     *r = {sx, (float)(sqrt(hh) * grow), (float)((sqrt(dd) + gamma * sqrt(xx)) * grow), 0};
 }
 
-// Rows t0..t0+R of the int8 head over its panels p0..p0+2: the integer sums by 256-bit VPDPBUSD (4 inputs a lane;
-// a Zen 4 runs two of them a cycle where it runs one 512-bit one every two: 4x the multiply-adds, measured), then
-// each column's A_i and B_i and each panel's max (A - B) and max (A + B) over its columns in the head into bounds.
+// Rows t0..t0+R of the int8 head over its panels p0..p0+HEAD_P: the integer sums by 256-bit products (head_dot4, 4
+// inputs a lane; a Zen 4 runs two 256-bit VPDPBUSD a cycle where it runs one 512-bit one every two: 4x the
+// multiply-adds, measured), then each column's A_i and B_i and each panel's max (A - B) and max (A + B) over its
+// columns in the head into bounds.
 template <int R>
 static inline __attribute__((always_inline)) void head_i8_tile(const SdModel* m, const uint8_t* U, int64_t ldu,
                                                                const HeadRow* hr, int64_t t0, int64_t p0, int64_t n4,
                                                                float* bounds, int64_t panels, bool ahead) {
-    constexpr int P = 2, V = 2 * P;  // panels, 8-column vectors
+    constexpr int P = HEAD_P, V = 2 * P;  // panels, 8-column vectors
     __m256i acc[R][V];
 #pragma GCC unroll 32
     for (int i = 0; i < R * V; i++) acc[i / V][i % V] = _mm256_setzero_si256();
@@ -2268,8 +2292,8 @@ static inline __attribute__((always_inline)) void head_i8_tile(const SdModel* m,
     const char* next = (const char*)(W + P * pb);  // the next tile's panels, fetched into L2 by the first row group
     for (int64_t c = 0; c < n4; c++) {
         if (ahead) {
-            _mm_prefetch(next + c * 64, _MM_HINT_T1);
-            _mm_prefetch(next + pb + c * 64, _MM_HINT_T1);
+#pragma GCC unroll 2
+            for (int p = 0; p < P; p++) _mm_prefetch(next + p * pb + c * 64, _MM_HINT_T1);
         }
         __m256i w[V];
 #pragma GCC unroll 4
@@ -2280,7 +2304,7 @@ static inline __attribute__((always_inline)) void head_i8_tile(const SdModel* m,
             memcpy(&xx, U + (t0 + t) * ldu + 4 * c, 4);
             const __m256i x = _mm256_set1_epi32(xx);
 #pragma GCC unroll 4
-            for (int v = 0; v < V; v++) acc[t][v] = _mm256_dpbusd_epi32(acc[t][v], x, w[v]);
+            for (int v = 0; v < V; v++) acc[t][v] = head_dot4(acc[t][v], x, w[v]);
         }
     }
     // The sums through memory: with the bounds' arithmetic beside them, GCC kept every accumulator in memory too, a
@@ -2288,6 +2312,7 @@ static inline __attribute__((always_inline)) void head_i8_tile(const SdModel* m,
     alignas(64) int32_t sums[R * V * 8];  // [t][p][16]
 #pragma GCC unroll 32
     for (int i = 0; i < R * V; i++) _mm256_store_si256((__m256i*)(sums + 8 * i), acc[i / V][i % V]);
+#ifdef SD_AVX512BF16
     const __m512 cA = _mm512_set1_ps(8.0f * 5.9604645e-08f), grow = _mm512_set1_ps(1.0f + 1e-5f);
     const __m512 tiny = _mm512_set1_ps(1e-30f);
     for (int p = 0; p < P; p++) {
@@ -2308,6 +2333,36 @@ static inline __attribute__((always_inline)) void head_i8_tile(const SdModel* m,
             lo[panels + p0 + p] = in ? _mm512_mask_reduce_max_ps(in, _mm512_add_ps(A, B)) : -INFINITY;
         }
     }
+#else
+    const __m256 cA = _mm256_set1_ps(8.0f * 5.9604645e-08f), grow = _mm256_set1_ps(1.0f + 1e-5f);
+    const __m256 tiny = _mm256_set1_ps(1e-30f), ninf = _mm256_set1_ps(-INFINITY);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int p = 0; p < P; p++) {
+        for (int h = 0; h < 2; h++) {  // the panel's two halves of 8 columns
+            const int64_t col = (p0 + p) * 16 + 8 * h, live = m->vocab - col;
+            const __m256 in = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32((int)std::min<int64_t>(live, 8)), lane));
+            const __m256 s = _mm256_loadu_ps(m->head_qscale + col), E = _mm256_loadu_ps(m->head_qerr + col);
+            const __m256 Wn = _mm256_loadu_ps(m->head_wnorm + col);
+            const __m256i qzp = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(m->head_qsum + col)), HEAD_ZP_SHIFT);
+            for (int t = 0; t < R; t++) {
+                const HeadRow& r = hr[t0 + t];
+                const __m256i dot = _mm256_load_si256((const __m256i*)(sums + 16 * (t * P + p) + 8 * h));
+                const __m256 S = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot, qzp));  // xq.q_i, exact (< 2^24)
+                const __m256 A = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(r.sx), s), S);
+                __m256 B = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(r.a), E), _mm256_mul_ps(_mm256_set1_ps(r.b), Wn));
+                B = _mm256_add_ps(
+                    _mm256_mul_ps(_mm256_add_ps(B, _mm256_mul_ps(cA, _mm256_and_ps(A, absmask))), grow), tiny);
+                const __m256 l8 = _mm256_blendv_ps(ninf, _mm256_sub_ps(A, B), in);
+                const __m256 u8 = _mm256_blendv_ps(ninf, _mm256_add_ps(A, B), in);
+                float* lo = bounds + (t0 + t) * 2 * panels;
+                const float l = hmax8(l8), u = hmax8(u8);
+                lo[p0 + p] = h == 0 ? l : std::max(lo[p0 + p], l);
+                lo[panels + p0 + p] = h == 0 ? u : std::max(lo[panels + p0 + p], u);
+            }
+        }
+    }
+#endif
 }
 
 // The exact logits of head panels ps[0..np) (np <= 4) for row x (bf16) into out[np][16]: the chain of the full
@@ -2315,7 +2370,8 @@ static inline __attribute__((always_inline)) void head_i8_tile(const SdModel* m,
 // zero; the same values bit for bit. The panels' chains side by side (each waits on its own latency), their lines
 // fetched first: a panel's 320 lines (the default target) lie 256 bytes apart among its group's, so one after another
 // they were each a miss (a one-row pass's single panel took ~15-30 us).
-static inline void head_exact_panels(const SdModel* m, const uint16_t* x, const int64_t* ps_, int np, float* out) {
+#ifdef SD_AVX512BF16
+static inline void head_exact_panels(const SdModel* m, const HeadIn* x, const int64_t* ps_, int np, float* out) {
     const int64_t n = m->hidden, G = BF16_GROUP, ps = ((n + 1) & ~(int64_t)1) * PANEL, cstride = G * 2 * PANEL;
     const int64_t pairs = n >> 1, steps = pairs + (n & 1);
     const uint16_t* at[4];
@@ -2342,10 +2398,25 @@ static inline void head_exact_panels(const SdModel* m, const uint16_t* x, const 
     for (int i = 0; i < 4; i++)
         if (i < np) _mm512_storeu_ps(out + 16 * i, acc[i]);
 }
+#else
+// AVX2: the exact logits of head panels ps[0..np) for row x (fp32) by the full product's own tile
+// (tile_f32_part over the bf16 panel, one FMA chain per output over the inputs in order from zero): the same values
+// bit for bit. Each panel's lines (contiguous on this build) fetched first.
+static inline void head_exact_panels(const SdModel* m, const HeadIn* x, const int64_t* ps_, int np, float* out) {
+    const int64_t n = m->hidden, ps = n * PANEL;
+    const uint16_t* W = (const uint16_t*)m->lm_head;
+    for (int i = 0; i < np; i++)
+        for (int64_t b = 0; b < ps * 2; b += 64) _mm_prefetch((const char*)(W + ps_[i] * ps) + b, _MM_HINT_T0);
+    for (int i = 0; i < np; i++) {
+        const OutSpec o = {NULL, NULL, out + 16 * i, 16, 16, 0};
+        tile_f32_part<BF16W, 1, 1, false>(x, n, W + ps_[i] * ps, ps, 0, n, n, NULL, 0, o, 0, 0);
+    }
+}
+#endif
 
 // Row x's argmax from its panels' bounds (lo: [panels] max A - B, then [panels] max A + B): the exact values of every
 // panel that can hold the maximum (every panel where r.exact_all), four at a time.
-static int64_t head_i8_argmax(const SdModel* m, const uint16_t* x, const HeadRow& r, const float* lo, int64_t panels,
+static int64_t head_i8_argmax(const SdModel* m, const HeadIn* x, const HeadRow& r, const float* lo, int64_t panels,
                               int64_t* exact_panels) {
     const float* up = lo + panels;
     bool all = r.exact_all != 0;
@@ -2389,7 +2460,7 @@ static int64_t head_i8_argmax(const SdModel* m, const uint16_t* x, const HeadRow
 
 // The int8 head's argmax of rows 0..n_out (their bf16 inputs xb [n_out][n]) into argmax[], by the whole team; ends
 // with the team's barrier. `scratch`: head_i8_floats(n, vocab, n_out) floats.
-static void head_i8(const SdModel* m, const uint16_t* xb, int64_t n_out, float* scratch, int64_t* argmax) {
+static void head_i8(const SdModel* m, const HeadIn* xb, int64_t n_out, float* scratch, int64_t* argmax) {
     const int64_t n = m->hidden, n4 = head_n4(n), panels = head_panels(m->vocab), ldu = 4 * n4;
     uint8_t* U = (uint8_t*)scratch;
     HeadRow* hr = (HeadRow*)(scratch + n_out * n4);
@@ -2398,15 +2469,18 @@ static void head_i8(const SdModel* m, const uint16_t* xb, int64_t n_out, float* 
     for (int64_t t = 0; t < n_out; t++) head_quantize(xb + t * n, n, U + t * ldu, hr + t);
     // (the for's barrier: every row quantized)
 #pragma omp for schedule(static)
-    for (int64_t g = 0; g < panels / 2; g++) {
+    for (int64_t g = 0; g < panels / HEAD_P; g++) {
+        const int64_t p0 = HEAD_P * g;
+        const bool more = g + 1 < panels / HEAD_P;  // the first row group fetches the next tile's panels
         int64_t t0 = 0;
-        for (; t0 + 6 <= n_out; t0 += 6) head_i8_tile<6>(m, U, ldu, hr, t0, 2 * g, n4, bounds, panels, t0 == 0 && g + 1 < panels / 2);
-        switch (n_out - t0) {
-            case 5: head_i8_tile<5>(m, U, ldu, hr, t0, 2 * g, n4, bounds, panels, t0 == 0 && g + 1 < panels / 2); break;
-            case 4: head_i8_tile<4>(m, U, ldu, hr, t0, 2 * g, n4, bounds, panels, t0 == 0 && g + 1 < panels / 2); break;
-            case 3: head_i8_tile<3>(m, U, ldu, hr, t0, 2 * g, n4, bounds, panels, t0 == 0 && g + 1 < panels / 2); break;
-            case 2: head_i8_tile<2>(m, U, ldu, hr, t0, 2 * g, n4, bounds, panels, t0 == 0 && g + 1 < panels / 2); break;
-            case 1: head_i8_tile<1>(m, U, ldu, hr, t0, 2 * g, n4, bounds, panels, t0 == 0 && g + 1 < panels / 2); break;
+        for (; t0 + HEAD_RMAX <= n_out; t0 += HEAD_RMAX)
+            head_i8_tile<HEAD_RMAX>(m, U, ldu, hr, t0, p0, n4, bounds, panels, t0 == 0 && more);
+        switch (n_out - t0) {  // (HEAD_RMAX - 1 rows at most)
+            case 5: head_i8_tile<5>(m, U, ldu, hr, t0, p0, n4, bounds, panels, t0 == 0 && more); break;
+            case 4: head_i8_tile<4>(m, U, ldu, hr, t0, p0, n4, bounds, panels, t0 == 0 && more); break;
+            case 3: head_i8_tile<3>(m, U, ldu, hr, t0, p0, n4, bounds, panels, t0 == 0 && more); break;
+            case 2: head_i8_tile<2>(m, U, ldu, hr, t0, p0, n4, bounds, panels, t0 == 0 && more); break;
+            case 1: head_i8_tile<1>(m, U, ldu, hr, t0, p0, n4, bounds, panels, t0 == 0 && more); break;
             default: break;
         }
     }
@@ -2599,7 +2673,11 @@ extern "C" int sd_forward_rows(const SdModel* m, const int64_t* ids, const int64
                 norm_input(x + (trim ? j : out_idx[j]) * d, h + j * d, xb + j * d, d, m->eps, xbf);
             if (logits == NULL) {
 #if SD_HEAD_I8
-                head_i8(m, xb, n_out, parts_base + arg_parts_floats(m->head_rows, k), argmax);
+#ifdef SD_AVX512BF16
+                head_i8(m, xb, n_out, parts_base + arg_parts_floats(m->head_rows, k), argmax);  // bf16 inputs
+#else
+                head_i8(m, h, n_out, parts_base + arg_parts_floats(m->head_rows, k), argmax);  // fp32 inputs
+#endif
 #endif
             } else {
                 gemm(sh, wt, h, d, m->lm_head, NULL, logits, m->head_rows, n_out, d, m->head_rows, 0, xb, st, xbf,
