@@ -745,23 +745,24 @@ def head_int8(head: torch.Tensor) -> dict[str, torch.Tensor]:
     n4 = ceil(d / 4), zeros beyond), and per column (V64 entries, zeros beyond V) the scale ``s`` (``w ≈ s q``), the
     quantization's error ``|w - s q|`` and ``|w|`` (both rounded up: the kernel's bounds rest on them) and the sum of
     ``q``."""
-    w = head.float()
-    v, d = (int(x) for x in w.shape)
-    s = w.abs().amax(dim=1) / 127.0
-    q = torch.where(s[:, None] > 0, torch.round(w / torch.where(s > 0, s, 1.0)[:, None]), 0.0).clamp_(-127, 127)
-    grow = 1.0 + 1e-6  # over float32's rounding of the float64 norms (2^-24 relative)
-    err = (w.double() - s.double()[:, None] * q.double()).norm(dim=1) * grow
-    norm = w.double().norm(dim=1) * grow
+    v, d = (int(x) for x in head.shape)
     v64, n4 = -(-v // 64) * 64, -(-d // 4)
     packed = torch.zeros(v64, 4 * n4, dtype=torch.int8)
-    packed[:v, :d] = q.to(torch.int8)
-    out = {"q": packed.view(v64 // 16, 16, n4, 4).transpose(1, 2).contiguous()}
-    for name, col, dtype in (("s", s, torch.float32), ("err", err, torch.float32), ("norm", norm, torch.float32)):
-        out[name] = torch.zeros(v64, dtype=dtype)
-        out[name][:v] = col.to(dtype)
-    out["qsum"] = torch.zeros(v64, dtype=torch.int32)
-    out["qsum"][:v] = q.sum(dim=1).to(torch.int32)
-    return out
+    cols = {name: torch.zeros(v64, dtype=torch.float32) for name in ("s", "err", "norm")}
+    qsum = torch.zeros(v64, dtype=torch.int32)
+    grow = 1.0 + 1e-6  # over float32's rounding of the float64 norms (2^-24 relative)
+    for lo in range(0, v, 8192):  # in slices: a real vocabulary's head in float64 would take gigabytes at once
+        w = head[lo : lo + 8192].double()  # (bf16 and float32 are exact in float64)
+        s = (w.abs().amax(dim=1) / 127.0).float()
+        q = torch.where(s[:, None] > 0, torch.round(w / torch.where(s > 0, s, 1.0).double()[:, None]), 0.0)
+        q.clamp_(-127, 127)
+        hi = lo + int(w.shape[0])
+        packed[lo:hi, :d] = q.to(torch.int8)
+        cols["s"][lo:hi] = s
+        cols["err"][lo:hi] = ((w - s.double()[:, None] * q).norm(dim=1) * grow).float()
+        cols["norm"][lo:hi] = (w.norm(dim=1) * grow).float()
+        qsum[lo:hi] = q.sum(dim=1).to(torch.int32)
+    return {"q": packed.view(v64 // 16, 16, n4, 4).transpose(1, 2).contiguous(), **cols, "qsum": qsum}
 
 
 @dataclass(frozen=True)
