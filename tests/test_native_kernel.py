@@ -1295,6 +1295,47 @@ def test_the_int8_head_switch_and_greedy_output(
     assert outs[0] == outs[1]
 
 
+def test_a_sampled_draft_in_the_kernel_draws_as_the_loop_would(tiny_models: dict[str, Path]) -> None:
+    """``draft_rows``: a temperature-only sequence's whole draft in one kernel call draws the tokens, probabilities and
+    distributions (bit for bit) that the drafting loop's per-position path (a pass, then ``draw_rows``) draws from the
+    same generator, each uniform in turn; a greedy sequence in the same call drafts what ``draft_greedy`` drafts; each
+    cache holds as many tokens as the loop leaves in it."""
+    from specdec.sampling_params import SamplingParams
+
+    runner = NativeRunner.from_pretrained(tiny_models["draft"], dtype=torch.float32, kernel=True)
+    v = runner.vocab_size
+    gen = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(1, v, (9 + 3 * s,), generator=gen).tolist() for s in range(3)]
+    temps, tau = [0.8, 0.0, 1.3], 5
+
+    def prefilled() -> list:
+        caches = [runner.new_cache() for _ in prompts]
+        for p, c in zip(prompts, caches):
+            runner.forward_blocks([(p[:-1], c)], [0])
+        return caches
+
+    kernel_caches = prefilled()
+    gens = [torch.Generator().manual_seed(100 + s) for s in range(3)]
+    tokens, tops, probs, dists = runner.draft_rows(
+        [(p[-1:], c) for p, c in zip(prompts, kernel_caches)], [tau] * 3, [None] * 3, v, temps, gens
+    )
+    greedy, _ = runner.draft_greedy([(prompts[1][-1:], prefilled()[1])], [tau], [None], v)
+    assert tokens[1] == greedy[0] and dists[1] is None and probs[1] == tops[1]
+    loop_caches = prefilled()
+    for s in (0, 2):  # the loop's path: a pass for each position, then one draw from the request's generator
+        g, params = torch.Generator().manual_seed(100 + s), SamplingParams(temperature=temps[s])
+        fed, want, want_p, want_q = prompts[s][-1:], [], [], []
+        for _ in range(tau):
+            logits = runner.forward_blocks([(fed, loop_caches[s])], [1])
+            ys, ps, tp, q = runner.draw_rows([logits], [params], [g])
+            want.append(ys[0]), want_p.append(ps[0]), want_q.append(q)
+            fed = ys
+        assert tokens[s] == want and probs[s] == want_p and len(tops[s]) == tau
+        dist = dists[s]
+        assert dist is not None and torch.equal(dist, torch.cat(want_q))
+        assert kernel_caches[s].length == loop_caches[s].length  # every token fed but the last drafted
+
+
 # ---------------------------------------------------------------------------------------------
 # int8 draft weights (per-output-channel scales)
 

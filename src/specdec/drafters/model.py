@@ -110,7 +110,15 @@ class ModelDrafter(Drafter):
             return context[start:], cache
 
         def first(rows: list[int]) -> list[Pick]:
-            fast = [i for i in rows if native and asks[i].params.greedy and asks[i].logit_rules is None]
+            # In the kernel: greedy and temperature-only requests without logit rules (a sampled one's tokens drawn
+            # there from its own generator's uniforms, its distributions written there: ``draft_rows``).
+            fast = [
+                i
+                for i in rows
+                if native
+                and asks[i].logit_rules is None
+                and (asks[i].params.greedy or (_temperature_only(asks[i].params) and asks[i].generator is not None))
+            ]
             in_kernel = set(fast)
             slow = [i for i in rows if i not in in_kernel]
             picks: dict[int, Pick] = {}
@@ -118,10 +126,26 @@ class ModelDrafter(Drafter):
                 pending = [catch_up(i) for i in fast]
                 rules = [r.as_numbers() if (r := asks[i].rule) is not None else None for i in fast]
                 vocab_used = min(self.vocab_size, int(self.runner.vocab_size))
-                tokens, tops = self.runner.draft_greedy(pending, [asks[i].tau for i in fast], rules, vocab_used)
-                for i, toks, ps in zip(fast, tokens, tops):
-                    ahead[i] = [Pick(t, p, p) for t, p in zip(toks, ps)]
-                    picks[i] = ahead[i][0]
+                taus = [asks[i].tau for i in fast]
+                if all(asks[i].params.greedy for i in fast):
+                    tokens, tops = self.runner.draft_greedy(pending, taus, rules, vocab_used)
+                    for i, toks, ps in zip(fast, tokens, tops):
+                        ahead[i] = [Pick(t, p, p) for t, p in zip(toks, ps)]
+                        picks[i] = ahead[i][0]
+                else:
+                    temps = [
+                        0.0 if asks[i].params.greedy else cast(SamplingParams, asks[i].params).temperature for i in fast
+                    ]
+                    gens = [asks[i].generator for i in fast]
+                    tokens, tops, probs, dists = self.runner.draft_rows(pending, taus, rules, vocab_used, temps, gens)
+                    for i, toks, ts, ps, q in zip(fast, tokens, tops, probs, dists):
+                        if q is not None and q.shape[-1] < self.vocab_size:  # (a draft of fewer tokens than ours)
+                            q = torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[-1]))
+                        ahead[i] = [
+                            Pick(t, p, top, None if q is None else q[k])
+                            for k, (t, p, top) in enumerate(zip(toks, ps, ts))
+                        ]
+                        picks[i] = ahead[i][0]
             if slow:
                 blocks = [(token_tensor(ids, device), cache) for ids, cache in map(catch_up, slow)]
                 logits = self.runner.forward_batch(blocks, last_only=True)
@@ -182,3 +206,8 @@ class ModelDrafter(Drafter):
             for n, (j, y) in enumerate(zip(sampled, ys)):
                 picks[j] = Pick(y, ps[n], tops[n], q[n])
         return [p for p in picks if p is not None]
+
+
+def _temperature_only(params: object) -> bool:
+    """Whether a request samples with a temperature alone (its draft can be drawn in the kernel: ``draft_rows``)."""
+    return isinstance(params, SamplingParams) and params.temperature_only

@@ -169,6 +169,19 @@ class ModelRunner(ABC):
         ``drafts_natively`` is true have it."""
         raise NotImplementedError(f"{type(self).__name__} does not draft in one call")
 
+    def draft_rows(
+        self,
+        blocks: Sequence[tuple[list[int], KVCache]],
+        taus: Sequence[int],
+        rules: Sequence[Any],
+        vocab_used: int,
+        temps: Sequence[float] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> tuple[list[list[int]], list[list[float]], list[list[float]], list[torch.Tensor | None]]:
+        """``draft_greedy`` where temperature-only sequences sample in the same call (see
+        ``NativeRunner.draft_rows``); only runners whose ``drafts_natively`` is true have it."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft in one call")
+
     prefix_cache: PrefixCache | None = None  # where the runner keeps prefixes (``reuse_prefix``); None: it does not
 
     def release(self, cache: KVCache, tokens: Sequence[int] = ()) -> None:  # noqa: B027 - optional hook

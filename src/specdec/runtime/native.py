@@ -578,6 +578,24 @@ class NativeRunner(ModelRunner):
         pending tokens are fed, then up to its τ argmax tokens drafted in lockstep, each cache left holding every
         token fed (pending and drafted but the last, as the drafting loop leaves it). A block of more pending
         tokens than one chunk is first caught up by an ordinary pass."""
+        tokens, tops, _, _ = self.draft_rows(blocks, taus, rules, vocab_used)
+        return tokens, tops
+
+    def draft_rows(
+        self,
+        blocks: Sequence[tuple[list[int], KVCache]],
+        taus: Sequence[int],
+        rules: Sequence[RuleNumbers | None],
+        vocab_used: int,
+        temps: Sequence[float] | None = None,
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> tuple[list[list[int]], list[list[float]], list[list[float]], list[torch.Tensor | None]]:
+        """``draft_greedy`` where some sequences sample: a sequence with ``temps[s] > 0`` (a temperature-only
+        request) draws each drafted token from softmax(logits / t) in the kernel, at uniforms drawn up front from its
+        generator (τ of them, ``torch.rand``: unused ones where its draft stops early). Returns each sequence's tokens,
+        top probabilities, each token's probability (a greedy token's: its top probability) and, for a sampled
+        sequence, the distributions drawn from over the first ``vocab_used`` tokens (``[tokens, vocab_used]``; None
+        for a greedy one)."""
         if self._fused is None:
             raise RuntimeError("draft_greedy needs the CPU kernel")
         pending: list[list[int]] = []
@@ -604,14 +622,47 @@ class NativeRunner(ModelRunner):
             for i in long:
                 pending[i] = pending[i][-1:]
         native = [None if r is None else DraftRuleC.make(r.reach_table, r.min_reach, r.min_top) for r in rules]
+        tokens_used = vocab_used
         if self.head_tokens is not None:  # the argmax runs over the head's rows: those of tokens below vocab_used
             vocab_used = bisect.bisect_left(self.head_tokens, vocab_used)
-        tokens, tops, fed = self._fused.draft_greedy(
-            pending, [c._length for c in caches], [c.kv_at for c in caches], list(taus), native, vocab_used
+        uniforms = None
+        if temps is not None and any(t > 0 for t in temps):
+            assert generators is not None
+            uniforms = [
+                torch.rand(tau, dtype=torch.float64, generator=g).tolist() if t > 0 and g is not None else []
+                for t, tau, g in zip(temps, taus, generators)
+            ]
+        tokens, tops, fed, picked = self._fused.draft_greedy(
+            pending,
+            [c._length for c in caches],
+            [c.kv_at for c in caches],
+            list(taus),
+            native,
+            vocab_used,
+            None if uniforms is None else list(temps or ()),
+            uniforms,
         )
         for c, n in zip(caches, fed):
             c._length += n  # type: ignore[attr-defined]
-        return tokens, tops
+        if picked is None:
+            return tokens, tops, tops, [None] * len(tokens)
+        q, flat = picked
+        width = q.shape[-1]
+        probs: list[list[float]] = []
+        dists: list[torch.Tensor | None] = []
+        for s, toks in enumerate(tokens):
+            probs.append(flat[s * q.shape[1] : s * q.shape[1] + len(toks)])
+            if temps is None or temps[s] <= 0:
+                dists.append(None)
+                continue
+            rows = q[s, : len(toks)]
+            full = rows.new_zeros(len(toks), tokens_used)
+            if self._head_index is not None:  # the head's rows -> their tokens (zeros for tokens it leaves out)
+                full[:, self._head_index[:vocab_used]] = rows[:, :vocab_used]
+            else:
+                full[:, : min(width, tokens_used)] = rows[:, : min(width, tokens_used)]
+            dists.append(full)
+        return tokens, tops, probs, dists
 
     def forward(self, ids: torch.Tensor, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         if self._fused is None:

@@ -455,6 +455,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     # model, n, ids, off, pos0, kv, tau, max_tau, rules, vocab_used, tokens, tops, drafted, fed, logits, scratch, threads
     lib.sd_draft_greedy.argtypes = [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 5, ctypes.c_int64]
     lib.sd_draft_greedy.argtypes += [ctypes.c_void_p, ctypes.c_int64, *[ctypes.c_void_p] * 6, ctypes.c_int64]
+    lib.sd_draft_greedy.argtypes += [ctypes.c_void_p] * 4  # temps, uniforms, q, probs (sampled picks; NULL: none)
     lib.sd_units_taken.restype = ctypes.c_int64
     lib.sd_head_i8.restype = ctypes.c_int
     lib.sd_head_stats.restype = None
@@ -1011,13 +1012,21 @@ class FusedLlama:
         taus: list[int],
         rules: list[DraftRuleC | None],
         vocab_used: int,
-    ) -> tuple[list[list[int]], list[list[float]], list[int]]:
+        temps: Sequence[float] | None = None,
+        uniforms: Sequence[Sequence[float]] | None = None,
+    ) -> tuple[list[list[int]], list[list[float]], list[int], tuple[torch.Tensor, list[float]] | None]:
         """A whole greedy lockstep draft of several sequences in one call: sequence s feeds ``pending[s]`` (at
         least one token) at ``positions[s]..`` into the cache tensor at address ``caches[s]``, then drafts up to ``taus[s]`` tokens (argmax over
         the first ``vocab_used`` logits), stopping early where ``rules[s]`` says (evaluated as the drafting loop
         does). Returns each sequence's tokens and their top probabilities (every token an argmax was taken for: the
         drafted ones, and one a MinConfidence rule dropped), and how many tokens it wrote to its cache (its pending
-        tokens and every drafted token but the last). Pending tokens must fit one chunk."""
+        tokens and every drafted token but the last). Pending tokens must fit one chunk.
+
+        ``temps`` (one per sequence, 0: greedy) with ``uniforms`` (``taus[s]`` of them in [0, 1) per sequence): a
+        sequence with a temperature draws each token from softmax(logits / t) over those rows at its next uniform
+        (``sd_sample_rows``' draw) instead. The fourth value is then the distributions drawn from, ``[n, max_tau,
+        head_rows]``, and each token's probability ``[n * max_tau]`` (a greedy token's: its top probability); else
+        None."""
         n = len(pending)
         off = [0]
         total = 0
@@ -1045,6 +1054,23 @@ class FusedLlama:
         if any(r is not None for r in rules):
             rule_ptrs = (ctypes.c_void_p * n)(*(None if r is None else ctypes.addressof(r) for r in rules))
         base, eight, out_at = meta.buffer_info()[0], 8, out_i.buffer_info()[0]
+        sampled = temps is not None and any(t > 0 for t in temps)
+        if sampled:
+            assert temps is not None and uniforms is not None
+            t_arr = array.array("f", temps)
+            u_arr = array.array("d", bytes(8 * n * max_tau))
+            for s, us in enumerate(uniforms):
+                u_arr[s * max_tau : s * max_tau + len(us)] = array.array("d", us)
+            q = torch.from_numpy(np.empty((n, max_tau, self.head_rows), dtype=np.float32))
+            p_arr = array.array("f", bytes(4 * n * max_tau))
+            extra: list[int | None] = [
+                t_arr.buffer_info()[0],
+                u_arr.buffer_info()[0],
+                q.data_ptr(),
+                p_arr.buffer_info()[0],
+            ]
+        else:
+            extra = [None] * 4
         rc = self._lib.sd_draft_greedy(
             self._model_ref,
             n,
@@ -1063,12 +1089,16 @@ class FusedLlama:
             logits.data_ptr(),
             scratch.data_ptr(),
             threads,
+            *extra,
         )
+        if rc <= -2:
+            raise ValueError(f"draft_greedy: sequence {-2 - rc}'s draft logits have no finite maximum to sample from")
         if rc != 0:
             raise ValueError(
                 "CPU kernel refused the draft call (token ids out of range or a position beyond the cache)"
             )
         flat, top_l = out_i.tolist(), tops.tolist()
+        picked = (q, p_arr.tolist()) if sampled else None
         fed = flat[n * max_tau + n :]
         tokens, probs = [], []
         for s in range(0, n * max_tau, max_tau):  # the tokens computed: before the first -1 (drafted, or dropped last)
@@ -1076,7 +1106,7 @@ class FusedLlama:
             computed = row.index(-1) if -1 in row else max_tau
             tokens.append(row if computed == max_tau else row[:computed])
             probs.append(top_l[s : s + computed])
-        return tokens, probs, fed
+        return tokens, probs, fed, picked
 
     def forward(
         self, ids: torch.Tensor, kv: torch.Tensor, pos: int, last_only: bool, profile: torch.Tensor | None = None

@@ -2956,15 +2956,27 @@ struct SdDraftRule {
 // still drafting share one pass per depth (sd_forward_rows: a row's logits do not depend on the other rows).
 // Out: tokens/tops [n][max_tau] (max_tau >= every tau[s]), drafted[s] = tokens kept, fed[s] = tokens written to the
 // cache (pending + drafted - 1: the last drafted token is not fed). `logits` [n][head_rows] and `scratch` (for
-// max(off[n], n) rows) are the caller's. Returns 0, or -1 on bad arguments.
+// max(off[n], n) rows) are the caller's. With `temps` (NULL: every sequence greedy), a sequence with temps[s] > 0 (a
+// temperature-only request) draws each token from softmax(x / temps[s]) over those rows at its uniform us[s][depth]
+// (in [0, 1), as sd_sample_rows draws) instead of the argmax, writes that distribution to q[s][depth] [head_rows]
+// (zeros past vocab_used) and the token's probability to probs[s][depth] (greedy: its top probability); tops is then
+// the distribution's largest probability. Returns 0, -1 on bad arguments, or -2 - s where sequence s's row had no
+// finite maximum to sample from.
 extern "C" int sd_draft_greedy(const SdModel* m, int64_t n, const int64_t* ids, const int64_t* off, const int64_t* pos0,
                                void* const* kv, const int64_t* tau, int64_t max_tau, const SdDraftRule* const* rules,
                                int64_t vocab_used, int64_t* tokens, float* tops, int64_t* drafted, int64_t* fed,
-                               float* logits, float* scratch, int64_t threads) {
+                               float* logits, float* scratch, int64_t threads, const float* temps, const double* us,
+                               float* q, float* probs) {
     if (n < 1 || max_tau < 1 || vocab_used < 1 || vocab_used > m->head_rows) return -1;
+    if (temps != NULL && (us == NULL || q == NULL || probs == NULL)) return -1;
     for (int64_t s = 0; s < n; s++)
         if (off[s + 1] <= off[s] || tau[s] < 1 || tau[s] > max_tau) return -1;
     const int64_t V = m->head_rows;
+    // Sampled sequences' masses (sd_sample_rows' row_masses), one buffer a thread.
+    const int64_t nb = (vocab_used + SAMPLE_BLOCK - 1) / SAMPLE_BLOCK;
+    std::vector<float> e_all(temps != NULL ? (size_t)(threads * nb * SAMPLE_BLOCK) : 0);
+    std::vector<double> sums_all(temps != NULL ? (size_t)(threads * nb) : 0);
+    int64_t bad = -1;
     std::vector<int64_t> row_ids(off[n] > n ? off[n] : n), row_pos(row_ids.size()), out_idx(n), live(n), next_live;
     std::vector<void*> row_kv(row_ids.size());
     std::vector<double> reach(n, 1.0);
@@ -2988,11 +3000,33 @@ extern "C" int sd_draft_greedy(const SdModel* m, int64_t n, const int64_t* ids, 
             return -1;
 #pragma omp parallel for num_threads((int)threads) schedule(static) if (n_live > 1)
         for (int64_t j = 0; j < n_live; j++) {
-            const int64_t s = live[j];
-            int64_t* token = tokens + s * max_tau + depth;
-            top_of(logits + j * V, vocab_used, token, tops + s * max_tau + depth);
+            const int64_t s = live[j], at = s * max_tau + depth;
+            int64_t* token = tokens + at;
+            if (temps != NULL && temps[s] > 0.0f) {
+                // A temperature-only request's pick: drawn from softmax(x / t) over the head's first vocab_used rows
+                // at its uniform, as sd_sample_rows draws; q written over the head's rows (zeros past vocab_used).
+                const int64_t th = (int64_t)omp_get_thread_num();
+                float* e = e_all.data() + th * nb * SAMPLE_BLOCK;
+                double* sums = sums_all.data() + th * nb;
+                const double total = row_masses(logits + j * V, vocab_used, temps[s], e, sums);
+                if (!(total > 0.0)) {
+#pragma omp critical
+                    bad = bad < 0 || s < bad ? s : bad;
+                    *token = 0, tops[at] = 0.0f, probs[at] = 0.0f;
+                    continue;
+                }
+                const int64_t tok = draw_masses(e, sums, nb, vocab_used, total, us[at]);
+                float* qr = q + at * V;
+                for (int64_t c = 0; c < vocab_used; c++) qr[c] = (float)((double)e[c] / total);
+                for (int64_t c = vocab_used; c < V; c++) qr[c] = 0.0f;
+                *token = tok, tops[at] = (float)(1.0 / total), probs[at] = qr[tok];
+            } else {
+                top_of(logits + j * V, vocab_used, token, tops + at);
+                if (probs != NULL) probs[at] = tops[at];
+            }
             if (m->head_ids != NULL) *token = m->head_ids[*token];  // the head's row -> its token
         }
+        if (bad >= 0) return -2 - bad;  // a sampled row without a finite maximum
         // Keep / go on, per sequence (the loop's rules), and the next depth's rows.
         next_live.clear();
         for (int64_t j = 0; j < n_live; j++) {
