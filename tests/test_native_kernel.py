@@ -1336,6 +1336,53 @@ def test_a_sampled_draft_in_the_kernel_draws_as_the_loop_would(tiny_models: dict
         assert kernel_caches[s].length == loop_caches[s].length  # every token fed but the last drafted
 
 
+def test_sampled_drafts_in_the_kernel_stop_where_the_loop_stops(
+    tiny_models: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drafting loop with sampled requests drafted in the kernel (``draft_rows``) against the same loop with every
+    pick made in Python (the runner's ``drafts_natively`` off): the same drafts, token by token, with the same
+    probabilities, tops and distributions, under no rule, a ReachRule (which reads each token's own probability)
+    and a MinConfidence rule (which reads the top one), greedy and sampled requests side by side."""
+    from specdec.drafters.loop import DraftAsk
+    from specdec.drafters.model import ModelDrafter
+    from specdec.policy.base import MinConfidence, ReachRule
+    from specdec.sampling_params import SamplingParams
+
+    runner = NativeRunner.from_pretrained(tiny_models["draft"], dtype=torch.float32, kernel=True)
+    drafter = ModelDrafter(runner, runner.vocab_size)
+    gen = torch.Generator().manual_seed(22)
+    contexts = [torch.randint(1, runner.vocab_size, (8 + 5 * s,), generator=gen).tolist() for s in range(4)]
+    # (low temperatures: a drawn token's probability often in another tenth than the top one)
+    params = [SamplingParams(temperature=t) for t in (0.2, 0.0, 0.25, 0.2)]
+    # (falling with the probability: where the kernel read the top probability for the token's, it stopped earlier)
+    reach = ReachRule(accept_by_tenth=(0.95, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1), min_reach=(0.9, 0.8, 0.7))
+    stopped = 0
+    for rule in (None, reach, MinConfidence(0.2)):
+        drafts = {}
+        for natively in (True, False):
+            monkeypatch.setattr(type(runner), "drafts_natively", property(lambda self, on=natively: on))
+            asks = []
+            for s, (ctx, p) in enumerate(zip(contexts, params)):
+                state = drafter.new_state()
+                drafter.prefill(state, ctx)
+                g = torch.Generator().manual_seed(300 + s)
+                asks.append(DraftAsk(state=state, context=ctx, tau=6, params=p, generator=g, rule=rule))
+            drafts[natively] = drafter.propose(asks)
+        for a, b, p in zip(drafts[True], drafts[False], params):
+            assert a.tokens == b.tokens
+            if p.greedy:  # (the kernel's top probability and torch's softmax may differ in the last place)
+                assert a.probs is None and b.probs is None
+                assert a.tops == pytest.approx(b.tops, rel=1e-5) and a.token_probs == pytest.approx(
+                    b.token_probs, rel=1e-5
+                )
+                continue
+            assert a.token_probs == b.token_probs and a.tops == b.tops
+            if a.tokens:  # (a draft whose first token was dropped has no distributions)
+                assert a.probs is not None and b.probs is not None and torch.equal(a.probs, b.probs)
+            stopped += rule is not None and len(a.tokens) < 6
+    assert stopped > 0  # the rules stopped some drafts early
+
+
 # ---------------------------------------------------------------------------------------------
 # int8 draft weights (per-output-channel scales)
 

@@ -3032,8 +3032,10 @@ extern "C" int sd_draft_greedy(const SdModel* m, int64_t n, const int64_t* ids, 
         for (int64_t j = 0; j < n_live; j++) {
             const int64_t s = live[j];
             const SdDraftRule* r = rules != NULL ? rules[s] : NULL;
-            const double p = (double)tops[s * max_tau + depth];
-            if (r != NULL && r->min_top > 0.0 && p < r->min_top) continue;  // dropped; the draft ends
+            // MinConfidence reads the top probability, ReachRule the token's own (the same where greedy)
+            const double top = (double)tops[s * max_tau + depth];
+            const double p = probs != NULL ? (double)probs[s * max_tau + depth] : top;
+            if (r != NULL && r->min_top > 0.0 && top < r->min_top) continue;  // dropped; the draft ends
             drafted[s] = depth + 1;
             if (drafted[s] >= tau[s]) continue;
             if (r != NULL && r->reach_table != NULL) {
