@@ -2161,12 +2161,12 @@ static int64_t att_scratch(int64_t max_ctx, int64_t widest) {
 // The head's argmax from an int8 copy (greedy passes that want no logits: sd_forward_rows with logits NULL)
 //
 // A greedy row needs only the first index of its logits' maximum. The head is a pass's largest product (the default
-// target's 8,192 x 640 is 22% of its 46.9 MFLOP a row), and with AVX512-VNNI an int8 product does twice the
-// multiply-adds of a bf16 one per instruction, from half the bytes. So every row's logits are first approximated from
+// target's 8,192 x 640 is 22% of its 46.9 MFLOP a row), and an int8 product reads half the bytes of a bf16 one and,
+// in 256-bit instructions, does twice its multiply-adds a cycle (Zen 4; head_i8_tile). So every row's logits are first approximated from
 // an int8 copy of the head, each with a rigorous bound on its distance from the exact logit; then only the panels
 // (16 columns) that can hold the maximum are computed exactly, by the full product's own chain, bit for bit the
 // values it gives. The answer is always the full head's:
-//   x: the row's inputs as the exact product multiplies them (bf16), w_i: head row i. x ~ x^ = s_x xq (xq int8, one
+//   x: the row's inputs as the exact product multiplies them (bf16 on the AVX512 build, fp32 on AVX2), w_i: head row i. x ~ x^ = s_x xq (xq int8, one
 //   scale a row), w_i ~ w^_i = s_i q_i (one scale a head row, made at load).
 //   x.w_i - x^.w^_i = x^.(w_i - w^_i) + (x - x^).w_i, so by Cauchy-Schwarz |x.w_i - A_i| <= |x^| E_i + |x - x^| |w_i|,
 //   A_i = s_x s_i (xq.q_i) from an exact integer sum, E_i = |w_i - w^_i| and |w_i| made at load (rounded up); plus
@@ -2179,8 +2179,9 @@ static int64_t att_scratch(int64_t max_ctx, int64_t widest) {
 // A row whose inputs are not all finite, or are all zero, takes every panel exactly (the full head's answer; where a
 // logit is NaN, the first NaN's index: torch's argmax). Measured on the default target's real hidden states (session
 // 81, a scratch harness): a row's candidate columns median 1, mean 1.7, 99th percentile 10.
-// On builds without VNNI int8 products, or with AMX (its tiles round inside a step as no single-row chain here would),
-// there is no int8 head (sd_head_i8() == 0) and greedy passes compute every logit.
+// The AMX build has no int8 head (sd_head_i8() == 0: its tiles round inside a step as no one-row chain here would), and
+// its greedy passes compute every logit.
+//
 // Rows whose argmax the int8 head took, and panels it computed exactly for them (sd_head_stats: tests, tuning).
 static std::atomic<int64_t> g_head_rows{0}, g_head_exact_panels{0};
 
@@ -2324,7 +2325,9 @@ static inline __attribute__((always_inline)) void head_i8_tile(const SdModel* m,
         for (int t = 0; t < R; t++) {
             const HeadRow& r = hr[t0 + t];
             const __m512i dot = _mm512_load_si512(sums + 16 * (t * P + p));
-            const __m512 S = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, q128));  // xq.q_i, exact (< 2^24)
+            // xq.q_i: exact below 2^24 (127 x 127 x inputs: under 1,040 inputs); above, its float's rounding (u |S|)
+            // is within the bound's 8 u |A_i|, as the products' rounding is
+            const __m512 S = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, q128));
             const __m512 A = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(r.sx), s), S);
             __m512 B = _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(r.a), E), _mm512_mul_ps(_mm512_set1_ps(r.b), Wn));
             B = _mm512_add_ps(_mm512_mul_ps(_mm512_add_ps(B, _mm512_mul_ps(cA, _mm512_abs_ps(A))), grow), tiny);
@@ -2348,7 +2351,7 @@ static inline __attribute__((always_inline)) void head_i8_tile(const SdModel* m,
             for (int t = 0; t < R; t++) {
                 const HeadRow& r = hr[t0 + t];
                 const __m256i dot = _mm256_load_si256((const __m256i*)(sums + 16 * (t * P + p) + 8 * h));
-                const __m256 S = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot, qzp));  // xq.q_i, exact (< 2^24)
+                const __m256 S = _mm256_cvtepi32_ps(_mm256_sub_epi32(dot, qzp));  // xq.q_i (see the AVX512 emit)
                 const __m256 A = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(r.sx), s), S);
                 __m256 B = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(r.a), E), _mm256_mul_ps(_mm256_set1_ps(r.b), Wn));
                 B = _mm256_add_ps(
