@@ -126,26 +126,21 @@ class ModelDrafter(Drafter):
                 pending = [catch_up(i) for i in fast]
                 rules = [r.as_numbers() if (r := asks[i].rule) is not None else None for i in fast]
                 vocab_used = min(self.vocab_size, int(self.runner.vocab_size))
-                taus = [asks[i].tau for i in fast]
-                if all(asks[i].params.greedy for i in fast):
-                    tokens, tops = self.runner.draft_greedy(pending, taus, rules, vocab_used)
-                    for i, toks, ps in zip(fast, tokens, tops):
-                        ahead[i] = [Pick(t, p, p) for t, p in zip(toks, ps)]
-                        picks[i] = ahead[i][0]
-                else:
+                temps = None  # every one greedy
+                if not all(asks[i].params.greedy for i in fast):
                     temps = [
                         0.0 if asks[i].params.greedy else cast(SamplingParams, asks[i].params).temperature for i in fast
                     ]
-                    gens = [asks[i].generator for i in fast]
-                    tokens, tops, probs, dists = self.runner.draft_rows(pending, taus, rules, vocab_used, temps, gens)
-                    for i, toks, ts, ps, q in zip(fast, tokens, tops, probs, dists):
-                        if q is not None and q.shape[-1] < self.vocab_size:  # (a draft of fewer tokens than ours)
-                            q = torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[-1]))
-                        ahead[i] = [
-                            Pick(t, p, top, None if q is None else q[k])
-                            for k, (t, p, top) in enumerate(zip(toks, ps, ts))
-                        ]
-                        picks[i] = ahead[i][0]
+                gens = [asks[i].generator for i in fast]
+                taus = [asks[i].tau for i in fast]
+                tokens, tops, probs, dists = self.runner.draft_rows(pending, taus, rules, vocab_used, temps, gens)
+                for i, toks, ts, ps, q in zip(fast, tokens, tops, probs, dists):
+                    if q is not None and q.shape[-1] < self.vocab_size:  # (a draft of fewer tokens than ours)
+                        q = torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[-1]))
+                    ahead[i] = [
+                        Pick(t, p, top, None if q is None else q[k]) for k, (t, p, top) in enumerate(zip(toks, ps, ts))
+                    ]
+                    picks[i] = ahead[i][0]
             if slow:
                 blocks = [(token_tensor(ids, device), cache) for ids, cache in map(catch_up, slow)]
                 logits = self.runner.forward_batch(blocks, last_only=True)

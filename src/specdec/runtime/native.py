@@ -647,20 +647,22 @@ class NativeRunner(ModelRunner):
         if picked is None:
             return tokens, tops, tops, [None] * len(tokens)
         q, flat = picked
-        width = q.shape[-1]
+        max_tau = q.shape[1]
         probs: list[list[float]] = []
         dists: list[torch.Tensor | None] = []
         for s, toks in enumerate(tokens):
-            probs.append(flat[s * q.shape[1] : s * q.shape[1] + len(toks)])
+            probs.append(flat[s * max_tau : s * max_tau + len(toks)])
             if temps is None or temps[s] <= 0:
                 dists.append(None)
                 continue
             rows = q[s, : len(toks)]
-            full = rows.new_zeros(len(toks), tokens_used)
-            if self._head_index is not None:  # the head's rows -> their tokens (zeros for tokens it leaves out)
-                full[:, self._head_index[:vocab_used]] = rows[:, :vocab_used]
-            else:
-                full[:, : min(width, tokens_used)] = rows[:, : min(width, tokens_used)]
+            if self._head_index is None:  # the whole head: its rows are the tokens (zeros past vocab_used)
+                dists.append(rows[:, :tokens_used])
+                continue
+            full = rows.new_zeros(
+                len(toks), tokens_used
+            )  # the head's rows -> their tokens (zeros for tokens it leaves out)
+            full[:, self._head_index[:vocab_used]] = rows[:, :vocab_used]
             dists.append(full)
         return tokens, tops, probs, dists
 

@@ -753,16 +753,14 @@ def head_int8(head: torch.Tensor) -> dict[str, torch.Tensor]:
     qsum = torch.zeros(v64, dtype=torch.int32)
     grow = 1.0 + 1e-6  # over float32's rounding of the float64 norms (2^-24 relative)
     for lo in range(0, v, 8192):  # in slices: a real vocabulary's head in float64 would take gigabytes at once
-        w = head[lo : lo + 8192].double()  # (bf16 and float32 are exact in float64)
-        s = (w.abs().amax(dim=1) / 127.0).float()
-        q = torch.where(s[:, None] > 0, torch.round(w / torch.where(s > 0, s, 1.0).double()[:, None]), 0.0)
-        q.clamp_(-127, 127)
+        q8, s = quantize_int8(head[lo : lo + 8192])  # (the int8 drafts' quantization; any q and s serve the bound)
+        w, q = head[lo : lo + 8192].double(), q8.double()  # (bf16, float32 and int8 are exact in float64)
         hi = lo + int(w.shape[0])
-        packed[lo:hi, :d] = q.to(torch.int8)
+        packed[lo:hi, :d] = q8
         cols["s"][lo:hi] = s
         cols["err"][lo:hi] = ((w - s.double()[:, None] * q).norm(dim=1) * grow).float()
         cols["norm"][lo:hi] = (w.norm(dim=1) * grow).float()
-        qsum[lo:hi] = q.sum(dim=1).to(torch.int32)
+        qsum[lo:hi] = q8.sum(dim=1, dtype=torch.int32)
     return {"q": packed.view(v64 // 16, 16, n4, 4).transpose(1, 2).contiguous(), **cols, "qsum": qsum}
 
 

@@ -2368,6 +2368,18 @@ static inline __attribute__((always_inline)) void head_i8_tile(const SdModel* m,
 #endif
 }
 
+// The rows left after the full row groups (fewer than HEAD_RMAX): one tile of exactly that many (R down to 1).
+template <int R>
+static inline void head_i8_rest(int64_t left, const SdModel* m, const uint8_t* U, int64_t ldu, const HeadRow* hr,
+                                int64_t t0, int64_t p0, int64_t n4, float* bounds, int64_t panels, bool ahead) {
+    if constexpr (R >= 1) {
+        if (left == R)
+            head_i8_tile<R>(m, U, ldu, hr, t0, p0, n4, bounds, panels, ahead);
+        else
+            head_i8_rest<R - 1>(left, m, U, ldu, hr, t0, p0, n4, bounds, panels, ahead);
+    }
+}
+
 // The exact logits of head panels ps[0..np) (np <= 4) for row x (bf16) into out[np][16]: the chain of the full
 // product's tiles (tile_bf16dp), one VDPBF16PS a column pair in order from zero, an odd last column paired with a
 // zero; the same values bit for bit. The panels' chains side by side (each waits on its own latency), their lines
@@ -2478,14 +2490,7 @@ static void head_i8(const SdModel* m, const HeadIn* xb, int64_t n_out, float* sc
         int64_t t0 = 0;
         for (; t0 + HEAD_RMAX <= n_out; t0 += HEAD_RMAX)
             head_i8_tile<HEAD_RMAX>(m, U, ldu, hr, t0, p0, n4, bounds, panels, t0 == 0 && more);
-        switch (n_out - t0) {  // (HEAD_RMAX - 1 rows at most)
-            case 5: head_i8_tile<5>(m, U, ldu, hr, t0, p0, n4, bounds, panels, t0 == 0 && more); break;
-            case 4: head_i8_tile<4>(m, U, ldu, hr, t0, p0, n4, bounds, panels, t0 == 0 && more); break;
-            case 3: head_i8_tile<3>(m, U, ldu, hr, t0, p0, n4, bounds, panels, t0 == 0 && more); break;
-            case 2: head_i8_tile<2>(m, U, ldu, hr, t0, p0, n4, bounds, panels, t0 == 0 && more); break;
-            case 1: head_i8_tile<1>(m, U, ldu, hr, t0, p0, n4, bounds, panels, t0 == 0 && more); break;
-            default: break;
-        }
+        head_i8_rest<HEAD_RMAX - 1>(n_out - t0, m, U, ldu, hr, t0, p0, n4, bounds, panels, t0 == 0 && more);
     }
     int64_t exact = 0;
 #pragma omp for schedule(dynamic, 1)
