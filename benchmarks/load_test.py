@@ -729,6 +729,19 @@ def render(report: dict[str, Any]) -> str:
             )
             + " (the load test repeats its prompts: a repeat copies its prefill)."
         )
+    counted = [r for r in rows if r.get("prompt_tokens") and r["requests"]]
+    if counted:
+        asked = sum(r["requests"] for r in counted)
+        prompt = sum(r["prompt_tokens"] for r in counted) / asked
+        out = sum(r["mean_tokens"] * r["requests"] for r in counted) / asked
+        line = f"\nA request brought {prompt:.0f} prompt tokens on average and got {out:.0f} tokens."
+        if prompt >= 0.5 * out:  # (the load test's own prompts: 14 tokens against ~50)
+            line += (
+                " Every prompt token is one target row in either server, at about the same cost, so prompts this long"
+                " make prefill a large share of the batched server's work, and that share does not batch away: best"
+                " batched ÷ --max-batch 1 falls as the prompts grow (docs/server.md, Load figures, session 83)."
+            )
+        lines.append(line)
     same = report["greedy_identity"]
     if same is not None:
         lines.append(

@@ -57,6 +57,16 @@ def test_the_table_gives_each_mode_against_plain_at_its_level() -> None:
     assert "differing from the solo target-only run: 0 of 12" in text
 
 
+def test_the_report_says_how_long_the_prompts_were_and_why_long_ones_matter() -> None:
+    short = {**REPORT, "rows": [{**r, "prompt_tokens": 8 * 14} for r in REPORT["rows"]]}
+    text = _module().render(short)
+    assert "brought 14 prompt tokens on average and got 50 tokens." in text and "does not batch away" not in text
+    long = {**REPORT, "rows": [{**r, "prompt_tokens": 8 * 200} for r in REPORT["rows"]]}
+    text = _module().render(long)
+    assert "brought 200 prompt tokens on average" in text and "does not batch away" in text
+    assert "prompt tokens on average" not in _module().render(REPORT)  # a server that sent no usage: no line
+
+
 def test_the_tokens_while_every_client_was_busy_are_counted_from_the_events_inside_the_window() -> None:
     """A streamed response's tokens are shared equally among its text events (a server streams a step's tokens in one
     event); only the events inside the window count. The levels' ratios are then taken from those figures too, and a
