@@ -15,7 +15,6 @@ through its one-call CPU kernel (``native-kernel``, the default on CPU) and thro
 
 from __future__ import annotations
 
-import itertools
 from typing import Any
 
 import pytest
@@ -29,10 +28,17 @@ from specdec.verify import verify_sampling
 P_THRESHOLD = 1e-3
 
 
-def chi2_pvalue(counts: dict, expected_probs: dict, n: int) -> float:
-    """Chi-square goodness of fit, pooling categories with expected count < 5 into one."""
-    obs, exp = [], []
+def chi2_pvalue(counts: dict, expected_probs: dict | Law, n: int) -> float:
+    """Chi-square goodness of fit, pooling categories with expected count < 5 into one. ``expected_probs``: a dict of
+    outcome -> probability (every outcome the target can produce), or a ``Law``; an outcome drawn that the target
+    gives no mass fails the test (p = 0)."""
     pooled_o, pooled_e = 0.0, 0.0
+    if isinstance(expected_probs, Law):
+        expected_probs, rest = expected_probs.listed(counts, n)
+        if any(expected_probs[key] <= 0.0 for key in counts):
+            return 0.0  # outcomes the target cannot produce
+        pooled_e = rest * n
+    obs, exp = [], []
     for key, prob in expected_probs.items():
         if prob * n >= 5:
             obs.append(counts.get(key, 0))
@@ -86,24 +92,71 @@ def test_rule_reproduces_target_distribution(case: str):
     assert chi2_pvalue(counts, expected, n) > P_THRESHOLD
 
 
-def exact_joint(target_dir, prompt_ids: list[int], params: SamplingParams, depth: int = 3) -> dict[tuple, float]:
-    """The exact distribution of the first ``depth`` tokens of target-only sampling, by enumerating prefixes."""
+class Law:
+    """The exact law of the first ``depth`` tokens of target-only sampling (``exact_joint``): a dense float64 tensor
+    over vocabulary^depth, read as the tests need it. At temperature 1 the tiny target's law of three tokens has 320³
+    entries: as a dict of tuples (until session 83) its building and every chi-square test's walk over it took
+    ~200 s of each test that enumerated it."""
+
+    def __init__(self, probs: torch.Tensor) -> None:
+        self.probs = probs
+
+    def __getitem__(self, outcome: tuple[int, ...]) -> float:
+        if len(outcome) != self.probs.dim() or not all(0 <= t < n for t, n in zip(outcome, self.probs.shape)):
+            return 0.0
+        return float(self.probs[outcome])
+
+    def total(self) -> float:
+        return float(self.probs.sum())
+
+    def marginals(self) -> list[dict[int, float]]:
+        """Each position's marginal law: token -> probability, the tokens with mass."""
+        out = []
+        for pos in range(self.probs.dim()):
+            others = [d for d in range(self.probs.dim()) if d != pos]
+            m = self.probs.sum(dim=others) if others else self.probs
+            out.append({t: p for t, p in enumerate(m.tolist()) if p > 0.0})
+        return out
+
+    def likeliest(self) -> tuple[int, ...]:
+        index, out = int(self.probs.argmax()), []
+        for size in reversed(self.probs.shape):
+            out.append(index % size)
+            index //= size
+        return tuple(reversed(out))
+
+    def listed(self, counts: dict, n: int) -> tuple[dict[tuple, float], float]:
+        """For a chi-square test of ``n`` draws with these ``counts``: the outcomes expected 5 times or more and every
+        outcome drawn, with their probabilities, and the mass of all the others (one pooled category)."""
+        big = torch.nonzero(self.probs * n >= 5).tolist()
+        listed = {tuple(i): float(self.probs[tuple(i)]) for i in big}
+        for key in counts:
+            listed[key] = self[key]
+        return listed, max(0.0, self.total() - sum(listed.values()))
+
+
+def exact_joint(target_dir, prompt_ids: list[int], params: SamplingParams, depth: int = 3) -> Law:
+    """The exact law of the first ``depth`` tokens of target-only sampling, by enumerating the prefixes the target can
+    produce (each one's next-token law from one fp32 forward of transformers, the last position's logits only)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    joint: dict[tuple, float] = {(): 1.0}
+    prompt = torch.tensor(prompt_ids)
+    law = torch.ones((), dtype=torch.float64)
     with torch.no_grad():
         for _ in range(depth):
-            prefixes = [k for k, v in joint.items() if v > 1e-7]
-            batch = torch.tensor([prompt_ids + list(k) for k in prefixes])
-            probs = logits_to_probs(model(input_ids=batch).logits[:, -1], params)  # [B, V]
-            new: dict[tuple, float] = {}
-            for row, prefix in enumerate(prefixes):
-                nz = torch.nonzero(probs[row] > 1e-7).flatten().tolist()
-                for tok in nz:
-                    new[prefix + (tok,)] = joint[prefix] * float(probs[row, tok])
-            joint = new
-    return joint
+            prefixes = torch.nonzero(law > 0.0)  # [prefixes, depth so far]
+            rows = []
+            for chunk in prefixes.split(4096):
+                batch = torch.cat([prompt.expand(len(chunk), -1), chunk], dim=1)
+                logits = model(input_ids=batch, logits_to_keep=1).logits[:, -1]
+                rows.append(logits_to_probs(logits, params).double())
+            probs = torch.cat(rows)
+            grown = torch.zeros((*law.shape, probs.shape[-1]), dtype=torch.float64)
+            at = tuple(prefixes.T)
+            grown[at] = law[at][..., None] * probs
+            law = grown
+    return Law(law)
 
 
 @pytest.fixture(scope="module")
@@ -135,11 +188,7 @@ def target_law(request: pytest.FixtureRequest, tiny_models):
     settings = SETTINGS[request.param]
     prompt = list(load_tokenizer(tiny_models["llama"])(PROMPT)["input_ids"])
     joint = exact_joint(tiny_models["llama"], prompt, SamplingParams(**settings))
-    marginals: list[dict[int, float]] = [{}, {}, {}]
-    for k, v in joint.items():
-        for pos, marg in enumerate(marginals):
-            marg[k[pos]] = marg.get(k[pos], 0.0) + v
-    return settings, prompt, joint, marginals
+    return settings, prompt, joint, joint.marginals()
 
 
 @pytest.mark.slow
@@ -169,7 +218,7 @@ def test_drafts_read_from_a_prediction_keep_the_target_law(tiny_models, soft_dra
     settings, prompt, joint, marginals = target_law
     engine = specdec.load(tiny_models["llama"], soft_draft, dtype="float32")
     engine.eos_ids = frozenset()
-    likeliest = list(max(joint, key=joint.__getitem__))
+    likeliest = list(joint.likeliest())
     first_three_follow_the_law(engine, prompt, settings, joint, marginals, prediction=likeliest)
     r = engine.generate(prompt, max_new_tokens=3, tau=3, seed=0, prediction=likeliest, **settings)
     assert r.records[0].reason == "prediction" and r.records[0].draft_tokens == likeliest[:2]  # 3 tokens: τ ≤ 2
@@ -224,10 +273,30 @@ def test_plain_sampled_steps_keep_the_target_law(tiny_models, target_law):
 
 
 @pytest.mark.distribution
-def test_exact_joint_sums_to_one(tiny_models):
-    joint = exact_joint(tiny_models["llama"], [5, 6, 7], SamplingParams(temperature=1.0, top_k=4), depth=2)
-    assert abs(sum(joint.values()) - 1.0) < 1e-3
-    assert all(len(k) == 2 for k in itertools.islice(joint, 10))
+def test_exact_joint_is_the_law_of_the_first_tokens(tiny_models):
+    """The enumerated law of two tokens at top-k 4: 16 outcomes, summing to one, its likeliest one's probability the
+    chain rule's from two forwards of its own; and the chi-square test reads the ``Law`` as it reads the same law as
+    a dict, an outcome of no mass failing it either way."""
+    from transformers import AutoModelForCausalLM
+
+    params = SamplingParams(temperature=1.0, top_k=4)
+    joint = exact_joint(tiny_models["llama"], [5, 6, 7], params, depth=2)
+    assert joint.probs.shape == (320, 320) and int((joint.probs > 0).sum()) == 16
+    assert abs(joint.total() - 1.0) < 1e-6  # (each row of probabilities sums to one in fp32)
+    a, b = joint.likeliest()
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_models["llama"]), dtype=torch.float32).eval()
+    with torch.no_grad():
+        p1 = logits_to_probs(model(input_ids=torch.tensor([[5, 6, 7]])).logits[:, -1], params)[0, a]
+        p2 = logits_to_probs(model(input_ids=torch.tensor([[5, 6, 7, a]])).logits[:, -1], params)[0, b]
+    assert joint[(a, b)] == pytest.approx(float(p1) * float(p2), rel=1e-5)
+    assert [sum(m.values()) for m in joint.marginals()] == [pytest.approx(1.0), pytest.approx(1.0)]
+    as_dict = {tuple(k): joint[tuple(k)] for k in torch.nonzero(joint.probs).tolist()}
+    rare = min(as_dict, key=as_dict.__getitem__)
+    counts = {(a, b): 25, rare: 3, **{k: 2 for k in list(as_dict)[:6] if k not in ((a, b), rare)}}
+    n = sum(counts.values())
+    assert chi2_pvalue(counts, joint, n) == pytest.approx(chi2_pvalue(counts, as_dict, n))
+    impossible = next((x, y) for x in range(320) for y in range(320) if (x, y) not in as_dict)
+    assert chi2_pvalue({**counts, impossible: 1}, joint, n + 1) == 0.0
 
 
 @pytest.mark.distribution

@@ -24,7 +24,7 @@ from specdec.engine import Engine, Generation, sample_seed
 from specdec.errors import InvalidRequestError
 from specdec.runtime.base import ModelRunner
 from specdec.sampling import SamplingParams
-from test_distribution import P_THRESHOLD, chi2_pvalue, exact_joint
+from test_distribution import P_THRESHOLD, Law, chi2_pvalue, exact_joint
 
 PROMPT = "def fibonacci(n):"
 
@@ -157,7 +157,7 @@ DIST = SamplingParams(temperature=0.8, top_p=0.8)
 
 
 @pytest.fixture(scope="module")
-def two_token_law(tiny_models: dict[str, Path]) -> tuple[list[int], dict[tuple, float]]:
+def two_token_law(tiny_models: dict[str, Path]) -> tuple[list[int], Law]:
     from specdec.api import load_tokenizer
 
     prompt = list(load_tokenizer(tiny_models["llama"])(PROMPT)["input_ids"])
@@ -201,10 +201,7 @@ def test_n_samples_follow_the_target_law_and_are_independent(tiny_models: dict[s
         counts[s] = counts.get(s, 0) + 1
     assert all(len(k) == 2 for k in counts)
     assert chi2_pvalue(counts, joint, requests * n) > P_THRESHOLD
-    marginals: list[dict[int, float]] = [{}, {}]
-    for k, v in joint.items():
-        for pos, marg in enumerate(marginals):
-            marg[k[pos]] = marg.get(k[pos], 0.0) + v
+    marginals = joint.marginals()
     for pos, marg in enumerate(marginals):
         cnt: dict[int, int] = {}
         for k, c in counts.items():

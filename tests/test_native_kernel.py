@@ -10,6 +10,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -184,11 +185,10 @@ def test_out_of_range_token_is_an_error(tiny_models: dict[str, Path]) -> None:
         runner.forward(torch.tensor([runner.vocab_size + 3]), runner.new_cache())
 
 
-def test_status_names_the_instruction_set(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_status_names_the_instruction_set(monkeypatch: pytest.MonkeyPatch) -> None:
     """AVX512-BF16 products where the CPU has them; SPECDEC_CPU_KERNEL_ISA=avx2 forces the fp32 AVX2 build."""
     assert nk.kernel_status().startswith(f"available ({nk.kernel_isa()}")
-    monkeypatch.setenv(nk.ISA_SWITCH, "avx2")
-    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv(nk.ISA_SWITCH, "avx2")  # (the build the tests on every build load too: compiled once)
     nk._load.cache_clear()
     try:
         assert nk.kernel_isa() == "avx2" and nk.kernel_status() == "available (avx2)"
@@ -251,23 +251,17 @@ def builds_up_to(isa: str) -> bool:
     return nk.ISA_ORDER.index(nk.kernel_isa()) >= nk.ISA_ORDER.index(isa)
 
 
-@pytest.fixture(scope="module")
-def builds_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One kernel cache for this module's builds with the prefetch switch set (a build is ~30 s; each is made once)."""
-    return tmp_path_factory.mktemp("prefetch_builds")
-
-
 @contextmanager
 def prefetch_build(
-    builds: Path,
     monkeypatch: pytest.MonkeyPatch,
     isa: str | None,
     setting: str | None,
     cpu: tuple[str, int, int] | None = None,
 ) -> Iterator[None]:
     """The kernel loaded as built with SPECDEC_CPU_KERNEL_PREFETCH=``setting`` (``None``: unset; the build ``isa``
-    forced, else this CPU's best; tuned as for ``cpu``, a (vendor, family, model), else this CPU), from ``builds``'
-    cache of such builds; the process's own kernel again afterwards."""
+    forced, else this CPU's best; tuned as for ``cpu``, a (vendor, family, model), else this CPU), from the kernel
+    cache (each build under a key of its flags: one of them may be this process's own); the process's own kernel
+    again afterwards."""
     if isa is not None:
         monkeypatch.setenv(nk.ISA_SWITCH, isa)
     if setting is None:
@@ -276,8 +270,6 @@ def prefetch_build(
         monkeypatch.setenv(nk.PREFETCH_SWITCH, setting)
     if cpu is not None:
         monkeypatch.setattr(nk, "cpu_model", lambda: cpu)
-    tag = f"{setting}-{'-'.join(map(str, cpu))}" if cpu is not None else str(setting)
-    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(builds / f"cache{tag}"))
     nk._load.cache_clear()
     try:
         yield
@@ -286,14 +278,33 @@ def prefetch_build(
         nk._load.cache_clear()
 
 
+Variant = tuple[str | None, str | None, tuple[str, int, int] | None]  # prefetch_build's isa, setting and cpu
+
+
+def prebuild(monkeypatch: pytest.MonkeyPatch, variants: list[Variant]) -> None:
+    """The builds ``prefetch_build`` will load for ``variants``, compiled now two at a time: a build is one compiler
+    process on one core (~50 s), and one after another they took ~280 s of a 2-core CI run."""
+    cxx = nk.compiler()
+    assert cxx is not None
+    builds = []
+    for isa, setting, cpu in variants:
+        with prefetch_build(monkeypatch, isa, setting, cpu):
+            builds.append(nk.build_flags())
+    root = nk.cache_dir("kernels")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for path in pool.map(lambda b: nk.compile_kernel(cxx, b[0], b[1], root), builds):
+            assert path.exists()
+
+
 def runs_by_prefetch(
-    path: Path, builds: Path, monkeypatch: pytest.MonkeyPatch, isa: str | None, ks: tuple[int, ...]
+    path: Path, monkeypatch: pytest.MonkeyPatch, isa: str | None, ks: tuple[int, ...]
 ) -> dict[str, tuple[str, list[torch.Tensor]]]:
     """The kernel built with SPECDEC_CPU_KERNEL_PREFETCH=1 and =0 (``prefetch_build``), each build's status and its
     logits of a 30-token prefill and then of blocks of ``ks`` rows after it."""
+    prebuild(monkeypatch, [(isa, "1", None), (isa, "0", None)])
     runs = {}
     for setting in ("1", "0"):
-        with prefetch_build(builds, monkeypatch, isa, setting):
+        with prefetch_build(monkeypatch, isa, setting):
             runner = NativeRunner.from_pretrained(path, dtype=torch.bfloat16, kernel=True)
             status = nk.kernel_status()
             cache = runner.new_cache()
@@ -306,14 +317,12 @@ def runs_by_prefetch(
 
 
 @pytest.mark.skipif(not builds_up_to("avx512bf16"), reason="bf16 dot-product tiles are built only on AVX512-BF16 CPUs")
-def test_the_prefetch_setting_never_changes_a_result(
-    tmp_path: Path, builds_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_prefetch_setting_never_changes_a_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Builds with and without the bf16 tiles' prefetch (SPECDEC_CPU_KERNEL_PREFETCH): prefill and verify blocks of
     1..16 rows (every tile height, two row groups) give the same logits bit for bit."""
     ks = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)
     # the AMX build has no bf16 dot-product tiles: the AVX512-BF16 build forced
-    runs = runs_by_prefetch(odd_checkpoint(tmp_path), builds_dir, monkeypatch, "avx512bf16", ks)
+    runs = runs_by_prefetch(odd_checkpoint(tmp_path), monkeypatch, "avx512bf16", ks)
     assert runs["1"][0] == "available (avx512bf16)"
     assert runs["0"][0] == "available (avx512bf16; bf16 tiles without prefetch or block ahead)"
     for a, b in zip(runs["1"][1], runs["0"][1], strict=True):
@@ -321,7 +330,7 @@ def test_the_prefetch_setting_never_changes_a_result(
 
 
 @pytest.mark.skipif(not builds_up_to("avx512bf16"), reason="bf16 dot-product tiles are built only on AVX512-BF16 CPUs")
-def test_the_block_ahead_never_changes_a_product(builds_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_block_ahead_never_changes_a_product(monkeypatch: pytest.MonkeyPatch) -> None:
     """Products of several row groups over a matrix of several L2 blocks a thread (2,950 x 203 bf16: 6.5 KB panels,
     blocks of 40, 185 panels: the last group of panels holds one, the last panel 6 outputs), whose later row groups
     fetch the thread's next block (BF16DP_BLOCK_AHEAD), against the build without any prefetch, on 1-3 threads: equal bit for bit at 8-33 rows (two to six row groups, every tail),
@@ -342,9 +351,10 @@ def test_the_block_ahead_never_changes_a_product(builds_dir: Path, monkeypatch: 
         "full groups": (None, zen4, nk.ZEN4_AHEAD_ROWS),
         "none": ("0", zen5, None),
     }
+    prebuild(monkeypatch, [("avx512bf16", setting, cpu) for setting, cpu, _ in builds.values()])
     outs: dict[str, list[torch.Tensor]] = {}
     for name, (setting, cpu, rows) in builds.items():
-        with prefetch_build(builds_dir, monkeypatch, "avx512bf16", setting, cpu):
+        with prefetch_build(monkeypatch, "avx512bf16", setting, cpu):
             lib = nk._library()
             assert lib is not None and lib.sd_bf16dp_block_ahead() == (rows is not None)
             if rows is not None:
@@ -364,13 +374,11 @@ def test_the_block_ahead_never_changes_a_product(builds_dir: Path, monkeypatch: 
 
 
 @pytest.mark.skipif(not builds_up_to("amx"), reason="the AMX build runs only where the CPU and the OS grant the tiles")
-def test_the_amx_prefetch_setting_never_changes_a_result(
-    tmp_path: Path, builds_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_amx_prefetch_setting_never_changes_a_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The AMX build with and without its one-row-group prefetch (SPECDEC_CPU_KERNEL_PREFETCH): a prefill (two row
     groups, which keep their prefetch of the next group) and verify blocks of 1..16 rows give the same logits."""
     path = odd_checkpoint(tmp_path, hidden=128)  # 64 column pairs: whole 16-pair steps, the tiles' own loop
-    runs = runs_by_prefetch(path, builds_dir, monkeypatch, None, (1, 2, 3, 5, 8, 16))
+    runs = runs_by_prefetch(path, monkeypatch, None, (1, 2, 3, 5, 8, 16))
     assert runs["1"][0] == "available (amx)"
     assert runs["0"][0] == "available (amx; one row group without prefetch)"
     for a, b in zip(runs["1"][1], runs["0"][1], strict=True):

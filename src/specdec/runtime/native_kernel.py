@@ -369,15 +369,28 @@ def tuning_flags(isa: str, vendor: str, family: int, env: str | None = None, mod
     )
 
 
-def _build(cxx: str) -> Path:
-    src = SOURCE.read_bytes()
-    link = _openmp_link()
+def build_flags() -> tuple[str, list[str]]:
+    """The build this process would load, and its compiler flags: the best instruction set the CPU, the OS and
+    SPECDEC_CPU_KERNEL_ISA allow, tuned to the CPU (``tuning_flags``; SPECDEC_CPU_KERNEL_PREFETCH)."""
     isa = kernel_isa()
     vendor, family, model = cpu_model()
-    flags = CXX_FLAGS + ISA_FLAGS[isa] + tuning_flags(isa, vendor, family, os.environ.get(PREFETCH_SWITCH), model)
+    return isa, CXX_FLAGS + ISA_FLAGS[isa] + tuning_flags(isa, vendor, family, os.environ.get(PREFETCH_SWITCH), model)
+
+
+def _build(cxx: str) -> Path:
+    isa, flags = build_flags()
+    return compile_kernel(cxx, isa, flags, cache_dir("kernels"))
+
+
+def compile_kernel(cxx: str, isa: str, flags: list[str], root: Path) -> Path:
+    """The kernel built by ``cxx`` with ``flags`` (``build_flags``), compiled unless ``root`` holds it already
+    (``root/KEY/llama_cpu.so``, KEY a hash of the source, the flags, the link and the compiler's version). Reads no
+    setting of the process, so several builds may run at once on threads of one process (tests of other builds)."""
+    src = SOURCE.read_bytes()
+    link = _openmp_link()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(b"\0".join([src, " ".join(flags + link).encode(), version.encode()])).hexdigest()[:16]
-    out = cache_dir("kernels") / key / "llama_cpu.so"
+    out = root / key / "llama_cpu.so"
     if out.exists():
         return out
     # A build takes ~40 s on 2 cores (the many tile shapes): say so where someone is watching, as it starts.
@@ -400,6 +413,11 @@ def _build(cxx: str) -> Path:
     return out
 
 
+def compiler() -> str | None:
+    """The C++ compiler the kernel is built with: $CXX, else the first of c++, g++, clang++ on the PATH."""
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str | None]:
     """The built kernel library, or None and why not (cached: decided once per process)."""
@@ -408,7 +426,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     why = _cpu_ok()
     if why is not None:
         return None, why
-    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    cxx = compiler()
     if cxx is None:
         return None, "no C++ compiler found (set CXX)"
     try:
