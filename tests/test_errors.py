@@ -123,6 +123,27 @@ def test_cli_bad_arguments_one_line(tiny_models, extra, words):
 
 
 @pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top-k", "-3"], "top_k"),
+        (["--max-new-tokens", "0"], "max_new_tokens must be a positive integer"),
+        (["--max-verify-passes", "0"], "max_verify_passes must be a positive integer"),
+        (["--stop", ""], "stop strings must be non-empty strings"),
+        (["--tau", "-2"], "tau must be an integer >= 0"),
+        (["--tau", "2", "--policy", "adaptive"], "cannot be combined with policy 'adaptive'"),
+    ],
+)
+def test_cli_settings_that_need_no_model_are_refused_before_the_models_load(tmp_path, extra, words):
+    """A bad sampling setting, length or policy is refused before any checkpoint is read (a 1B one takes ~20 s to
+    load): with a target directory that does not exist, the error is still the setting's."""
+    r = _cli("generate", "def f():", "--target", str(tmp_path / "no-such-checkpoint"), *extra)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and words in lines[0], r.stderr
+
+
+@pytest.mark.parametrize(
     ("template", "words"),
     [
         ("chatml", "--chat-template: 'chatml' is neither a file nor a Jinja template"),

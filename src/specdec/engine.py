@@ -105,6 +105,47 @@ class GenerationResult:
         }
 
 
+def check_request(
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    stop: str | Sequence[str] | None = None,
+    max_verify_passes: int | None = None,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+) -> tuple[SamplingParams, list[str]]:
+    """A request's settings that need no model, checked (``InvalidRequestError`` naming the field), as
+    ``Engine.start`` names them: its sampling settings and its stop strings as a list. ``Engine.start`` checks a
+    request with it; a command checks its flags with it before its models load (seconds for the default pair, ~20 s
+    for a 1B checkpoint), so a bad one is the same error at once."""
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    scoring_only = max_new_tokens == 0 and prompt_logprobs is not None  # the prompt scored, nothing generated
+    if (
+        not isinstance(max_new_tokens, int)
+        or isinstance(max_new_tokens, bool)
+        or max_new_tokens < int(not scoring_only)
+    ):
+        raise InvalidRequestError(
+            f"max_new_tokens must be a positive integer (0 only with prompt_logprobs), got {max_new_tokens}",
+            "max_new_tokens",
+        )
+    if max_verify_passes is not None and (not isinstance(max_verify_passes, int) or max_verify_passes <= 0):
+        raise InvalidRequestError(
+            f"max_verify_passes must be a positive integer, got {max_verify_passes}", "max_verify_passes"
+        )
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            raise InvalidRequestError(f"{name} must be an integer >= 0 or None, got {value!r}", name)
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise InvalidRequestError("stop strings must be non-empty strings", "stop")
+    return params, stops
+
+
 class Engine:
     """Runs requests on a target (a ``ModelRunner``, or a whole ``TargetSide``: the simulator's) with an optional
     drafter. ``clock`` gives every time the records and stats hold (the simulator's is virtual)."""
@@ -224,21 +265,18 @@ class Engine:
         after the first scored by the target given the ones before it, with its ``k`` likeliest alternatives
         (``GenerationResult.prompt_logprobs``; from the prompt's prefill, run with its logits kept).
         """
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-        scoring_only = max_new_tokens == 0 and prompt_logprobs is not None  # the prompt scored, nothing generated
-        if (
-            not isinstance(max_new_tokens, int)
-            or isinstance(max_new_tokens, bool)
-            or max_new_tokens < int(not scoring_only)
-        ):
-            raise InvalidRequestError(
-                f"max_new_tokens must be a positive integer (0 only with prompt_logprobs), got {max_new_tokens}",
-                "max_new_tokens",
-            )
-        if max_verify_passes is not None and (not isinstance(max_verify_passes, int) or max_verify_passes <= 0):
-            raise InvalidRequestError(
-                f"max_verify_passes must be a positive integer, got {max_verify_passes}", "max_verify_passes"
-            )
+        params, stops = check_request(
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed,
+            stop=stop,
+            max_verify_passes=max_verify_passes,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
         rules = LogitsRules.checked(
             presence_penalty=presence_penalty,
             frequency_penalty=frequency_penalty,
@@ -250,12 +288,6 @@ class Engine:
             vocab_size=self.side.vocab_size,
             max_new_tokens=max_new_tokens,
         )
-        for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise InvalidRequestError(f"{name} must be an integer >= 0 or None, got {value!r}", name)
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise InvalidRequestError("stop strings must be non-empty strings", "stop")
         prompt_ids = self.encode(prompt)
         if len(prompt_ids) + max_new_tokens > self.max_context:
             raise ContextLengthError(

@@ -16,8 +16,9 @@ from specdec.commands.common import (
     format_kwargs,
     logits_rule_kwargs,
 )
-from specdec.engine import Engine, Generation, Observer
+from specdec.engine import Engine, Generation, Observer, check_request
 from specdec.errors import InvalidRequestError
+from specdec.policy import request_policy
 from specdec.viz import StepRenderer, Style, default_style
 
 
@@ -101,6 +102,19 @@ def run(args: argparse.Namespace) -> int:
                 f"--prediction {args.prediction}: cannot read it as text: {e}", "prediction"
             ) from e
     output_format = format_kwargs(args)  # files read and JSON parsed before the models load
+    # and the settings that need no model checked: a bad one is its one-line error at once, not after the load
+    check_request(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=args.stop,
+        max_verify_passes=args.max_verify_passes,
+        logprobs=args.logprobs,
+    )
+    request_policy(args.policy, args.tau)
     engine = ModelSettings.from_args(args).load()
     observers: list[Observer] = []
     if args.trace:
