@@ -102,8 +102,7 @@ def run(args: argparse.Namespace) -> int:
                 f"--prediction {args.prediction}: cannot read it as text: {e}", "prediction"
             ) from e
     output_format = format_kwargs(args)  # files read and JSON parsed before the models load
-    # and the settings that need no model checked: a bad one is its one-line error at once, not after the load
-    check_request(
+    settings: dict[str, Any] = dict(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -114,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         max_verify_passes=args.max_verify_passes,
         logprobs=args.logprobs,
     )
+    # and the settings that need no model checked: a bad one is its one-line error at once, not after the load
+    check_request(**settings)
     request_policy(args.policy, args.tau)
     engine = ModelSettings.from_args(args).load()
     observers: list[Observer] = []
@@ -123,20 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
         observers.append(JsonlTrace(args.trace, meta={"command": "generate", **target_meta(engine.target)}))
         engine.observers.extend(observers)
-    kwargs = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-        stop=args.stop,
-        max_verify_passes=args.max_verify_passes,
-        **logits_rule_kwargs(args),
-        **output_format,
-        logprobs=args.logprobs,
-        prediction=prediction,
-    )
+    kwargs = dict(**settings, **logits_rule_kwargs(args), **output_format, prediction=prediction)
     if args.n != 1:
         return _samples(engine, prompt, args, kwargs, observers)
     gen = engine.start(prompt, **kwargs)
