@@ -184,6 +184,16 @@ def test_time_a_request_was_set_aside_is_no_part_of_its_rest(engine: Engine) -> 
     engine.step(gens)
     for g in gens:
         assert 0.0 <= g.records[2].other_time < 0.02 and 0.0 <= g.records[3].other_time < 0.02
+    # Set aside for a round that held another request's prefill (a server's rotated round, a request admitted in it):
+    # that prefill is in the time set aside, and is not taken out of the rest again (which went negative, and a
+    # server's metrics refused the negative seconds).
+    held = gens[0]
+    t0 = engine.clock()
+    other = engine.start(PROMPTS[2], max_new_tokens=4, tau=2, defer_prefill=False)
+    held.set_aside(engine.clock() - t0)
+    engine.step([held])
+    assert held.records[-1].other_time >= 0.0
+    other.cancel()
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -423,6 +433,27 @@ def test_a_long_prompt_comes_in_pieces_within_each_step_s_budget(prefill_in_step
         engine.step(gens)
     for g, p in zip(gens, (1, 4, 2, 0)):
         assert g.new_tokens == solo(engine, p, g.max_new_tokens)
+
+
+def test_a_plain_request_s_prompt_is_never_taken_into_the_draft_model(prefill_in_step: Engine) -> None:
+    """A request at τ = 0 never drafts: its prompt's pieces go into the target's cache alone (the drafting request
+    beside it takes its own in), in the steps and in a prefill of its own, and its output is its solo output."""
+    engine = prefill_in_step
+    engine.prefill_in_step = 24
+    plain = engine.start(PROMPTS[2], max_new_tokens=12, tau=0)  # 76 tokens: in pieces
+    drafting = engine.start(PROMPTS[2], max_new_tokens=12, tau=3)
+    gens = [plain, drafting]
+    while any(not g.done for g in gens):
+        engine.step(gens)
+        if not plain.done:
+            assert plain.draft_state.cache.length == 0
+    assert drafting.records[0].draft_fed <= 24 + 1 + 2 * 2  # it took its pieces in as they came
+    engine.prefill_in_step = 0  # a prefill of its own, at start
+    alone = engine.start(PROMPTS[2], max_new_tokens=12, tau=0)
+    assert alone.draft_state.cache.length == 0 and alone.cache.length == len(alone.prompt_ids) - 1
+    while not alone.done:
+        engine.step([alone])
+    assert plain.new_tokens == drafting.new_tokens == alone.new_tokens == solo(engine, 2, 12)
 
 
 def test_a_request_joining_after_the_drafts_gets_its_first_token_from_that_pass(prefill_in_step: Engine) -> None:

@@ -147,6 +147,9 @@ class Decision:
 class Policy(ABC):
     name: str
     batch_aware: bool = False  # plans τ for a whole batch (``plan``) rather than one sequence at a time
+    # False where the policy never drafts (the fixed policy at τ = 0): its requests' prompts are not taken into a
+    # draft model that would never read them
+    drafts: bool = True
 
     @abstractmethod
     def next_tau(self, ctx: StepContext) -> Decision: ...

@@ -15,6 +15,7 @@ class FixedPolicy(Policy):
         if not isinstance(tau, int) or tau < 0:
             raise InvalidRequestError(f"tau must be an integer >= 0, got {tau}", "tau")
         self.tau = tau
+        self.drafts = tau > 0
 
     def next_tau(self, ctx: StepContext) -> Decision:
         return Decision(self.tau, f"fixed tau={self.tau}")
